@@ -1,0 +1,1 @@
+"""The Python client for a coliworker."""

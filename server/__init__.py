@@ -1,0 +1,1 @@
+"""The worker: servicer, tensor store, sessions, config, metrics and CLI."""

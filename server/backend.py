@@ -1,0 +1,168 @@
+"""The backend protocol: what a compute backend (NumPy, CuPy) implements.
+
+Handlers validate every request before a backend sees it: backends may assume shapes,
+formats, devices and lengths are consistent. Backends own device memory; the tensor store
+(``store.py``) owns names, references and byte accounting.
+
+Array conventions (host side, NumPy): activations in and results out are float32,
+C-contiguous. Shapes are documented per method.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from coliworker.kernels.qtensor import QTensor
+
+
+@dataclass
+class Phases:
+    """Where a call's time went, in nanoseconds (GPU backends time them with CUDA events)."""
+
+    h2d_ns: int = 0
+    kernel_ns: int = 0
+    d2h_ns: int = 0
+
+    @property
+    def total_ns(self) -> int:
+        return self.h2d_ns + self.kernel_ns + self.d2h_ns
+
+
+@dataclass
+class Result:
+    """A compute result: float32 host array plus its phase times."""
+
+    out: np.ndarray
+    phases: Phases = field(default_factory=Phases)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    id: int
+    name: str
+    total_memory_bytes: int
+    free_memory_bytes: int
+
+
+@runtime_checkable
+class Resident(Protocol):
+    """Backend-owned device copy of one weight tensor."""
+
+    device: int
+    nbytes: int  # weights + scales as stored on the device
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """Backend-owned MLA KV cache of one sequence for one kv_b tensor.
+
+    Holds ``length`` rows of latent ``[K]`` and rope ``[R]`` float32 values; grows by pages.
+    """
+
+    device: int
+    length: int
+    nbytes: int  # allocated capacity in bytes
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` rows (``length <= self.length``)."""
+
+    def append(self, latent: np.ndarray, rope: np.ndarray) -> None:
+        """Append rows: latent float32 [n, K], rope float32 [n, R]; may raise OutOfDeviceMemory
+        and then leaves the cache as it was."""
+
+    def release(self) -> None:
+        """Return the memory; the cache is unusable afterwards."""
+
+
+class Pending(Protocol):
+    """An expert group started by ``expert_group_issue``."""
+
+    def result(self) -> Result:
+        """Block until done; the same bits ``expert_group`` would have returned."""
+
+
+ExpertTriple = tuple[Any, Any, Any]  # (gate, up, down) Residents
+
+
+class Backend(Protocol):
+    name: str
+
+    def devices(self) -> list[DeviceInfo]:
+        """The served devices, in id order, with memory read now."""
+
+    def place(self, tensor: QTensor, device: int) -> Resident:
+        """Copy a tensor to ``device``. Raises OutOfDeviceMemory."""
+
+    def replace(self, resident: Resident, tensor: QTensor) -> None:
+        """Overwrite a resident tensor's contents in place (same spec)."""
+
+    def release(self, resident: Resident) -> None:
+        """Free a resident tensor's device memory."""
+
+    def matmul(self, w: Resident, x: np.ndarray) -> Result:
+        """x float32 [S, I] -> y float32 [S, O]."""
+
+    def expert_mlp(self, gate: Resident, up: Resident, down: Resident, x: np.ndarray) -> Result:
+        """x float32 [S, D] -> down(silu(gate x) * up x) float32 [S, D]."""
+
+    def expert_group(
+        self, experts: Sequence[ExpertTriple], rows: Sequence[int], x: np.ndarray
+    ) -> Result:
+        """x float32 [sum(rows), D], rows[c] rows per expert c in order -> y packed the same."""
+
+    def expert_group_issue(
+        self, experts: Sequence[ExpertTriple], rows: Sequence[int], x: np.ndarray
+    ) -> Pending:
+        """Start ``expert_group`` and return at once; bit-identical result."""
+
+    def expert_group_routed(
+        self,
+        experts: Sequence[ExpertTriple],
+        x: np.ndarray,
+        routes: np.ndarray,
+        weights: np.ndarray,
+    ) -> Result:
+        """x float32 [T, D], routes int32 [T, K] into experts, weights float32 [T, K]
+        -> y float32 [T, D] with y[t] = sum_j weights[t, j] * expert_{routes[t, j]}(x[t])."""
+
+    def attention(
+        self,
+        kv_b: Resident,
+        o_proj: Resident | None,
+        q: np.ndarray,
+        latent: np.ndarray,
+        rope: np.ndarray,
+        q_dim: int,
+        rope_dim: int,
+        v_dim: int,
+        scale: float,
+    ) -> Result:
+        """Causal MLA over one sequence: q [S, H, Q+R], latent [T, K], rope [T, R];
+        row s sees T - S + s + 1 rows. -> ctx [S, H, V], or [S, D_out] with o_proj."""
+
+    def new_kv(self, device: int, k: int, r: int) -> KVCache:
+        """An empty KV cache on ``device`` for latent width K and rope width R."""
+
+    def attention_ragged(
+        self,
+        kv_b: Resident,
+        o_proj: Resident | None,
+        q: np.ndarray,
+        caches: Sequence[KVCache],
+        q_dim: int,
+        rope_dim: int,
+        v_dim: int,
+        scale: float,
+    ) -> Result:
+        """Row s of q [S, H, Q+R] attends all ``caches[s].length`` rows of its cache.
+        -> ctx [S, H, V], or [S, D_out] with o_proj."""
+
+    def close(self) -> None:
+        """Release everything (process exit)."""
+
+
+BackendFactory = Callable[..., Backend]
