@@ -1,0 +1,389 @@
+"""Prometheus metrics of one worker process: expert-group work, RPCs, residency, memory.
+
+    Metrics(version, backend)           one registry per instance (tests build several)
+    ├── record_group / record_upload / record_eviction / record_session_request /
+    │   record_compute_error             called by the servicer and the store
+    ├── interceptor()                   grpc.ServerInterceptor: grpc_server_* per method
+    ├── bind(residency=, devices=)      callbacks read at scrape time (a custom collector)
+    └── serve(host, port) / render()    the /metrics HTTP endpoint, or the text for tests
+
+Names follow the Prometheus conventions (base units: seconds and bytes; ``_total`` on
+counters). The ``grpc_server_*`` family matches go-grpc-prometheus, so stock dashboards and
+alerts written for it work unchanged; ``grpc_method`` is the short method name ("Matmul").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import grpc
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from coliworker.server.backend import DeviceInfo, Phases
+
+log = logging.getLogger(__name__)
+
+# One expert-group phase on an H200 takes ~10 us (a small H2D copy) to ~1 s (a cold prefill
+# group); 1-2.5-5 steps keep the p99 estimate within a factor of 2.5 everywhere.
+PHASE_BUCKETS = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
+    1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
+)  # fmt: skip
+# Whole RPCs: ~50 us (Info, a cached Lookup) to ~10 s (a multi-GiB upload).
+RPC_BUCKETS = (
+    5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
+# Unary RPCs whose failures also count in coliworker_compute_errors_total. Calls on the
+# Session stream report per-request errors through Metrics.record_compute_error instead.
+COMPUTE_METHODS = frozenset(
+    {
+        "Matmul",
+        "ExpertMlp",
+        "ExpertGroup",
+        "ExpertGroupRouted",
+        "ExpertGroupIssue",
+        "ExpertGroupTake",
+        "Attention",
+        "AttentionRagged",
+    }
+)
+
+ResidencyFn = Callable[[], Sequence[Any]]
+DevicesFn = Callable[[], Sequence[DeviceInfo]]
+
+# (metric name, attribute of a residency entry, help text)
+_RESIDENCY = (
+    ("coliworker_resident_tensors", "tensors", "Distinct resident weight tensors (after dedup)."),
+    ("coliworker_resident_bytes", "tensor_bytes", "Bytes of the resident weight tensors."),
+    ("coliworker_resident_handles", "handles", "Live tensor handles (dedup references)."),
+    ("coliworker_kv_sequences", "kv_sequences", "Resident KV sequence caches."),
+    ("coliworker_kv_bytes", "kv_bytes", "Bytes allocated to KV caches (capacity)."),
+)
+
+
+def _code_name(code: grpc.StatusCode | int | str) -> str:
+    """The label value for a status: "OK", "INVALID_ARGUMENT", ..."""
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    if isinstance(code, int):
+        for status in grpc.StatusCode:
+            if status.value[0] == code:
+                return status.name
+        return "UNKNOWN"
+    return str(code).upper()
+
+
+class _StateCollector(Collector):
+    """Residency and device memory, read from the worker's callbacks at scrape time."""
+
+    def __init__(self) -> None:
+        self.residency: ResidencyFn | None = None
+        self.devices: DevicesFn | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        families = [GaugeMetricFamily(n, h, labels=["device"]) for n, _, h in _RESIDENCY]
+        used = GaugeMetricFamily(
+            "coliworker_gpu_memory_used_bytes",
+            "Device memory in use (total minus free, all processes).",
+            labels=["device"],
+        )
+        total = GaugeMetricFamily(
+            "coliworker_gpu_memory_total_bytes", "Device memory in all.", labels=["device"]
+        )
+        # A failing callback must not fail the scrape: log it and report what we have.
+        try:
+            for entry in self.residency() if self.residency else ():
+                device = str(entry.device)
+                for family, (_, attr, _) in zip(families, _RESIDENCY, strict=True):
+                    family.add_metric([device], float(getattr(entry, attr)))
+        except Exception:
+            log.exception("metrics: residency callback failed")
+        try:
+            for info in self.devices() if self.devices else ():
+                used.add_metric(
+                    [str(info.id)], float(info.total_memory_bytes - info.free_memory_bytes)
+                )
+                total.add_metric([str(info.id)], float(info.total_memory_bytes))
+        except Exception:
+            log.exception("metrics: devices callback failed")
+        yield from families
+        yield used
+        yield total
+
+
+class Metrics:
+    """Every metric of one worker, in its own registry unless one is given."""
+
+    def __init__(
+        self, version: str, backend: str, registry: CollectorRegistry | None = None
+    ) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        dev = ["device"]
+        self.group_calls = Counter(
+            "coliworker_group_calls", "Expert group calls (sync, async, routed).", dev, registry=r
+        )
+        self.group_experts = Counter(
+            "coliworker_group_experts", "Experts computed in expert group calls.", dev, registry=r
+        )
+        self.group_rows = Counter(
+            "coliworker_group_rows", "Activation rows computed in expert group calls.", dev,
+            registry=r,
+        )  # fmt: skip
+        self.group_phase = Histogram(
+            "coliworker_group_phase_seconds",
+            "Time of one expert group call in one phase (h2d, kernel, d2h).",
+            ["device", "phase"],
+            buckets=PHASE_BUCKETS,
+            registry=r,
+        )
+        self.upload_bytes = Counter(
+            "coliworker_upload_bytes", "Tensor bytes received by Upload and Update.", dev,
+            registry=r,
+        )  # fmt: skip
+        self.upload_dedup_hits = Counter(
+            "coliworker_upload_dedup_hits",
+            "Uploads and acquiring lookups served by content already resident.",
+            dev,
+            registry=r,
+        )
+        self.kv_evictions = Counter(
+            "coliworker_kv_evictions", "KV sequence caches evicted to make room.", dev, registry=r
+        )
+        self.compute_errors = Counter(
+            "coliworker_compute_errors",
+            "Failed compute calls (unary and Session requests) by status code.",
+            ["code"],
+            registry=r,
+        )
+        self.session_requests = Counter(
+            "coliworker_session_requests",
+            "Requests multiplexed on Session streams, by call and status code.",
+            ["call", "code"],
+            registry=r,
+        )
+        self.session_seconds = Histogram(
+            "coliworker_session_request_seconds",
+            "Time from receiving a Session request to queueing its response.",
+            ["call"],
+            buckets=RPC_BUCKETS,
+            registry=r,
+        )
+        self.rpc_started = Counter(
+            "grpc_server_started", "RPCs started on the server.", ["grpc_method"], registry=r
+        )
+        self.rpc_handled = Counter(
+            "grpc_server_handled",
+            "RPCs completed on the server, by status code.",
+            ["grpc_method", "grpc_code"],
+            registry=r,
+        )
+        self.rpc_seconds = Histogram(
+            "grpc_server_handling_seconds",
+            "Time from the start of an RPC to its last response.",
+            ["grpc_method"],
+            buckets=RPC_BUCKETS,
+            registry=r,
+        )
+        self.rpc_in_flight = Gauge(
+            "grpc_server_in_flight_requests", "RPCs being handled now.", ["grpc_method"],
+            registry=r,
+        )  # fmt: skip
+        build = Gauge(
+            "coliworker_build_info", "Worker version and backend (always 1).",
+            ["version", "backend"], registry=r,
+        )  # fmt: skip
+        build.labels(version=version, backend=backend).set(1)
+        self._state = _StateCollector()
+        r.register(self._state)
+        self._http: Any = None
+
+    # -- callbacks and recorders -------------------------------------------------------
+
+    def bind(self, residency: ResidencyFn | None = None, devices: DevicesFn | None = None) -> None:
+        """Set the scrape-time sources. ``residency()`` returns objects with ``device``,
+        ``tensors``, ``tensor_bytes``, ``handles``, ``kv_sequences`` and ``kv_bytes``
+        (a DeviceStats-like view per device); ``devices()`` returns backend DeviceInfo."""
+        if residency is not None:
+            self._state.residency = residency
+        if devices is not None:
+            self._state.devices = devices
+
+    def record_group(self, device: int, experts: int, rows: int, phases: Phases) -> None:
+        """One finished expert group call (ExpertGroup, Routed, Issue/Take, Session)."""
+        d = str(device)
+        self.group_calls.labels(d).inc()
+        self.group_experts.labels(d).inc(experts)
+        self.group_rows.labels(d).inc(rows)
+        self.group_phase.labels(d, "h2d").observe(phases.h2d_ns / 1e9)
+        self.group_phase.labels(d, "kernel").observe(phases.kernel_ns / 1e9)
+        self.group_phase.labels(d, "d2h").observe(phases.d2h_ns / 1e9)
+
+    def record_upload(self, device: int, nbytes: int, deduplicated: bool) -> None:
+        """One Upload or Update that received ``nbytes`` (weights + scales)."""
+        self.upload_bytes.labels(str(device)).inc(nbytes)
+        if deduplicated:
+            self.upload_dedup_hits.labels(str(device)).inc()
+
+    def record_eviction(self, device: int) -> None:
+        """One KV sequence cache evicted from ``device``."""
+        self.kv_evictions.labels(str(device)).inc()
+
+    def record_compute_error(self, code: grpc.StatusCode | int | str) -> None:
+        """One failed compute request that the interceptor does not see (a Session request)."""
+        self.compute_errors.labels(_code_name(code)).inc()
+
+    def record_session_request(
+        self, call: str, code: grpc.StatusCode | int | str, seconds: float
+    ) -> None:
+        """One Session request: ``call`` is the oneof name ("expert_group"). A non-OK code
+        also counts as a compute error."""
+        name = _code_name(code)
+        self.session_requests.labels(call, name).inc()
+        self.session_seconds.labels(call).observe(seconds)
+        if name != "OK":
+            self.compute_errors.labels(name).inc()
+
+    # -- exposition --------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        """The text exposition format, as /metrics serves it."""
+        return generate_latest(self.registry)
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the /metrics HTTP endpoint on a daemon thread; port 0 picks a free port.
+        Returns the bound port."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._http = server
+        return int(server.server_port)
+
+    def stop(self) -> None:
+        """Close the /metrics endpoint, if ``serve`` started one."""
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+    def interceptor(self) -> grpc.ServerInterceptor:
+        """A server interceptor that records grpc_server_* for every RPC of the server."""
+        return _MetricsInterceptor(self)
+
+    # -- used by the interceptor -------------------------------------------------------
+
+    def _begin(self, method: str) -> float:
+        self.rpc_started.labels(method).inc()
+        self.rpc_in_flight.labels(method).inc()
+        return time.perf_counter()
+
+    def _end(self, method: str, started: float, code: grpc.StatusCode) -> None:
+        self.rpc_seconds.labels(method).observe(time.perf_counter() - started)
+        self.rpc_in_flight.labels(method).dec()
+        self.rpc_handled.labels(method, code.name).inc()
+        if code is not grpc.StatusCode.OK and method in COMPUTE_METHODS:
+            self.compute_errors.labels(code.name).inc()
+
+
+def _status(context: grpc.ServicerContext, default: grpc.StatusCode) -> grpc.StatusCode:
+    """The status the server sends: the one set on the context (set_code, abort), else
+    ``default`` (OK on return, UNKNOWN for an exception, as grpc itself does)."""
+    try:
+        code = context.code()  # type: ignore[attr-defined]
+    except Exception:  # a context without code() (grpc < 1.38)
+        code = None
+    return code if isinstance(code, grpc.StatusCode) else default
+
+
+class _MetricsInterceptor(grpc.ServerInterceptor):
+    def __init__(self, metrics: Metrics) -> None:
+        self._m = metrics
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method.rsplit("/", 1)[-1]  # type: ignore[attr-defined]
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(method, handler.unary_unary),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                self._unary(method, handler.stream_unary),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                self._streaming(method, handler.unary_stream),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(
+                self._streaming(method, handler.stream_stream),
+                handler.request_deserializer,
+                handler.response_serializer,
+            )
+        return handler
+
+    def _unary(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        m = self._m
+
+        def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
+            started = m._begin(method)
+            code = grpc.StatusCode.UNKNOWN
+            try:
+                response = behavior(request, context)
+                code = _status(context, grpc.StatusCode.OK)
+                return response
+            except BaseException:
+                code = _status(context, grpc.StatusCode.UNKNOWN)
+                raise
+            finally:
+                m._end(method, started, code)
+
+        return wrapped
+
+    def _streaming(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+        m = self._m
+
+        def wrapped(request: Any, context: grpc.ServicerContext) -> Iterable[Any]:
+            started = m._begin(method)
+            code = grpc.StatusCode.UNKNOWN
+            try:
+                yield from behavior(request, context)
+                code = _status(context, grpc.StatusCode.OK)
+            except GeneratorExit:
+                # grpc dropped the response iterator: the client cancelled or went away.
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except BaseException:
+                code = _status(context, grpc.StatusCode.UNKNOWN)
+                raise
+            finally:
+                m._end(method, started, code)
+
+        return wrapped
+
+
+__all__ = ["COMPUTE_METHODS", "PHASE_BUCKETS", "RPC_BUCKETS", "Metrics"]
