@@ -25,6 +25,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
     start_http_server,
 )
@@ -131,6 +132,9 @@ class Metrics:
     def __init__(
         self, version: str, backend: str, registry: CollectorRegistry | None = None
     ) -> None:
+        # The *_created series double the series count and no dashboard reads them. The
+        # switch is process-wide; the worker's process holds no other registry that wants them.
+        disable_created_metrics()
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         dev = ["device"]
@@ -298,13 +302,21 @@ class Metrics:
 
 
 def _status(context: grpc.ServicerContext, default: grpc.StatusCode) -> grpc.StatusCode:
-    """The status the server sends: the one set on the context (set_code, abort), else
-    ``default`` (OK on return, UNKNOWN for an exception, as grpc itself does)."""
+    """The status the client sees: the one set on the context (set_code, abort); else, for a
+    call that is no longer active, DEADLINE_EXCEEDED or CANCELLED; else ``default`` (OK on
+    return, UNKNOWN for an exception, as grpc itself does)."""
     try:
         code = context.code()  # type: ignore[attr-defined]
     except Exception:  # a context without code() (grpc < 1.38)
         code = None
-    return code if isinstance(code, grpc.StatusCode) else default
+    if isinstance(code, grpc.StatusCode):
+        return code
+    if not context.is_active():
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+        return grpc.StatusCode.CANCELLED
+    return default
 
 
 class _MetricsInterceptor(grpc.ServerInterceptor):
