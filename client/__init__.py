@@ -1,1 +1,47 @@
-"""The Python client for a coliworker."""
+"""The Python client of a coliworker.
+
+from coliworker.client import WorkerClient, WorkerError
+with WorkerClient("127.0.0.1:50051") as w:
+    t = w.upload(weights, scales, fmt=2, in_features=I, out_features=O)
+    y = w.matmul(t, x)
+"""
+
+from coliworker.client.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InternalError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+    WorkerError,
+)
+from coliworker.client.worker import (
+    DeviceStats,
+    ExpertGroupFuture,
+    TensorRef,
+    WorkerClient,
+    WorkerInfo,
+)
+
+__all__ = [
+    "Cancelled",
+    "DeadlineExceeded",
+    "DeviceStats",
+    "ExpertGroupFuture",
+    "FailedPrecondition",
+    "InternalError",
+    "InvalidArgument",
+    "NotFound",
+    "PermissionDenied",
+    "ResourceExhausted",
+    "TensorRef",
+    "Unauthenticated",
+    "Unavailable",
+    "WorkerClient",
+    "WorkerError",
+    "WorkerInfo",
+]

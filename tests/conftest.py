@@ -65,6 +65,8 @@ def backend(backend_name: str):
 @pytest.fixture
 def rng() -> np.random.Generator:
     """Fresh random data every run; the seed is printed on failure to reproduce it."""
-    seed = int(os.environ.get("COLIWORKER_TEST_SEED", "0")) or int.from_bytes(os.urandom(4), "little")
+    seed = int(os.environ.get("COLIWORKER_TEST_SEED", "0")) or int.from_bytes(
+        os.urandom(4), "little"
+    )
     print(f"random seed: {seed} (set COLIWORKER_TEST_SEED={seed} to reproduce)")
     return np.random.default_rng(seed)

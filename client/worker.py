@@ -1,0 +1,524 @@
+"""``WorkerClient``: the Python API of a coliworker.
+
+Arrays are NumPy, float32 in and out. Tensors are uploaded once: the client hashes the
+content and asks the worker whether it already holds it before sending any bytes.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+from coliworker.client import codec
+from coliworker.client.errors import WorkerError, from_rpc_error
+from coliworker.kernels.qtensor import row_bytes, scale_count
+from coliworker.v1 import worker_pb2 as pb
+from coliworker.v1 import worker_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+INSTANCE_METADATA_KEY = "coliworker-instance"
+
+
+@dataclass
+class TensorRef:
+    """A resident tensor as this client holds it (one reference on the worker)."""
+
+    handle: int
+    fmt: int
+    in_features: int
+    out_features: int
+    group_size: int
+    device: int
+    content_hash: bytes
+    nbytes: int
+    deduplicated: bool = False
+
+    @classmethod
+    def _from(cls, info: pb.TensorInfo, deduplicated: bool = False) -> TensorRef:
+        s = info.spec
+        return cls(
+            info.handle,
+            s.fmt,
+            s.in_features,
+            s.out_features,
+            s.group_size,
+            s.device,
+            info.content_hash,
+            info.nbytes,
+            deduplicated,
+        )
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    id: int
+    name: str
+    total_memory_bytes: int
+    free_memory_bytes: int
+    memory_limit_bytes: int
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    version: str
+    backend: str
+    instance_id: str
+    devices: tuple[DeviceInfo, ...]
+    limits: dict[str, int]
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    calls: int
+    experts: int
+    rows: int
+    h2d_ns: int
+    kernel_ns: int
+    d2h_ns: int
+
+
+@dataclass(frozen=True)
+class DeviceStats:
+    device: int
+    tensors: int
+    tensor_bytes: int
+    handles: int
+    kv_sequences: int
+    kv_bytes: int
+    group: GroupStats
+
+
+@dataclass
+class CallInfo:
+    """Details of the last compute call on this client (per thread)."""
+
+    backend_ns: int = 0
+    lengths: list[int] = field(default_factory=list)
+
+
+Handle = TensorRef | int
+
+
+def _hid(t: Handle | None) -> int:
+    if t is None:
+        return 0
+    return t.handle if isinstance(t, TensorRef) else int(t)
+
+
+class _Progress:
+    """A one-line progress bar on stderr when it is a terminal (or when forced)."""
+
+    def __init__(self, total: int, label: str, enabled: bool) -> None:
+        self.total, self.label, self.enabled = total, label, enabled
+        self.done = 0
+        self.t0 = time.perf_counter()
+        self._last = 0.0
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if self.enabled and (now - self._last > 0.1 or self.done >= self.total):
+            self._last = now
+            frac = self.done / self.total if self.total else 1.0
+            rate = self.done / max(now - self.t0, 1e-9) / 1e6
+            bar = "#" * int(frac * 30)
+            sys.stderr.write(
+                f"\r{self.label} [{bar:<30}] {frac:6.1%} "
+                f"{self.done / 1e6:8.1f}/{self.total / 1e6:.1f} MB {rate:7.1f} MB/s"
+            )
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+class ExpertGroupFuture:
+    """An expert group running on the worker; ``result()`` fetches its output."""
+
+    def __init__(self, client: WorkerClient, ticket: int) -> None:
+        self._client, self.ticket = client, ticket
+        self._result: np.ndarray | None = None
+        self._lock = threading.Lock()
+
+    def result(self, timeout: float | None = None) -> np.ndarray:
+        with self._lock:
+            if self._result is None:
+                resp = self._client._call(
+                    self._client._stub.ExpertGroupTake,
+                    pb.ExpertGroupTakeRequest(ticket=self.ticket),
+                    timeout=timeout,
+                )
+                self._result = codec.decode(resp.y, "y")
+            return self._result
+
+
+class WorkerClient:
+    """A connection to one worker.
+
+    ``timeout`` is the deadline of every call in seconds (None: none). ``progress``: show a
+    progress bar on uploads (None: when stderr is a terminal). ``wire_dtype``: activation
+    type on the wire, "float32" (exact), "float16" or "bfloat16" (halves traffic; adds
+    rounding of inputs and outputs, see the README).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float | None = 120.0,
+        progress: bool | None = None,
+        wire_dtype: str = "float32",
+        max_message_bytes: int = 64 << 20,
+        channel: grpc.Channel | None = None,
+    ) -> None:
+        self.address = address
+        self.timeout = timeout
+        self.progress = sys.stderr.isatty() if progress is None else progress
+        self.wire_dtype = codec.wire_dtype(wire_dtype)
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        self._channel = channel or grpc.insecure_channel(address, options=options)
+        self._stub = pb_grpc.WorkerStub(self._channel)
+        self._local = threading.local()
+        self.instance_id: str | None = None
+
+    # -- plumbing -----------------------------------------------------------------------
+
+    def __enter__(self) -> WorkerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    @property
+    def last_call(self) -> CallInfo:
+        """backend_ns (and ragged lengths) of this thread's last compute call."""
+        info = getattr(self._local, "info", None)
+        if info is None:
+            info = self._local.info = CallInfo()
+        return info
+
+    def _call(self, method: Callable[..., Any], request: Any, timeout: float | None = None) -> Any:
+        try:
+            resp, call = method.with_call(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err) from None
+        self._note_instance(call)
+        return resp
+
+    def _note_instance(self, call: Any) -> None:
+        for key, value in call.initial_metadata() or ():
+            if key == INSTANCE_METADATA_KEY:
+                self.instance_id = value
+
+    def _enc(self, x: np.ndarray, name: str, ndim: int) -> pb.Array:
+        a = np.asarray(x, dtype=np.float32)
+        if a.ndim != ndim:
+            raise ValueError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
+        return codec.encode(a, self.wire_dtype)
+
+    def _dec(self, a: pb.Array, backend_ns: int) -> np.ndarray:
+        self.last_call.backend_ns = backend_ns
+        return codec.decode(a, "result")
+
+    # -- info and lifecycle -------------------------------------------------------------
+
+    def info(self) -> WorkerInfo:
+        r = self._call(self._stub.Info, pb.InfoRequest())
+        devices = tuple(
+            DeviceInfo(
+                d.id, d.name, d.total_memory_bytes, d.free_memory_bytes, d.memory_limit_bytes
+            )
+            for d in r.devices
+        )
+        limits = {f.name: v for f, v in r.limits.ListFields()}
+        return WorkerInfo(r.version, r.backend, r.instance_id, devices, limits)
+
+    def upload(
+        self,
+        weights: np.ndarray,
+        scales: np.ndarray | None,
+        *,
+        fmt: int,
+        in_features: int,
+        out_features: int,
+        group_size: int = 0,
+        device: int = 0,
+        progress: bool | None = None,
+    ) -> TensorRef:
+        """Make a tensor resident; identical content already on the device is not resent.
+
+        weights: the documented layout (uint8 [O, row_bytes] or any array with those bytes;
+        float32 [O, I] for fmt 0). scales: float32 [O] or [O, ceil(I/group_size)]; None for
+        fmt 0.
+        """
+        spec = pb.TensorSpec(
+            fmt=fmt,
+            in_features=in_features,
+            out_features=out_features,
+            group_size=group_size,
+            device=device,
+        )
+        w, s = self._payload(weights, scales)
+        digest = codec.content_hash(fmt, in_features, out_features, group_size, w, s)
+        hit = self._call(
+            self._stub.Lookup, pb.LookupRequest(content_hash=digest, device=device, acquire=True)
+        )
+        if hit.found:
+            return TensorRef._from(hit.tensor, deduplicated=True)
+        r = self._stream(self._stub.Upload, spec, digest, w, s, 0, progress, "upload")
+        return TensorRef._from(r.tensor, r.deduplicated)
+
+    def update(
+        self,
+        t: TensorRef,
+        weights: np.ndarray,
+        scales: np.ndarray | None,
+        *,
+        progress: bool | None = None,
+    ) -> TensorRef:
+        """Replace the contents of ``t`` (same spec); updates ``t`` in place and returns it."""
+        spec = pb.TensorSpec(
+            fmt=t.fmt,
+            in_features=t.in_features,
+            out_features=t.out_features,
+            group_size=t.group_size,
+            device=t.device,
+        )
+        w, s = self._payload(weights, scales)
+        digest = codec.content_hash(t.fmt, t.in_features, t.out_features, t.group_size, w, s)
+        r = self._stream(self._stub.Update, spec, digest, w, s, t.handle, progress, "update")
+        t.content_hash, t.nbytes = r.tensor.content_hash, r.tensor.nbytes
+        return t
+
+    @staticmethod
+    def _payload(weights: np.ndarray, scales: np.ndarray | None) -> tuple[memoryview, memoryview]:
+        w = np.ascontiguousarray(weights)
+        s = np.zeros(0, np.float32) if scales is None else np.ascontiguousarray(scales, np.float32)
+        return memoryview(w).cast("B"), memoryview(s).cast("B")
+
+    def _stream(
+        self,
+        method: Callable[..., Any],
+        spec: pb.TensorSpec,
+        digest: bytes,
+        w: memoryview,
+        s: memoryview,
+        handle: int,
+        progress: bool | None,
+        label: str,
+    ) -> Any:
+        total = len(w) + len(s)
+        bar = _Progress(total, label, self.progress if progress is None else progress)
+
+        def messages() -> Iterator[pb.UploadChunk]:
+            yield pb.UploadChunk(
+                header=pb.UploadHeader(
+                    spec=spec,
+                    content_hash=digest,
+                    weight_bytes=len(w),
+                    scale_bytes=len(s),
+                    handle=handle,
+                )
+            )
+            for piece in codec.chunks(w, s):
+                yield pb.UploadChunk(data=bytes(piece))
+                bar.advance(len(piece))
+
+        # Large uploads take as long as they take: the deadline scales with the size.
+        timeout = None if self.timeout is None else self.timeout + total / 50e6
+        return self._call(method, messages(), timeout=timeout)
+
+    def free(self, t: Handle) -> int:
+        """Drop this reference; returns the bytes the worker released (0 if still shared)."""
+        return int(self._call(self._stub.Free, pb.FreeRequest(handle=_hid(t))).released_bytes)
+
+    def stats(self) -> list[DeviceStats]:
+        r = self._call(self._stub.Stats, pb.StatsRequest())
+        return [
+            DeviceStats(
+                d.device,
+                d.tensors,
+                d.tensor_bytes,
+                d.handles,
+                d.kv_sequences,
+                d.kv_bytes,
+                GroupStats(
+                    d.group.calls,
+                    d.group.experts,
+                    d.group.rows,
+                    d.group.h2d_ns,
+                    d.group.kernel_ns,
+                    d.group.d2h_ns,
+                ),
+            )
+            for d in r.devices
+        ]
+
+    # -- compute ------------------------------------------------------------------------
+
+    def matmul(self, t: Handle, x: np.ndarray) -> np.ndarray:
+        """x float32 [S, I] -> y float32 [S, O]."""
+        r = self._call(self._stub.Matmul, pb.MatmulRequest(handle=_hid(t), x=self._enc(x, "x", 2)))
+        return self._dec(r.y, r.backend_ns)
+
+    def expert_mlp(self, gate: Handle, up: Handle, down: Handle, x: np.ndarray) -> np.ndarray:
+        """x float32 [S, D] -> down(silu(gate x) * up x) float32 [S, D]."""
+        req = pb.ExpertMlpRequest(
+            gate=_hid(gate), up=_hid(up), down=_hid(down), x=self._enc(x, "x", 2)
+        )
+        r = self._call(self._stub.ExpertMlp, req)
+        return self._dec(r.y, r.backend_ns)
+
+    @staticmethod
+    def _experts(experts: Iterable[Sequence[Handle]]) -> list[pb.Expert]:
+        return [pb.Expert(gate=_hid(g), up=_hid(u), down=_hid(d)) for g, u, d in experts]
+
+    def _group_request(
+        self, experts: Iterable[Sequence[Handle]], rows: Sequence[int], x: np.ndarray
+    ) -> pb.ExpertGroupRequest:
+        return pb.ExpertGroupRequest(
+            experts=self._experts(experts), rows=[int(r) for r in rows], x=self._enc(x, "x", 2)
+        )
+
+    def expert_group(
+        self, experts: Iterable[Sequence[Handle]], rows: Sequence[int], x: np.ndarray
+    ) -> np.ndarray:
+        """experts: (gate, up, down) per expert; x float32 [sum(rows), D] packed by expert
+        (rows[c] rows for expert c) -> y float32 packed the same way."""
+        r = self._call(self._stub.ExpertGroup, self._group_request(experts, rows, x))
+        return self._dec(r.y, r.backend_ns)
+
+    def expert_group_async(
+        self, experts: Iterable[Sequence[Handle]], rows: Sequence[int], x: np.ndarray
+    ) -> ExpertGroupFuture:
+        """Start an expert group; ``.result()`` returns what ``expert_group`` would."""
+        t = self._call(self._stub.ExpertGroupIssue, self._group_request(experts, rows, x))
+        return ExpertGroupFuture(self, t.ticket)
+
+    def expert_group_routed(
+        self,
+        experts: Iterable[Sequence[Handle]],
+        x: np.ndarray,
+        routes: np.ndarray,
+        weights: np.ndarray,
+    ) -> np.ndarray:
+        """x float32 [T, D]; routes int [T, K] into experts; weights float32 [T, K]
+        -> y[t] = sum_j weights[t, j] * expert_{routes[t, j]}(x[t]), float32 [T, D]."""
+        req = pb.ExpertGroupRoutedRequest(
+            experts=self._experts(experts),
+            x=self._enc(x, "x", 2),
+            routes=codec.encode(np.asarray(routes, np.int32), pb.DTYPE_INT32),
+            weights=codec.encode(np.asarray(weights, np.float32), pb.DTYPE_FLOAT32),
+        )
+        r = self._call(self._stub.ExpertGroupRouted, req)
+        return self._dec(r.y, r.backend_ns)
+
+    def attention(
+        self,
+        kv_b: Handle,
+        q: np.ndarray,
+        latent: np.ndarray,
+        rope: np.ndarray,
+        *,
+        q_dim: int,
+        rope_dim: int,
+        v_dim: int,
+        scale: float,
+        o_proj: Handle | None = None,
+    ) -> np.ndarray:
+        """Causal MLA over one sequence: q [S, H, Q+R], latent [T, K], rope [T, R]
+        -> context [S, H, V], or [S, D_out] with o_proj."""
+        req = pb.AttentionRequest(
+            kv_b=_hid(kv_b),
+            o_proj=_hid(o_proj),
+            q=self._enc(q, "q", 3),
+            latent=self._enc(latent, "latent", 2),
+            rope=self._enc(rope, "rope", 2),
+            q_dim=q_dim,
+            rope_dim=rope_dim,
+            v_dim=v_dim,
+            scale=scale,
+        )
+        r = self._call(self._stub.Attention, req)
+        return self._dec(r.out, r.backend_ns)
+
+    def attention_ragged(
+        self,
+        kv_b: Handle,
+        o_proj: Handle | None,
+        q: np.ndarray,
+        *,
+        sequences: Sequence[tuple[int, int, np.ndarray, np.ndarray]],
+        q_dim: int,
+        rope_dim: int,
+        v_dim: int,
+        scale: float,
+    ) -> np.ndarray:
+        """Row s of q [S, H, Q+R] attends the worker-resident KV of sequences[s] =
+        (sequence_id, start, latent rows [n, K], rope rows [n, R]): rows from ``start`` on;
+        a start below the resident length rolls back first. -> [S, D_out] (or [S, H, V]
+        without o_proj). The resident lengths after the call are in ``last_call.lengths``."""
+        seqs = []
+        for sid, start, lat, rop in sequences:
+            lat = np.asarray(lat, np.float32)
+            rop = np.asarray(rop, np.float32)
+            seqs.append(
+                pb.SequenceRows(
+                    sequence_id=int(sid),
+                    start=int(start),
+                    latent=self._enc(lat, "latent", 2) if lat.size else pb.Array(),
+                    rope=self._enc(rop, "rope", 2) if rop.size else pb.Array(),
+                )
+            )
+        req = pb.AttentionRaggedRequest(
+            kv_b=_hid(kv_b),
+            o_proj=_hid(o_proj),
+            q=self._enc(q, "q", 3),
+            sequences=seqs,
+            q_dim=q_dim,
+            rope_dim=rope_dim,
+            v_dim=v_dim,
+            scale=scale,
+        )
+        r = self._call(self._stub.AttentionRagged, req)
+        self.last_call.lengths = list(r.lengths)
+        return self._dec(r.out, r.backend_ns)
+
+    def free_sequence(self, sequence_id: int, kv_b: Handle | None = None) -> int:
+        """Release a sequence's KV caches (all layers, or one kv_b); returns bytes freed."""
+        r = self._call(
+            self._stub.FreeSequence,
+            pb.FreeSequenceRequest(sequence_id=int(sequence_id), kv_b=_hid(kv_b)),
+        )
+        return int(r.released_bytes)
+
+
+def expected_sizes(
+    fmt: int, in_features: int, out_features: int, group_size: int
+) -> tuple[int, int]:
+    """(weight bytes, scale count) of a tensor: handy for building uploads."""
+    return row_bytes(fmt, in_features) * out_features, scale_count(
+        fmt, in_features, out_features, group_size
+    )
+
+
+__all__ = [
+    "DeviceStats",
+    "ExpertGroupFuture",
+    "TensorRef",
+    "WorkerClient",
+    "WorkerError",
+    "WorkerInfo",
+    "expected_sizes",
+]

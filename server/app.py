@@ -1,0 +1,98 @@
+"""Assemble a worker: backend, servicer, gRPC server, metrics endpoint, health service."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+
+import grpc
+from coliworker import __version__
+from coliworker.server.backend import Backend
+from coliworker.server.backends import create_backend
+from coliworker.server.config import Config
+from coliworker.server.servicer import WorkerServicer
+from coliworker.v1 import worker_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class WorkerServer:
+    """A running (after ``start``) worker. ``port`` and ``metrics_port`` are the bound ports."""
+
+    def __init__(self, config: Config, backend: Backend | None = None) -> None:
+        self.config = config
+        self.backend = backend or create_backend(config.backend, devices=config.devices)
+        self.metrics = None
+        interceptors: list[grpc.ServerInterceptor] = []
+        hooks = None
+        if config.metrics_port is not None:
+            from coliworker.server.metrics import Metrics
+
+            self.metrics = Metrics(version=__version__, backend=self.backend.name)
+            interceptors.append(self.metrics.interceptor())
+            hooks = self.metrics
+        self.servicer = WorkerServicer(config, self.backend, hooks=hooks)
+        if self.metrics is not None:
+            self.metrics.bind(residency=self.servicer.usage, devices=self.backend.devices)
+        options = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="rpc"),
+            interceptors=interceptors,
+            options=options,
+        )
+        pb_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
+        from coliworker.server.health import Health, enable_reflection
+
+        self.health = Health()
+        self.health.attach(self.server)
+        enable_reflection(self.server)
+        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {config.host}:{config.port}")
+        if config.unix_socket:
+            self.server.add_insecure_port(f"unix:{config.unix_socket}")
+        self.metrics_port: int | None = None
+        self._stopped = threading.Event()
+
+    def start(self) -> WorkerServer:
+        self.server.start()
+        if self.metrics is not None:
+            host = self.config.metrics_host or self.config.host
+            self.metrics_port = self.metrics.serve(host, self.config.metrics_port or 0)
+        self.health.set_serving()
+        names = ", ".join(f"{d.id}:{d.name}" for d in self.backend.devices())
+        log.info(
+            "coliworker %s serving on %s:%d (backend %s, devices %s, metrics %s)",
+            __version__,
+            self.config.host,
+            self.port,
+            self.backend.name,
+            names,
+            f"port {self.metrics_port}" if self.metrics_port else "off",
+        )
+        return self
+
+    def stop(self, grace: float | None = None) -> None:
+        self.health.set_not_serving()
+        self.server.stop(grace).wait()
+        self.backend.close()
+        self._stopped.set()
+
+    def wait(self) -> None:
+        self.server.wait_for_termination()
+
+    @property
+    def address(self) -> str:
+        host = self.config.host
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        return f"{host}:{self.port}"
+
+
+def build_server(config: Config, backend: Backend | None = None) -> WorkerServer:
+    return WorkerServer(config, backend)

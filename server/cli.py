@@ -1,0 +1,171 @@
+"""The ``coliworker`` command: serve, info, stats, demo, top, health.
+
+    coliworker serve [--host H] [--port P] [--backend auto|numpy|cupy] [--devices 0,1] ...
+    coliworker info  [--address HOST:PORT]
+    coliworker stats [--address HOST:PORT]
+    coliworker demo  [--address HOST:PORT] [--layers N] [--tokens N]
+    coliworker top   [--metrics-url URL] [--interval S] [--once]
+    coliworker health [--address HOST:PORT]
+
+Every ``serve`` flag has a ``COLIWORKER_*`` environment variable (``coliworker serve -h``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from coliworker import __version__
+from coliworker.server import config as cfg
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        config = cfg.from_sources(args, os.environ)
+    except ValueError as exc:
+        print(f"coliworker serve: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from coliworker.server.app import build_server
+
+    try:
+        server = build_server(config).start()
+    except (OSError, ValueError, RuntimeError) as exc:
+        print(f"coliworker serve: {exc}", file=sys.stderr)
+        return 1
+    done = threading.Event()
+
+    def stop(signum: int, _frame: object) -> None:
+        logging.getLogger("coliworker").info("signal %d: draining", signum)
+        done.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    done.wait()
+    server.stop(grace=10.0)
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from coliworker.client import WorkerClient, WorkerError
+
+    try:
+        with WorkerClient(args.address, timeout=10) as w:
+            info = w.info()
+    except WorkerError as exc:
+        print(f"coliworker info: {args.address}: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"coliworker {info.version} at {args.address}, backend {info.backend}, "
+        f"instance {info.instance_id}"
+    )
+    for d in info.devices:
+        limit = f", budget {d.memory_limit_bytes / 2**30:.1f} GiB" if d.memory_limit_bytes else ""
+        print(
+            f"  device {d.id}: {d.name}, {d.free_memory_bytes / 2**30:.1f} of "
+            f"{d.total_memory_bytes / 2**30:.1f} GiB free{limit}"
+        )
+    for k, v in info.limits.items():
+        print(f"  {k} = {v}")
+    return 0
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from coliworker.client import WorkerClient, WorkerError
+
+    try:
+        with WorkerClient(args.address, timeout=10) as w:
+            stats = w.stats()
+    except WorkerError as exc:
+        print(f"coliworker stats: {args.address}: {exc}", file=sys.stderr)
+        return 1
+    print(
+        "device  tensors  tensor_MB  handles  kv_seqs  kv_MB  group_calls  experts  rows  "
+        "h2d_ms  kernel_ms  d2h_ms"
+    )
+    for d in stats:
+        g = d.group
+        print(
+            f"{d.device:>6}  {d.tensors:>7}  {d.tensor_bytes / 1e6:>9.1f}  {d.handles:>7}  "
+            f"{d.kv_sequences:>7}  {d.kv_bytes / 1e6:>5.1f}  {g.calls:>11}  {g.experts:>7}  "
+            f"{g.rows:>4}  {g.h2d_ns / 1e6:>6.1f}  {g.kernel_ns / 1e6:>9.1f}  "
+            f"{g.d2h_ns / 1e6:>6.1f}"
+        )
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from coliworker.server.demo import run_demo
+
+    return run_demo(args.address, layers=args.layers, tokens=args.tokens, seed=args.seed)
+
+
+def _top(args: argparse.Namespace) -> int:
+    from coliworker.server.top import run_top
+
+    return run_top(args.metrics_url, interval=args.interval, once=args.once)
+
+
+def _health(args: argparse.Namespace) -> int:
+    from coliworker.server.health import probe
+
+    return probe(args.address)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="coliworker",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"coliworker {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser(
+        "serve",
+        help="run the worker",
+        description="Run the worker. Every flag falls back to its "
+        "COLIWORKER_* environment variable, then to the default.",
+    )
+    cfg.add_arguments(serve)
+    serve.set_defaults(func=_serve)
+
+    for name, func, text in (
+        ("info", _info, "show a worker's version, devices and limits"),
+        ("stats", _stats, "show residency and expert-group totals"),
+        ("health", _health, "exit 0 when the worker's health is SERVING"),
+    ):
+        c = sub.add_parser(name, help=text)
+        c.add_argument("--address", default=DEFAULT_ADDRESS, help="worker host:port")
+        c.set_defaults(func=func)
+
+    demo = sub.add_parser(
+        "demo", help="run a small GLM-style decode loop against a worker and check it against NumPy"
+    )
+    demo.add_argument("--address", default=DEFAULT_ADDRESS, help="worker host:port")
+    demo.add_argument("--layers", type=int, default=3, help="MoE layers (default 3)")
+    demo.add_argument("--tokens", type=int, default=6, help="tokens to decode (default 6)")
+    demo.add_argument("--seed", type=int, default=None, help="random seed (default: fresh)")
+    demo.set_defaults(func=_demo)
+
+    top = sub.add_parser("top", help="live view of a worker's metrics")
+    top.add_argument(
+        "--metrics-url", default="http://127.0.0.1:9400/metrics", help="the worker's /metrics URL"
+    )
+    top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    top.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    top.set_defaults(func=_top)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))

@@ -1,0 +1,245 @@
+"""The worker's configuration: one frozen, validated ``Config`` built at the edge.
+
+Every setting comes from a CLI flag or its ``COLIWORKER_*`` environment variable (the flag
+wins). Nothing else in the worker reads ``os.environ``. ``SETTINGS`` below is the single
+table the CLI, the environment parser and the README are written from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """``"40G"``, ``"512MiB"``, ``"1.5g"``, ``"1048576"`` -> bytes (powers of 1024)."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ValueError(f"expected a size like 40G or 512MiB, got {text!r}")
+    number, unit = float(m.group(1)), m.group(2).lower()
+    return int(number * 1024 ** "_kmgt".index(unit)) if unit else int(number)
+
+
+def parse_devices(text: str) -> tuple[int, ...]:
+    """``"0,1"`` -> (0, 1); ids must be distinct and >= 0."""
+    try:
+        ids = tuple(int(p) for p in str(text).split(",") if p.strip())
+    except ValueError:
+        raise ValueError(f"expected comma-separated device ids like 0,1, got {text!r}") from None
+    if not ids or any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"expected distinct device ids >= 0 like 0,1, got {text!r}")
+    return ids
+
+
+def _parse_bool(text: str) -> bool:
+    t = str(text).strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected true/false, got {text!r}")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Validated worker settings (see ``SETTINGS`` for flags, variables and meanings)."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    backend: str = "auto"
+    devices: tuple[int, ...] = (0,)
+    metrics_host: str = ""
+    metrics_port: int | None = 9400  # None: no metrics endpoint; 0: any free port
+    memory_limit: int = 0  # bytes per device for tensors + KV; 0: the device's memory
+    log_level: str = "INFO"
+    workers: int = 16
+    max_message_bytes: int = 64 << 20
+    max_experts: int = 64
+    max_pending_tickets: int = 64
+    max_sequences_per_call: int = 1024
+    max_kv_rows: int = 1 << 20
+    fail_after: int | None = None  # fault injection: compute calls fail after N successes
+    unix_socket: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port: expected 0..65535, got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port: expected 0..65535, got {self.metrics_port}")
+        if self.backend not in ("auto", "numpy", "cupy"):
+            raise ValueError(f"backend: expected one of auto, numpy, cupy, got {self.backend!r}")
+        if not self.devices:
+            raise ValueError("devices: expected at least one device id, got none")
+        for name in (
+            "workers",
+            "max_message_bytes",
+            "max_experts",
+            "max_pending_tickets",
+            "max_sequences_per_call",
+            "max_kv_rows",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
+        if self.max_experts > 64:
+            raise ValueError(f"max_experts: expected <= 64, got {self.max_experts}")
+        if self.memory_limit < 0:
+            raise ValueError(f"memory_limit: expected >= 0, got {self.memory_limit}")
+        if self.fail_after is not None and self.fail_after < 0:
+            raise ValueError(f"fail_after: expected >= 0, got {self.fail_after}")
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # Config field
+    flag: str
+    env: str
+    parse: object  # callable str -> value
+    help: str
+
+
+def _metrics_port(text: str) -> int | None:
+    port = int(text)
+    return None if port == 0 else port
+
+
+def _optional_int(text: str) -> int | None:
+    return None if str(text).strip() == "" else int(text)
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("host", "--host", "COLIWORKER_HOST", str, "address to listen on (default 127.0.0.1)"),
+    Setting("port", "--port", "COLIWORKER_PORT", int, "gRPC port (default 50051; 0 picks one)"),
+    Setting(
+        "backend",
+        "--backend",
+        "COLIWORKER_BACKEND",
+        str,
+        "auto | numpy | cupy (default auto: cupy when a GPU is usable, else numpy)",
+    ),
+    Setting(
+        "devices",
+        "--devices",
+        "COLIWORKER_DEVICES",
+        parse_devices,
+        "comma-separated device ids to serve (default 0)",
+    ),
+    Setting(
+        "metrics_host",
+        "--metrics-host",
+        "COLIWORKER_METRICS_HOST",
+        str,
+        "address of the Prometheus endpoint (default: same as --host)",
+    ),
+    Setting(
+        "metrics_port",
+        "--metrics-port",
+        "COLIWORKER_METRICS_PORT",
+        _metrics_port,
+        "Prometheus /metrics port (default 9400; 0 disables)",
+    ),
+    Setting(
+        "memory_limit",
+        "--memory-limit",
+        "COLIWORKER_MEMORY_LIMIT",
+        parse_bytes,
+        "per-device budget for tensors and KV caches, e.g. 40G (default 0: all memory)",
+    ),
+    Setting(
+        "log_level",
+        "--log-level",
+        "COLIWORKER_LOG_LEVEL",
+        str.upper,
+        "DEBUG | INFO | WARNING | ERROR (default INFO)",
+    ),
+    Setting(
+        "workers", "--workers", "COLIWORKER_WORKERS", int, "threads serving requests (default 16)"
+    ),
+    Setting(
+        "max_message_bytes",
+        "--max-message-bytes",
+        "COLIWORKER_MAX_MESSAGE_BYTES",
+        parse_bytes,
+        "largest gRPC message accepted (default 64MiB; uploads are chunked)",
+    ),
+    Setting(
+        "max_experts",
+        "--max-experts",
+        "COLIWORKER_MAX_EXPERTS",
+        int,
+        "experts in one expert group call (default 64, at most 64)",
+    ),
+    Setting(
+        "max_pending_tickets",
+        "--max-pending-tickets",
+        "COLIWORKER_MAX_PENDING_TICKETS",
+        int,
+        "async expert-group tickets outstanding at once (default 64)",
+    ),
+    Setting(
+        "max_sequences_per_call",
+        "--max-sequences-per-call",
+        "COLIWORKER_MAX_SEQUENCES_PER_CALL",
+        int,
+        "sequences in one ragged attention call (default 1024)",
+    ),
+    Setting(
+        "max_kv_rows",
+        "--max-kv-rows",
+        "COLIWORKER_MAX_KV_ROWS",
+        int,
+        "rows one KV sequence may hold (default 1048576)",
+    ),
+    Setting(
+        "fail_after",
+        "--fail-after",
+        "COLIWORKER_FAIL_AFTER",
+        _optional_int,
+        "testing: compute calls fail (UNAVAILABLE) after N successes (default off)",
+    ),
+    Setting(
+        "unix_socket",
+        "--unix-socket",
+        "COLIWORKER_UNIX_SOCKET",
+        str,
+        "also listen on this Unix domain socket path (default off)",
+    ),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per setting; unset flags stay None so the environment can fill them."""
+    for s in SETTINGS:
+        parser.add_argument(s.flag, dest=s.name, default=None, help=s.help)
+
+
+def from_sources(
+    args: argparse.Namespace | None, environ: Mapping[str, str], **overrides: object
+) -> Config:
+    """Build a Config: flags override environment override defaults. Errors name the flag
+    and the variable."""
+    values: dict[str, object] = {}
+    for s in SETTINGS:
+        raw = getattr(args, s.name, None) if args is not None else None
+        source = s.flag
+        if raw is None and s.env in environ:
+            raw, source = environ[s.env], s.env
+        if raw is None:
+            continue
+        try:
+            values[s.name] = s.parse(raw)  # type: ignore[operator]
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None
+    values.update(overrides)
+    known = {f.name for f in fields(Config)}
+    return Config(**{k: v for k, v in values.items() if k in known})  # type: ignore[arg-type]
+
+
+def settings_table() -> str:
+    """The README's configuration table (markdown)."""
+    rows = ["| flag | variable | meaning |", "|---|---|---|"]
+    rows += [f"| `{s.flag}` | `{s.env}` | {s.help} |" for s in SETTINGS]
+    return "\n".join(rows)

@@ -1,0 +1,643 @@
+"""The gRPC handlers: decode, validate, call the store/backend, encode.
+
+Errors become statuses in ONE place (``_guard``): a ``WorkerError`` maps to its status with
+its message; anything else is logged with a request id and answered INTERNAL with a generic
+message. Validation runs before any resident state changes, so a rejected call leaves every
+tensor and KV sequence as it was.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+from coliworker import __version__
+from coliworker.client import codec
+from coliworker.kernels.qtensor import QTensor
+from coliworker.server import validate
+from coliworker.server.backend import Backend, Pending, Phases, Result
+from coliworker.server.config import Config
+from coliworker.server.errors import (
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+    WorkerError,
+)
+from coliworker.server.sequences import RowsIn, SequenceStore
+from coliworker.server.store import Budget, DeviceUsage, Handle, TensorStore
+from coliworker.v1 import worker_pb2 as pb
+from coliworker.v1 import worker_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+INSTANCE_METADATA_KEY = "coliworker-instance"
+
+
+class Hooks:
+    """Observers the metrics module plugs in; no-ops by default."""
+
+    def record_group(self, device: int, experts: int, rows: int, phases: Phases) -> None: ...
+    def record_upload(self, device: int, nbytes: int, deduplicated: bool) -> None: ...
+    def record_eviction(self, device: int) -> None: ...
+
+
+@dataclass
+class _Ticket:
+    pending: Pending
+    owner: str
+    device: int
+    experts: int
+    rows: int
+    output_dtype: int
+
+
+def _guard(method: Callable) -> Callable:
+    """Turn exceptions into gRPC statuses (the one place this happens)."""
+
+    @functools.wraps(method)
+    def wrapper(self: WorkerServicer, request, context: grpc.ServicerContext):
+        context.send_initial_metadata(((INSTANCE_METADATA_KEY, self.instance_id),))
+        try:
+            return method(self, request, context)
+        except WorkerError as exc:
+            if type(exc) is WorkerError:
+                return self._internal(exc, context, method.__name__)
+            context.abort(exc.code, exc.message)
+        except codec.CodecError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Exception as exc:
+            if isinstance(exc, grpc.RpcError) or context.code() is not None:
+                raise  # already aborted (context.abort raises)
+            return self._internal(exc, context, method.__name__)
+
+    return wrapper
+
+
+class WorkerServicer(pb_grpc.WorkerServicer):
+    def __init__(self, config: Config, backend: Backend, hooks: Hooks | None = None) -> None:
+        self.config = config
+        self.backend = backend
+        self.hooks = hooks or Hooks()
+        self.instance_id = uuid.uuid4().hex
+        self.devices = tuple(config.devices)
+        self.budget = Budget(self.devices, config.memory_limit)
+        self.store = TensorStore(backend, self.devices, self.budget)
+        self.sequences = SequenceStore(
+            backend, self.budget, config.max_kv_rows, on_evict=self.hooks.record_eviction
+        )
+        self._tickets: dict[int, _Ticket] = {}
+        self._ticket_ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._compute_calls = 0
+
+    # -- plumbing -----------------------------------------------------------------------
+
+    def owner(self, context: grpc.ServicerContext) -> str:
+        """Who owns the handles this call may touch ("" when authentication is off)."""
+        return ""
+
+    def _internal(self, exc: BaseException, context: grpc.ServicerContext, op: str):
+        request_id = uuid.uuid4().hex[:12]
+        log.error("internal error in %s (request %s)", op, request_id, exc_info=exc)
+        context.abort(
+            grpc.StatusCode.INTERNAL,
+            f"internal error (request {request_id}); the worker log has the details",
+        )
+
+    def _begin_compute(self, op: str) -> None:
+        """Fault injection (--fail-after) for tests of the engine's CPU fallback."""
+        limit = self.config.fail_after
+        if limit is None:
+            return
+        with self._lock:
+            n = self._compute_calls
+            self._compute_calls += 1
+        if n >= limit:
+            raise Unavailable(
+                f"{op}: compute failed (injected fault after {limit} calls, "
+                f"--fail-after); fall back to the CPU path"
+            )
+
+    def _tensor(self, handle: int, field: str, owner: str) -> Handle:
+        if handle == 0:
+            raise InvalidArgument(f"{field}: expected a tensor handle, got 0")
+        return self.store.get(handle, field, owner)
+
+    @staticmethod
+    def _out(result: Result, out_dtype: int, in_dtype: int) -> pb.Array:
+        return codec.encode(result.out, out_dtype or in_dtype)
+
+    # -- info and lifecycle -------------------------------------------------------------
+
+    @_guard
+    def Info(self, request, context):
+        limit = self.config.memory_limit
+        devices = [
+            pb.DeviceInfo(
+                id=d.id,
+                name=d.name,
+                total_memory_bytes=d.total_memory_bytes,
+                free_memory_bytes=d.free_memory_bytes,
+                memory_limit_bytes=limit,
+            )
+            for d in self.backend.devices()
+        ]
+        c = self.config
+        limits = pb.Limits(
+            max_experts=c.max_experts,
+            max_message_bytes=c.max_message_bytes,
+            upload_chunk_bytes=codec.CHUNK_BYTES,
+            max_pending_tickets=c.max_pending_tickets,
+            max_sequences_per_call=c.max_sequences_per_call,
+            max_kv_rows=c.max_kv_rows,
+        )
+        return pb.InfoResponse(
+            version=__version__,
+            backend=self.backend.name,
+            devices=devices,
+            limits=limits,
+            instance_id=self.instance_id,
+        )
+
+    def _info(self, h: Handle) -> pb.TensorInfo:
+        s = h.spec
+        return pb.TensorInfo(
+            handle=h.id,
+            spec=pb.TensorSpec(
+                fmt=s.fmt,
+                in_features=s.in_features,
+                out_features=s.out_features,
+                group_size=s.group_size,
+                device=s.device,
+            ),
+            content_hash=h.data.content_hash,
+            nbytes=h.data.nbytes,
+            references=h.data.refs,
+        )
+
+    @_guard
+    def Lookup(self, request, context):
+        if len(request.content_hash) != 32:
+            raise InvalidArgument(
+                f"lookup.content_hash: expected 32 bytes (SHA-256), got {len(request.content_hash)}"
+            )
+        if request.device not in self.devices:
+            raise InvalidArgument(
+                f"lookup.device: expected one of "
+                f"{', '.join(map(str, self.devices))}, got {request.device}"
+            )
+        h = self.store.lookup(
+            request.content_hash, request.device, request.acquire, self.owner(context)
+        )
+        if h is None:
+            return pb.LookupResponse(found=False)
+        if request.acquire:
+            self.hooks.record_upload(request.device, 0, True)
+            return pb.LookupResponse(found=True, tensor=self._info(h))
+        return pb.LookupResponse(found=True)
+
+    def _receive(self, chunks: Iterator[pb.UploadChunk], op: str):
+        """Read a header and its data; returns (spec, hash, QTensor, handle field)."""
+        first = next(chunks, None)
+        if first is None or first.WhichOneof("part") != "header":
+            got = "nothing" if first is None else "a data chunk"
+            raise InvalidArgument(f"{op}: expected a header as the first message, got {got}")
+        header = first.header
+        spec = validate.spec(header.spec, self.devices, f"{op}.header.spec")
+        wbytes, sbytes = validate.sizes(spec)
+        if header.weight_bytes != wbytes:
+            raise InvalidArgument(
+                f"{op}.header.weight_bytes: expected {wbytes} ({spec.out_features} rows x "
+                f"{wbytes // spec.out_features} bytes for fmt {spec.fmt}, in_features "
+                f"{spec.in_features}), got {header.weight_bytes}"
+            )
+        if header.scale_bytes != sbytes:
+            raise InvalidArgument(
+                f"{op}.header.scale_bytes: expected {sbytes} ({sbytes // 4} float32 scales), "
+                f"got {header.scale_bytes}"
+            )
+        if len(header.content_hash) != 32:
+            raise InvalidArgument(
+                f"{op}.header.content_hash: expected 32 bytes (SHA-256), "
+                f"got {len(header.content_hash)}"
+            )
+        if self.config.memory_limit and wbytes + sbytes > self.config.memory_limit:
+            raise ResourceExhausted(
+                f"{op}: tensor of {wbytes + sbytes} bytes exceeds the per-device budget of "
+                f"{self.config.memory_limit} bytes (--memory-limit)"
+            )
+        total = wbytes + sbytes
+        buf = bytearray(total)
+        view = memoryview(buf)
+        got = 0
+        for i, msg in enumerate(chunks, start=1):
+            if msg.WhichOneof("part") != "data":
+                raise InvalidArgument(f"{op}: message {i}: expected a data chunk, got a header")
+            n = len(msg.data)
+            if got + n > total:
+                raise InvalidArgument(
+                    f"{op}: data: expected {total} bytes in all, got more "
+                    f"({got + n} after message {i})"
+                )
+            view[got : got + n] = msg.data
+            got += n
+        if got != total:
+            raise InvalidArgument(f"{op}: data: expected {total} bytes, stream ended after {got}")
+        digest = codec.content_hash(
+            spec.fmt,
+            spec.in_features,
+            spec.out_features,
+            spec.group_size,
+            view[:wbytes],
+            view[wbytes:],
+        )
+        if digest != header.content_hash:
+            raise InvalidArgument(
+                f"{op}.header.content_hash: expected {digest.hex()} (SHA-256 of "
+                f"the data received), got {header.content_hash.hex()}"
+            )
+        weights = np.frombuffer(buf, np.uint8, count=wbytes)
+        scales = np.frombuffer(buf, np.float32, count=sbytes // 4, offset=wbytes)
+        tensor = QTensor(
+            spec.fmt, spec.in_features, spec.out_features, spec.group_size, weights, scales
+        )
+        return spec, digest, tensor, header
+
+    @_guard
+    def Upload(self, request_iterator, context):
+        spec, digest, tensor, _ = self._receive(request_iterator, "upload")
+        handle, dedup, phases = self.store.upload(spec, digest, tensor, self.owner(context))
+        self.hooks.record_upload(spec.device, 0 if dedup else tensor.nbytes, dedup)
+        return pb.UploadResponse(
+            tensor=self._info(handle), deduplicated=dedup, backend_ns=phases.total_ns
+        )
+
+    @_guard
+    def Update(self, request_iterator, context):
+        spec, digest, tensor, header = self._receive(request_iterator, "update")
+        handle = self._tensor(header.handle, "update.header.handle", self.owner(context))
+        if handle.spec != spec:
+            raise InvalidArgument(
+                f"update.header.spec: expected {handle.spec} (the handle's spec), got {spec}"
+            )
+        phases = self.store.update(handle, digest, tensor)
+        self.hooks.record_upload(spec.device, tensor.nbytes, False)
+        return pb.UpdateResponse(tensor=self._info(handle), backend_ns=phases.total_ns)
+
+    @_guard
+    def Free(self, request, context):
+        handle = self._tensor(request.handle, "free.handle", self.owner(context))
+        with self.sequences.lock:
+            self.sequences.drop_handle(handle)
+            released, refs = self.store.free(handle)
+        return pb.FreeResponse(released_bytes=released, references=refs)
+
+    def usage(self) -> list[DeviceUsage]:
+        tensors = self.store.tensor_usage()
+        kv = self.sequences.usage()
+        return [
+            DeviceUsage(d, *tensors[d], *kv.get(d, (0, 0)), self.store.group_totals(d))
+            for d in self.devices
+        ]
+
+    @_guard
+    def Stats(self, request, context):
+        out = []
+        for u in self.usage():
+            g = u.group
+            out.append(
+                pb.DeviceStats(
+                    device=u.device,
+                    tensors=u.tensors,
+                    tensor_bytes=u.tensor_bytes,
+                    handles=u.handles,
+                    kv_sequences=u.kv_sequences,
+                    kv_bytes=u.kv_bytes,
+                    group=pb.GroupStats(
+                        calls=g.calls,
+                        experts=g.experts,
+                        rows=g.rows,
+                        h2d_ns=g.h2d_ns,
+                        kernel_ns=g.kernel_ns,
+                        d2h_ns=g.d2h_ns,
+                    ),
+                )
+            )
+        return pb.StatsResponse(devices=out)
+
+    # -- compute ------------------------------------------------------------------------
+
+    @_guard
+    def Matmul(self, request, context):
+        return self.matmul(request, self.owner(context))
+
+    def matmul(self, request: pb.MatmulRequest, owner: str) -> pb.MatmulResponse:
+        w = self._tensor(request.handle, "matmul.handle", owner)
+        x = validate.array(request.x, "matmul.x", 2)
+        validate.columns(x, w.spec.in_features, "matmul.x", "tensor in_features")
+        self._begin_compute("matmul")
+        r = self.backend.matmul(w.data.resident, x)
+        return pb.MatmulResponse(
+            y=self._out(r, request.output_dtype, request.x.dtype), backend_ns=r.phases.total_ns
+        )
+
+    @_guard
+    def ExpertMlp(self, request, context):
+        return self.expert_mlp(request, self.owner(context))
+
+    def expert_mlp(self, request: pb.ExpertMlpRequest, owner: str) -> pb.ExpertMlpResponse:
+        g = self._tensor(request.gate, "expert_mlp.gate", owner)
+        u = self._tensor(request.up, "expert_mlp.up", owner)
+        d = self._tensor(request.down, "expert_mlp.down", owner)
+        validate.same_device(
+            [("expert_mlp.gate", g), ("expert_mlp.up", u), ("expert_mlp.down", d)], "expert_mlp"
+        )
+        dim, _ = validate.mlp(g, u, d, "expert_mlp")
+        x = validate.array(request.x, "expert_mlp.x", 2)
+        validate.columns(x, dim, "expert_mlp.x", "gate in_features")
+        self._begin_compute("expert_mlp")
+        r = self.backend.expert_mlp(g.data.resident, u.data.resident, d.data.resident, x)
+        return pb.ExpertMlpResponse(
+            y=self._out(r, request.output_dtype, request.x.dtype), backend_ns=r.phases.total_ns
+        )
+
+    def _experts(self, experts, op: str, owner: str) -> tuple[list[tuple], int, int]:
+        """Resolve and check experts; returns (resident triples, device, D)."""
+        n = len(experts)
+        if not 1 <= n <= self.config.max_experts:
+            raise (InvalidArgument if n == 0 else ResourceExhausted)(
+                f"{op}.experts: expected 1..{self.config.max_experts} experts, got {n}"
+            )
+        triples, named, dim = [], [], None
+        for c, e in enumerate(experts):
+            f = f"{op}.experts[{c}]"
+            g = self._tensor(e.gate, f"{f}.gate", owner)
+            u = self._tensor(e.up, f"{f}.up", owner)
+            d = self._tensor(e.down, f"{f}.down", owner)
+            dc, _ = validate.mlp(g, u, d, f)
+            if dim is None:
+                dim = dc
+            elif dc != dim:
+                raise InvalidArgument(
+                    f"{f}.gate.in_features: expected {dim} (hidden size of experts[0]), got {dc}"
+                )
+            named += [(f"{f}.gate", g), (f"{f}.up", u), (f"{f}.down", d)]
+            triples.append((g.data.resident, u.data.resident, d.data.resident))
+        device = validate.same_device(named, op)
+        assert dim is not None
+        return triples, device, dim
+
+    def _group_args(self, request: pb.ExpertGroupRequest, op: str, owner: str):
+        triples, device, dim = self._experts(request.experts, op, owner)
+        rows = list(request.rows)
+        if len(rows) != len(triples):
+            raise InvalidArgument(
+                f"{op}.rows: expected {len(triples)} entries (one per expert), got {len(rows)}"
+            )
+        for c, r in enumerate(rows):
+            if r < 1:
+                raise InvalidArgument(f"{op}.rows[{c}]: expected >= 1, got {r}")
+        x = validate.array(request.x, f"{op}.x", 2)
+        if x.shape[0] != sum(rows):
+            raise InvalidArgument(
+                f"{op}.x: expected {sum(rows)} rows (sum of rows), got {x.shape[0]}"
+            )
+        validate.columns(x, dim, f"{op}.x", "experts' in_features")
+        return triples, rows, x, device
+
+    def _group_response(
+        self, r: Result, device: int, experts: int, rows: int, out_dtype: int
+    ) -> pb.ExpertGroupResponse:
+        self.store.record_group(device, experts, rows, r.phases)
+        self.hooks.record_group(device, experts, rows, r.phases)
+        p = r.phases
+        return pb.ExpertGroupResponse(
+            y=codec.encode(r.out, out_dtype),
+            backend_ns=p.total_ns,
+            h2d_ns=p.h2d_ns,
+            kernel_ns=p.kernel_ns,
+            d2h_ns=p.d2h_ns,
+        )
+
+    @_guard
+    def ExpertGroup(self, request, context):
+        return self.expert_group(request, self.owner(context))
+
+    def expert_group(self, request: pb.ExpertGroupRequest, owner: str) -> pb.ExpertGroupResponse:
+        triples, rows, x, device = self._group_args(request, "expert_group", owner)
+        self._begin_compute("expert_group")
+        r = self.backend.expert_group(triples, rows, x)
+        return self._group_response(
+            r, device, len(triples), sum(rows), request.output_dtype or request.x.dtype
+        )
+
+    @_guard
+    def ExpertGroupRouted(self, request, context):
+        return self.expert_group_routed(request, self.owner(context))
+
+    def expert_group_routed(
+        self, request: pb.ExpertGroupRoutedRequest, owner: str
+    ) -> pb.ExpertGroupResponse:
+        op = "expert_group_routed"
+        triples, device, dim = self._experts(request.experts, op, owner)
+        x = validate.array(request.x, f"{op}.x", 2)
+        validate.columns(x, dim, f"{op}.x", "experts' in_features")
+        try:
+            routes = codec.decode(request.routes, f"{op}.routes", ndim=2, float_only=False)
+        except codec.CodecError as exc:
+            raise InvalidArgument(str(exc)) from None
+        if routes.dtype != np.int32:
+            raise InvalidArgument(f"{op}.routes.dtype: expected int32, got {routes.dtype}")
+        weights = validate.array(request.weights, f"{op}.weights", 2)
+        if routes.shape[0] != x.shape[0]:
+            raise InvalidArgument(
+                f"{op}.routes: expected {x.shape[0]} rows (one per token of x), "
+                f"got {routes.shape[0]}"
+            )
+        if weights.shape != routes.shape:
+            raise InvalidArgument(
+                f"{op}.weights: expected shape {list(routes.shape)} (routes), "
+                f"got {list(weights.shape)}"
+            )
+        bad = np.argwhere((routes < 0) | (routes >= len(triples)))
+        if len(bad):
+            t, j = (int(v) for v in bad[0])
+            raise InvalidArgument(
+                f"{op}.routes[{t}, {j}]: expected 0..{len(triples) - 1} "
+                f"(an index into experts), got {int(routes[t, j])}"
+            )
+        self._begin_compute(op)
+        r = self.backend.expert_group_routed(triples, x, routes, weights)
+        return self._group_response(
+            r, device, len(triples), int(routes.size), request.output_dtype or request.x.dtype
+        )
+
+    @_guard
+    def ExpertGroupIssue(self, request, context):
+        owner = self.owner(context)
+        triples, rows, x, device = self._group_args(request, "expert_group_issue", owner)
+        with self._lock:
+            if len(self._tickets) >= self.config.max_pending_tickets:
+                raise ResourceExhausted(
+                    f"expert_group_issue: {len(self._tickets)} tickets outstanding, limit "
+                    f"{self.config.max_pending_tickets} (--max-pending-tickets); take some first"
+                )
+        self._begin_compute("expert_group_issue")
+        pending = self.backend.expert_group_issue(triples, rows, x)
+        ticket = next(self._ticket_ids)
+        with self._lock:
+            self._tickets[ticket] = _Ticket(
+                pending,
+                owner,
+                device,
+                len(triples),
+                sum(rows),
+                request.output_dtype or request.x.dtype,
+            )
+        return pb.ExpertGroupTicket(ticket=ticket)
+
+    @_guard
+    def ExpertGroupTake(self, request, context):
+        owner = self.owner(context)
+        with self._lock:
+            t = self._tickets.get(request.ticket)
+            if t is None or t.owner != owner:
+                raise NotFound(
+                    f"expert_group_take.ticket: unknown or already taken ticket {request.ticket}"
+                )
+            del self._tickets[request.ticket]
+        r = t.pending.result()
+        return self._group_response(r, t.device, t.experts, t.rows, t.output_dtype)
+
+    @_guard
+    def Attention(self, request, context):
+        return self.attention(request, self.owner(context))
+
+    def attention(self, request: pb.AttentionRequest, owner: str) -> pb.AttentionResponse:
+        op = "attention"
+        kv_b = self._tensor(request.kv_b, f"{op}.kv_b", owner)
+        q = validate.array(request.q, f"{op}.q", 3)
+        heads, k = validate.attention_dims(
+            kv_b, q, request.q_dim, request.rope_dim, request.v_dim, request.scale, op
+        )
+        latent = validate.array(request.latent, f"{op}.latent", 2)
+        rope = validate.array(request.rope, f"{op}.rope", 2)
+        validate.columns(latent, k, f"{op}.latent", "kv_b in_features")
+        validate.columns(rope, request.rope_dim, f"{op}.rope", "rope_dim")
+        if rope.shape[0] != latent.shape[0]:
+            raise InvalidArgument(
+                f"{op}.rope: expected {latent.shape[0]} rows (latent rows), got {rope.shape[0]}"
+            )
+        if latent.shape[0] < q.shape[0]:
+            raise InvalidArgument(
+                f"{op}.latent: expected >= {q.shape[0]} rows (one per query "
+                f"row, causal), got {latent.shape[0]}"
+            )
+        proj = self._o_proj(request.o_proj, kv_b, heads, request.v_dim, op, owner)
+        self._begin_compute(op)
+        r = self.backend.attention(
+            kv_b.data.resident,
+            proj,
+            q,
+            latent,
+            rope,
+            request.q_dim,
+            request.rope_dim,
+            request.v_dim,
+            request.scale,
+        )
+        return pb.AttentionResponse(
+            out=self._out(r, request.output_dtype, request.q.dtype), backend_ns=r.phases.total_ns
+        )
+
+    def _o_proj(self, handle: int, kv_b: Handle, heads: int, v_dim: int, op: str, owner: str):
+        if handle == 0:
+            return None
+        proj = self.store.get(handle, f"{op}.o_proj", owner)
+        validate.same_device([(f"{op}.kv_b", kv_b), (f"{op}.o_proj", proj)], op)
+        validate.o_proj(proj, heads, v_dim, op)
+        return proj.data.resident
+
+    @_guard
+    def AttentionRagged(self, request, context):
+        return self.attention_ragged(request, self.owner(context))
+
+    def attention_ragged(
+        self, request: pb.AttentionRaggedRequest, owner: str
+    ) -> pb.AttentionRaggedResponse:
+        op = "attention_ragged"
+        kv_b = self._tensor(request.kv_b, f"{op}.kv_b", owner)
+        q = validate.array(request.q, f"{op}.q", 3)
+        heads, k = validate.attention_dims(
+            kv_b, q, request.q_dim, request.rope_dim, request.v_dim, request.scale, op
+        )
+        n = len(request.sequences)
+        if n != q.shape[0]:
+            raise InvalidArgument(f"{op}.sequences: expected {q.shape[0]} (one per q row), got {n}")
+        if n > self.config.max_sequences_per_call:
+            raise ResourceExhausted(
+                f"{op}.sequences: expected at most {self.config.max_sequences_per_call}, got {n}"
+            )
+        rows, seen = [], {}
+        for i, s in enumerate(request.sequences):
+            f = f"{op}.sequences[{i}]"
+            if s.sequence_id in seen:
+                raise InvalidArgument(
+                    f"{f}.sequence_id: {s.sequence_id} already appears in "
+                    f"sequences[{seen[s.sequence_id]}]"
+                )
+            seen[s.sequence_id] = i
+            if s.start < 0:
+                raise InvalidArgument(f"{f}.start: expected >= 0, got {s.start}")
+            try:
+                lat = codec.decode_rows(s.latent, f"{f}.latent", k)
+                rop = codec.decode_rows(s.rope, f"{f}.rope", request.rope_dim)
+            except codec.CodecError as exc:
+                raise InvalidArgument(str(exc)) from None
+            validate.columns(lat, k, f"{f}.latent", "kv_b in_features")
+            validate.columns(rop, request.rope_dim, f"{f}.rope", "rope_dim")
+            if len(rop) != len(lat):
+                raise InvalidArgument(
+                    f"{f}.rope: expected {len(lat)} rows (latent rows), got {len(rop)}"
+                )
+            rows.append(RowsIn(s.sequence_id, s.start, lat, rop))
+        proj = self._o_proj(request.o_proj, kv_b, heads, request.v_dim, op, owner)
+        self._begin_compute(op)
+        with self.sequences.lock:
+            caches = self.sequences.prepare(kv_b, rows, k, request.rope_dim)
+            r = self.backend.attention_ragged(
+                kv_b.data.resident,
+                proj,
+                q,
+                caches,
+                request.q_dim,
+                request.rope_dim,
+                request.v_dim,
+                request.scale,
+            )
+            lengths = [c.length for c in caches]
+        return pb.AttentionRaggedResponse(
+            out=self._out(r, request.output_dtype, request.q.dtype),
+            lengths=lengths,
+            backend_ns=r.phases.total_ns,
+        )
+
+    @_guard
+    def FreeSequence(self, request, context):
+        owner = self.owner(context)
+        kv_b = None
+        if request.kv_b:
+            kv_b = self._tensor(request.kv_b, "free_sequence.kv_b", owner).id
+        count, released = self.sequences.free(owner, request.sequence_id, kv_b)
+        return pb.FreeSequenceResponse(caches=count, released_bytes=released)
+
+
+__all__ = ["INSTANCE_METADATA_KEY", "Hooks", "WorkerServicer"]

@@ -1,0 +1,272 @@
+"""The tensor store: handles, content-hash dedup with reference counts, byte accounting.
+
+A *handle* is one client's reference; handles that upload identical content (same SHA-256,
+same device) share one resident copy, counted in ``TensorData.refs``. Byte budgets are
+enforced here, per device, before the backend allocates anything. Handles are owned: a
+handle is only visible to the owner that created it (the empty owner when authentication
+is off).
+"""
+
+from __future__ import annotations
+
+import collections
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+
+from coliworker.kernels.qtensor import QTensor
+from coliworker.server.backend import Backend, Phases, Resident
+from coliworker.server.errors import NotFound, ResourceExhausted
+
+
+@dataclass(frozen=True)
+class Spec:
+    fmt: int
+    in_features: int
+    out_features: int
+    group_size: int
+    device: int
+
+
+@dataclass
+class TensorData:
+    """One resident copy, shared by every handle with the same (device, content hash)."""
+
+    spec: Spec
+    content_hash: bytes
+    resident: Resident
+    nbytes: int
+    refs: int = 0
+
+
+@dataclass
+class Handle:
+    id: int
+    owner: str
+    data: TensorData
+
+    @property
+    def spec(self) -> Spec:
+        return self.data.spec
+
+
+@dataclass
+class GroupTotals:
+    calls: int = 0
+    experts: int = 0
+    rows: int = 0
+    h2d_ns: int = 0
+    kernel_ns: int = 0
+    d2h_ns: int = 0
+
+
+@dataclass(frozen=True)
+class DeviceUsage:
+    """What the Stats RPC and the metrics report for one device."""
+
+    device: int
+    tensors: int
+    tensor_bytes: int
+    handles: int
+    kv_sequences: int
+    kv_bytes: int
+    group: GroupTotals
+
+
+class Budget:
+    """Per-device byte budget shared by tensors and KV caches (0: unlimited)."""
+
+    def __init__(self, devices: tuple[int, ...], limit: int) -> None:
+        self.limit = limit
+        self.used = dict.fromkeys(devices, 0)
+        self._lock = threading.Lock()
+
+    def reserve(self, device: int, nbytes: int, what: str) -> None:
+        with self._lock:
+            if self.limit and self.used[device] + nbytes > self.limit:
+                raise ResourceExhausted(
+                    f"{what}: needs {nbytes} bytes on device {device}, which has "
+                    f"{self.limit - self.used[device]} of its {self.limit}-byte budget left "
+                    f"(--memory-limit)"
+                )
+            self.used[device] += nbytes
+
+    def fits(self, device: int, nbytes: int) -> bool:
+        with self._lock:
+            return not self.limit or self.used[device] + nbytes <= self.limit
+
+    def charge(self, device: int, nbytes: int) -> None:
+        """Account bytes already allocated (may go over the limit; ``fits`` then says so)."""
+        with self._lock:
+            self.used[device] += nbytes
+
+    def release(self, device: int, nbytes: int) -> None:
+        with self._lock:
+            self.used[device] -= nbytes
+
+
+class TensorStore:
+    def __init__(self, backend: Backend, devices: tuple[int, ...], budget: Budget) -> None:
+        self.backend = backend
+        self.devices = devices
+        self.budget = budget
+        self._lock = threading.RLock()
+        self._by_key: dict[tuple[int, bytes], TensorData] = {}
+        self._handles: dict[int, Handle] = {}
+        self._freed: collections.OrderedDict[int, None] = collections.OrderedDict()
+        # Handles of different worker instances differ in their top bits, so a handle from
+        # before a restart is reported as unknown instead of hitting another tensor.
+        self._prefix = secrets.randbits(20) << 40
+        self._counter = 0
+        self.group = {d: GroupTotals() for d in devices}
+
+    # -- handles ------------------------------------------------------------------------
+
+    def _new_handle(self, owner: str, data: TensorData) -> Handle:
+        self._counter += 1
+        data.refs += 1
+        h = Handle(self._prefix | self._counter, owner, data)
+        self._handles[h.id] = h
+        return h
+
+    def get(self, handle_id: int, field: str, owner: str = "") -> Handle:
+        """The live handle ``handle_id`` of ``owner``; NotFound names the field otherwise."""
+        with self._lock:
+            h = self._handles.get(handle_id)
+            if h is None or h.owner != owner:
+                state = "freed" if handle_id in self._freed else "unknown"
+                raise NotFound(f"{field}: {state} tensor handle {handle_id}")
+            return h
+
+    def lookup(
+        self, content_hash: bytes, device: int, acquire: bool, owner: str = ""
+    ) -> Handle | None:
+        with self._lock:
+            data = self._by_key.get((device, content_hash))
+            if data is None:
+                return None
+            return self._new_handle(owner, data) if acquire else Handle(0, owner, data)
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def upload(
+        self, spec: Spec, content_hash: bytes, tensor: QTensor, owner: str = ""
+    ) -> tuple[Handle, bool, Phases]:
+        """A new handle on this content; places a copy only if none is resident yet."""
+        key = (spec.device, content_hash)
+        hit = self.lookup(content_hash, spec.device, acquire=True, owner=owner)
+        if hit is not None:
+            return hit, True, Phases()
+        nbytes = tensor.nbytes
+        self.budget.reserve(spec.device, nbytes, "upload")
+        try:
+            t0 = time.perf_counter_ns()
+            resident = self.backend.place(tensor, spec.device)
+            phases = Phases(h2d_ns=time.perf_counter_ns() - t0)
+        except BaseException:
+            self.budget.release(spec.device, nbytes)
+            raise
+        with self._lock:
+            raced = self._by_key.get(key)
+            if raced is None:
+                data = TensorData(spec, content_hash, resident, nbytes)
+                self._by_key[key] = data
+                return self._new_handle(owner, data), False, phases
+            handle = self._new_handle(owner, raced)
+        # An identical upload finished first: keep its copy, drop ours.
+        self.backend.release(resident)
+        self.budget.release(spec.device, nbytes)
+        return handle, True, phases
+
+    def update(self, handle: Handle, content_hash: bytes, tensor: QTensor) -> Phases:
+        """Point ``handle`` at new content (same spec). Other handles keep the old data."""
+        spec = handle.spec
+        key = (spec.device, content_hash)
+        with self._lock:
+            old = handle.data
+            if old.content_hash == content_hash:
+                return Phases()
+            existing = self._by_key.get(key)
+            if existing is not None:
+                existing.refs += 1
+                handle.data = existing
+                self._drop_ref(old)
+                return Phases()
+            if old.refs == 1:
+                # Sole owner: overwrite in place, no second allocation.
+                t0 = time.perf_counter_ns()
+                self.backend.replace(old.resident, tensor)
+                del self._by_key[(spec.device, old.content_hash)]
+                old.content_hash = content_hash
+                self._by_key[key] = old
+                return Phases(h2d_ns=time.perf_counter_ns() - t0)
+        # Shared: copy on write.
+        self.budget.reserve(spec.device, tensor.nbytes, "update")
+        try:
+            t0 = time.perf_counter_ns()
+            resident = self.backend.place(tensor, spec.device)
+            phases = Phases(h2d_ns=time.perf_counter_ns() - t0)
+        except BaseException:
+            self.budget.release(spec.device, tensor.nbytes)
+            raise
+        with self._lock:
+            data = TensorData(spec, content_hash, resident, tensor.nbytes, refs=1)
+            self._by_key[key] = data
+            old = handle.data
+            handle.data = data
+            self._drop_ref(old)
+        return phases
+
+    def free(self, handle: Handle) -> tuple[int, int]:
+        """Drop a handle; returns (bytes released, references left on its data)."""
+        with self._lock:
+            if self._handles.pop(handle.id, None) is None:
+                raise NotFound(f"free.handle: freed tensor handle {handle.id}")
+            self._freed[handle.id] = None
+            while len(self._freed) > 65536:
+                self._freed.popitem(last=False)
+            data = handle.data
+            released = self._drop_ref(data)
+            return released, data.refs
+
+    def _drop_ref(self, data: TensorData) -> int:
+        data.refs -= 1
+        if data.refs > 0:
+            return 0
+        del self._by_key[(data.spec.device, data.content_hash)]
+        self.backend.release(data.resident)
+        self.budget.release(data.spec.device, data.nbytes)
+        return data.nbytes
+
+    # -- statistics ---------------------------------------------------------------------
+
+    def record_group(self, device: int, experts: int, rows: int, phases: Phases) -> None:
+        with self._lock:
+            g = self.group[device]
+            g.calls += 1
+            g.experts += experts
+            g.rows += rows
+            g.h2d_ns += phases.h2d_ns
+            g.kernel_ns += phases.kernel_ns
+            g.d2h_ns += phases.d2h_ns
+
+    def tensor_usage(self) -> dict[int, tuple[int, int, int]]:
+        """device -> (distinct tensors, their bytes, live handles)."""
+        with self._lock:
+            out = {d: [0, 0, 0] for d in self.devices}
+            for data in self._by_key.values():
+                out[data.spec.device][0] += 1
+                out[data.spec.device][1] += data.nbytes
+            for h in self._handles.values():
+                out[h.spec.device][2] += 1
+            return {d: (v[0], v[1], v[2]) for d, v in out.items()}
+
+    def group_totals(self, device: int) -> GroupTotals:
+        with self._lock:
+            g = self.group[device]
+            return GroupTotals(g.calls, g.experts, g.rows, g.h2d_ns, g.kernel_ns, g.d2h_ns)
+
+    def handles_of(self, owner: str) -> list[Handle]:
+        with self._lock:
+            return [h for h in self._handles.values() if h.owner == owner]
