@@ -243,3 +243,7 @@ def settings_table() -> str:
     rows = ["| flag | variable | meaning |", "|---|---|---|"]
     rows += [f"| `{s.flag}` | `{s.env}` | {s.help} |" for s in SETTINGS]
     return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(settings_table())

@@ -1,0 +1,99 @@
+"""The command line: `coliworker serve` as a real process, info/stats/demo against it, config."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from coliworker.server import config as cfg
+from coliworker.server.cli import build_parser, main
+
+
+@pytest.fixture(scope="module")
+def worker_process():
+    env = dict(
+        os.environ, COLIWORKER_BACKEND="auto", COLIWORKER_METRICS_PORT="0", COLIWORKER_PORT="0"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coliworker", "serve"], env=env, stderr=subprocess.PIPE, text=True
+    )
+    lines = []
+    deadline = time.monotonic() + 60
+    address = None
+    while time.monotonic() < deadline and address is None:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"serving on (\S+:\d+) \(backend (\w+)", line)
+        if m:
+            address = m.group(1)
+    assert address, "worker did not start:\n" + "".join(lines)
+    yield proc, address, "".join(lines)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def test_serve_auto_picks_and_logs_backend(worker_process):
+    _, _, log = worker_process
+    assert "backend auto:" in log  # says which backend and why
+
+
+def test_info_stats_demo_against_the_process(worker_process, capsys):
+    _, address, _ = worker_process
+    assert main(["info", "--address", address]) == 0
+    assert "device 0" in capsys.readouterr().out
+    assert main(["demo", "--address", address, "--layers", "2", "--tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "OK" in out
+    assert main(["stats", "--address", address]) == 0
+    assert main(["info", "--address", "127.0.0.1:1"]) == 1
+
+
+def test_sigterm_drains_and_exits_zero(worker_process):
+    proc, _, _ = worker_process
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+
+
+def test_config_from_flags_and_environment():
+    args = build_parser().parse_args(["serve", "--port", "6000", "--devices", "0,2"])
+    env = {
+        "COLIWORKER_PORT": "7000",
+        "COLIWORKER_MEMORY_LIMIT": "1.5G",
+        "COLIWORKER_METRICS_PORT": "0",
+        "COLIWORKER_BACKEND": "numpy",
+    }
+    c = cfg.from_sources(args, env)
+    assert c.port == 6000  # the flag wins over the variable
+    assert c.devices == (0, 2)
+    assert c.memory_limit == int(1.5 * 2**30)
+    assert c.metrics_port is None  # 0 disables the endpoint
+    assert c.backend == "numpy"
+
+
+@pytest.mark.parametrize(
+    "env,match",
+    [
+        ({"COLIWORKER_DEVICES": "0,0"}, "COLIWORKER_DEVICES: expected distinct device ids"),
+        ({"COLIWORKER_MEMORY_LIMIT": "lots"}, "COLIWORKER_MEMORY_LIMIT: expected a size"),
+        ({"COLIWORKER_BACKEND": "tpu"}, "backend: expected one of auto, numpy, cupy, got 'tpu'"),
+        ({"COLIWORKER_PORT": "70000"}, "port: expected 0..65535, got 70000"),
+    ],
+)
+def test_config_errors_name_the_source(env, match):
+    with pytest.raises(ValueError, match=match):
+        cfg.from_sources(None, env)
+
+
+def test_readme_documents_every_setting():
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    missing = [s.env for s in cfg.SETTINGS if s.env not in readme]
+    assert not missing, f"README lacks {missing}; paste `python -m coliworker.server.config`"
