@@ -88,15 +88,18 @@ class Backend:
         self.handles: list[dict] = []
         if worker is None:
             return
-        for layer in model.layers:
-            up = lambda t: worker.upload(
+
+        def up(t: QTensor):
+            return worker.upload(
                 t.weights,
                 t.scales,
-                fmt=t.fmt,  # noqa: E731
+                fmt=t.fmt,
                 in_features=t.in_features,
                 out_features=t.out_features,
                 group_size=t.group_size,
             )
+
+        for layer in model.layers:
             self.handles.append(
                 {
                     "kv_b": up(layer["kv_b"]),
