@@ -1,0 +1,79 @@
+# syntax=docker/dockerfile:1
+#
+# coliworker images. Three stages; build from the repository root:
+#
+#   docker build -t coliworker:cuda .              # default target: CUDA 12 + CuPy
+#   docker build -t coliworker:cpu --target cpu .  # NumPy backend only, no GPU needed
+#
+# Both run `coliworker serve` as an unprivileged user, listen on 0.0.0.0:50051 (gRPC) and
+# 0.0.0.0:9400 (/metrics), and report health through grpc.health.v1. Every setting is a
+# COLIWORKER_* variable (see deploy/README.md). A worker listening beyond loopback needs a
+# token (COLIWORKER_TOKEN_FILE) or an explicit COLIWORKER_INSECURE=1: the image sets neither.
+
+ARG PYTHON_IMAGE=python:3.12-slim-bookworm
+ARG CUDA_IMAGE=nvidia/cuda:12.6.3-runtime-ubuntu24.04
+
+# ---------------------------------------------------------------------------------------
+# builder: the wheel (pure Python; the .cu kernels travel as package data and compile on
+# first use on the target GPU, cached per device).
+FROM ${PYTHON_IMAGE} AS builder
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY proto/ proto/
+COPY server/ server/
+COPY client/ client/
+COPY kernels/ kernels/
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+# ---------------------------------------------------------------------------------------
+# cpu: NumPy backend, for development, CI and machines without a GPU.
+FROM ${PYTHON_IMAGE} AS cpu
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    COLIWORKER_HOST=0.0.0.0 \
+    COLIWORKER_PORT=50051 \
+    COLIWORKER_METRICS_PORT=9400 \
+    COLIWORKER_BACKEND=numpy
+COPY --from=builder /wheels/ /wheels/
+# coliworker is the wheel built above; its dependencies keep pyproject's ranges.
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir --find-links /wheels "coliworker[ops]" \
+    && rm -rf /wheels \
+    && useradd --system --uid 10001 --create-home --home-dir /home/coliworker coliworker
+USER 10001
+WORKDIR /home/coliworker
+EXPOSE 50051 9400
+# The probe speaks grpc.health.v1 with no extra package; the shell expands the port.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \
+    CMD ["sh", "-c", "python -m coliworker.server.health 127.0.0.1:${COLIWORKER_PORT:-50051}"]
+ENTRYPOINT ["coliworker", "serve"]
+
+# ---------------------------------------------------------------------------------------
+# cuda (default): CUDA 12 runtime (cuBLAS, NVRTC for the kernels) + CuPy. Needs the NVIDIA
+# container toolkit on the host (`docker run --gpus all`, or the compose GPU reservation).
+FROM ${CUDA_IMAGE} AS cuda
+# Ubuntu's Python is externally managed (PEP 668): install into a virtual environment.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv \
+    && rm -rf /var/lib/apt/lists/* \
+    && python3 -m venv /opt/coliworker \
+    && useradd --system --uid 10001 --create-home --home-dir /home/coliworker coliworker
+ENV PATH=/opt/coliworker/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    CUPY_CACHE_DIR=/home/coliworker/.cupy/kernel_cache \
+    COLIWORKER_HOST=0.0.0.0 \
+    COLIWORKER_PORT=50051 \
+    COLIWORKER_METRICS_PORT=9400 \
+    COLIWORKER_BACKEND=auto
+COPY --from=builder /wheels/ /wheels/
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir --find-links /wheels "coliworker[gpu,ops]" \
+    && rm -rf /wheels
+USER 10001
+WORKDIR /home/coliworker
+EXPOSE 50051 9400
+HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
+    CMD ["sh", "-c", "python -m coliworker.server.health 127.0.0.1:${COLIWORKER_PORT:-50051}"]
+ENTRYPOINT ["coliworker", "serve"]

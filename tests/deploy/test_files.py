@@ -1,0 +1,155 @@
+"""The deployment files agree with each other and with the worker: ports, names, variables,
+probes, mounts. (Schemas are checked by scripts/check-deploy; this is the wiring.)"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+from promql_names import DEPLOY, ROOT
+
+SECURITY_VARS = {"COLIWORKER_TOKEN_FILE", "COLIWORKER_INSECURE"}  # the auth issue adds them
+
+
+def load(path):
+    return yaml.safe_load(path.read_text())
+
+
+def load_all(path):
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def known_env() -> set[str]:
+    from coliworker.server.config import SETTINGS
+
+    return {s.env for s in SETTINGS} | SECURITY_VARS
+
+
+def config_from(env: dict[str, str]):
+    from coliworker.server.config import from_sources
+
+    return from_sources(None, {k: str(v) for k, v in env.items()})
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return load(DEPLOY / "docker-compose.yml")
+
+
+def test_compose_workers(compose: dict) -> None:
+    services = compose["services"]
+    gpu, cpu = services["worker-gpu"], services["worker-cpu"]
+    assert gpu["profiles"] == ["gpu"] and cpu["profiles"] == ["cpu"]
+    assert gpu["build"]["target"] == "cuda" and cpu["build"]["target"] == "cpu"
+    devices = gpu["deploy"]["resources"]["reservations"]["devices"]
+    assert devices[0]["driver"] == "nvidia" and "gpu" in devices[0]["capabilities"]
+    for worker in (gpu, cpu):
+        env = worker["environment"]
+        assert set(env) <= known_env(), set(env) - known_env()
+        config = config_from({k: v for k, v in env.items() if k not in SECURITY_VARS})
+        assert (config.host, config.port, config.metrics_port) == ("0.0.0.0", 50051, 9400)
+        assert env["COLIWORKER_INSECURE"] == "1"
+        assert "worker" in worker["networks"]["default"]["aliases"]
+        # Insecure by default: published on loopback only.
+        assert all(p.startswith("127.0.0.1:") for p in worker["ports"]), worker["ports"]
+        assert (ROOT / "deploy" / worker["build"]["context"] / "Dockerfile").is_file()
+    # The default profile (deploy/.env) is the GPU worker.
+    assert "COMPOSE_PROFILES=gpu" in (DEPLOY / ".env").read_text().splitlines()
+
+
+def test_compose_insecure_default_is_loud() -> None:
+    text = (DEPLOY / "docker-compose.yml").read_text()
+    assert "SECURITY" in text and "openssl rand" in text
+
+
+def test_compose_mounts_exist(compose: dict) -> None:
+    for name, service in compose["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (DEPLOY / source).exists(), f"{name}: {source} missing"
+
+
+def test_prometheus_scrapes_the_worker_metrics_port(compose: dict) -> None:
+    prom = load(DEPLOY / "prometheus.yml")
+    (job,) = [j for j in prom["scrape_configs"] if j["job_name"] == "coliworker"]
+    targets = [t for sc in job["static_configs"] for t in sc["targets"]]
+    port = compose["services"]["worker-cpu"]["environment"]["COLIWORKER_METRICS_PORT"]
+    assert targets == [f"worker:{port}"]
+
+
+def test_grafana_provisioning_matches_dashboard(dashboard: dict) -> None:
+    prov = DEPLOY / "grafana" / "provisioning"
+    (source,) = load(prov / "datasources" / "prometheus.yml")["datasources"]
+    assert source["url"] == "http://prometheus:9090"
+    (var,) = [v for v in dashboard["templating"]["list"] if v["name"] == "datasource"]
+    assert var["current"]["value"] == source["uid"]
+    (provider,) = load(prov / "dashboards" / "coliworker.yml")["providers"]
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
+
+
+@pytest.fixture(scope="module")
+def k8s() -> dict:
+    docs = {}
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        for doc in load_all(path):
+            docs[(doc["kind"], path.name)] = doc
+    return docs
+
+
+def test_k8s_deployment(k8s: dict) -> None:
+    deployment = k8s[("Deployment", "deployment.yaml")]
+    pod = deployment["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert set(env) - {"CUPY_CACHE_DIR"} <= known_env()
+    config = config_from({k: v for k, v in env.items() if k.startswith("COLIWORKER_")})
+    assert config.port == ports["grpc"] and config.metrics_port == ports["metrics"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["grpc"]["port"] == ports["grpc"], probe
+    assert container["readinessProbe"]["grpc"]["service"] == "coliworker.v1.Worker"
+    notes = pod["metadata"]["annotations"]
+    assert notes["prometheus.io/scrape"] == "true"
+    assert int(notes["prometheus.io/port"]) == ports["metrics"]
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    # The token file lives in the mounted Secret of secret.example.yaml.
+    secret = k8s[("Secret", "secret.example.yaml")]
+    (volume,) = [v for v in pod["spec"]["volumes"] if "secret" in v]
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    assert (
+        env["COLIWORKER_TOKEN_FILE"] == f"{mount['mountPath']}/{next(iter(secret['stringData']))}"
+    )
+
+
+def test_k8s_service_and_kustomization(k8s: dict) -> None:
+    deployment = k8s[("Deployment", "deployment.yaml")]
+    service = k8s[("Service", "service.yaml")]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    names = {p["name"] for p in container["ports"]}
+    assert {p["targetPort"] for p in service["spec"]["ports"]} <= names
+    kustomization = k8s[("Kustomization", "kustomization.yaml")]
+    for resource in kustomization["resources"]:
+        assert (DEPLOY / "k8s" / resource).is_file(), resource
+    assert "secret.example.yaml" not in kustomization["resources"]
+
+
+def test_dockerfile() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", text, re.M)
+    assert stages == ["builder", "cpu", "cuda"]  # cuda last: the default target
+    assert re.search(r"^EXPOSE 50051 9400$", text, re.M)
+    assert text.count("USER 10001") == 2
+    assert text.count("python -m coliworker.server.health") == 2
+    assert 'ENTRYPOINT ["coliworker", "serve"]' in text
+    cpu_stage = text.split("AS cpu")[1].split("\nFROM")[0]
+    assert "gpu" not in re.findall(r'"coliworker\[([^\]]*)\]"', cpu_stage)[0]
+    assert "pip wheel" in text
+    ignore = (ROOT / ".dockerignore").read_text().split()
+    for needed in ("!pyproject.toml", "!proto/", "!server/", "!client/", "!kernels/"):
+        assert needed in ignore
