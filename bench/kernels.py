@@ -1,0 +1,315 @@
+"""GPU kernel benchmark: our CuPy backend beside the seed, GLM-5.2 shapes, one run.
+
+For every row of the kernel targets table it times one in-process backend call from Python
+(synchronous, activation transfers included: "call") and the backend's CUDA-event kernel
+time ("kernel"), rotating among enough weight sets that the 60 MB L2 never holds them,
+checks the result against the float64 reference, and puts the seed's figures from the
+same run beside them (the seed is built from ``--seed-dir`` with nvcc and timed by its own
+``bench_seed.py``).
+
+    scripts/devlink && PYTHONPATH=.dev python bench/kernels.py --seed-dir .seed --out $OUT
+
+Writes ``kernels-<date>.json`` and ``kernels-<date>.md`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+READ_BW = 4.48e12  # measured streaming read of the H200, bytes/s
+GLM = dict(D=6144, I=2048, H=64, Q=192, R=64, V=256, K=512)
+L2 = 60e6
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except Exception:
+        return os.environ.get("COLIWORKER_COMMIT", "unknown")
+
+
+def rel_err(y, want) -> float:
+    return float(np.max(np.abs(y - want)) / max(float(np.max(np.abs(want))), 1e-30))
+
+
+def make_tensor(rng, fmt, i, o, gs=0):
+    from coliworker.kernels.qtensor import QTensor, row_bytes, scale_count
+
+    if fmt == 0:
+        w = rng.standard_normal((o, i)).astype(np.float32).view(np.uint8).reshape(-1)
+    else:
+        w = rng.integers(0, 256, size=o * row_bytes(fmt, i), dtype=np.uint8)
+    s = (rng.random(scale_count(fmt, i, o, gs)) * 0.02 + 0.001).astype(np.float32)
+    return QTensor(fmt, i, o, gs, w, s)
+
+
+def timed(fn, n: int, warmup: int = 3):
+    """Median wall ms and median kernel ms (from Result.phases) over n calls."""
+    for _ in range(warmup):
+        fn(0)
+    walls, kernels = [], []
+    for k in range(n):
+        t0 = time.perf_counter()
+        r = fn(k)
+        walls.append(time.perf_counter() - t0)
+        kernels.append(r.phases.kernel_ns / 1e6)
+    return float(np.median(walls)) * 1e3, float(np.median(kernels))
+
+
+def bench_group(backend, rng, name, count, rows, fmt=2, gs=0, n=50):
+    from coliworker.kernels import reference as ref
+
+    d, i = GLM["D"], GLM["I"]
+    set_bytes = count * 3 * (d * i // 2 if fmt in (2, 4) else d * i)
+    nsets = max(2, int(np.ceil(3 * L2 / set_bytes)))
+    hosts = [
+        [
+            (
+                make_tensor(rng, fmt, d, i, gs),
+                make_tensor(rng, fmt, d, i, gs),
+                make_tensor(rng, fmt, i, d, gs),
+            )
+            for _ in range(count)
+        ]
+        for _ in range(nsets)
+    ]
+    res = [[tuple(backend.place(t, 0) for t in e) for e in hs] for hs in hosts]
+    rl = [rows] * count
+    x = rng.standard_normal((rows * count, d)).astype(np.float32)
+    y = backend.expert_group(res[0], rl, x).out
+    err = rel_err(y, ref.expert_group(hosts[0], rl, x))
+    call_ms, kern_ms = timed(lambda k: backend.expert_group(res[k % nsets], rl, x), n)
+    wbytes = set_bytes + sum(t.scales.nbytes for e in hosts[0] for t in e)
+    for rs in res:
+        for e in rs:
+            for t in e:
+                backend.release(t)
+    flops = 2 * 3 * d * i * rows * count
+    return dict(
+        name=name,
+        call_ms=call_ms,
+        kernel_ms=kern_ms,
+        rel_err=err,
+        weight_MB=wbytes / 1e6,
+        kernel_GBps=wbytes / (kern_ms * 1e-3) / 1e9,
+        kernel_TFLOPs=flops / (kern_ms * 1e-3) / 1e12,
+        floor_us=wbytes / READ_BW * 1e6,
+    )
+
+
+def bench_matmul(backend, rng, name, s, i, o, fmt=2, n=100):
+    from coliworker.kernels import reference as ref
+
+    nsets = max(2, int(np.ceil(3 * L2 / (o * i // 2))))
+    hosts = [make_tensor(rng, fmt, i, o) for _ in range(nsets)]
+    res = [backend.place(t, 0) for t in hosts]
+    x = rng.standard_normal((s, i)).astype(np.float32)
+    err = rel_err(backend.matmul(res[0], x).out, ref.matmul(hosts[0], x))
+    call_ms, kern_ms = timed(lambda k: backend.matmul(res[k % nsets], x), n)
+    for r in res:
+        backend.release(r)
+    wbytes = hosts[0].nbytes
+    return dict(
+        name=name,
+        call_ms=call_ms,
+        kernel_ms=kern_ms,
+        rel_err=err,
+        weight_MB=wbytes / 1e6,
+        kernel_GBps=wbytes / (kern_ms * 1e-3) / 1e9,
+        floor_us=wbytes / READ_BW * 1e6,
+    )
+
+
+def bench_ragged(backend, rng, name, seqs, t, n=30):
+    from coliworker.kernels import reference as ref
+
+    g = GLM
+    h, q, r, v, k, dout = g["H"], g["Q"], g["R"], g["V"], g["K"], g["D"]
+    kv_b = make_tensor(rng, 2, k, h * (q + v))
+    o_proj = make_tensor(rng, 2, h * v, dout)
+    rk, ro = backend.place(kv_b, 0), backend.place(o_proj, 0)
+    total = t + n + 8
+    lat = [rng.standard_normal((total, k)).astype(np.float32) for _ in range(seqs)]
+    rope = [rng.standard_normal((total, r)).astype(np.float32) for _ in range(seqs)]
+    caches = [backend.new_kv(0, k, r) for _ in range(seqs)]
+    for c, la, ro_ in zip(caches, lat, rope, strict=True):
+        c.append(la[: t - 8], ro_[: t - 8])
+    qs = rng.standard_normal((seqs, h, q + r)).astype(np.float32)
+    scale = 1 / np.sqrt(q + r)
+    out = backend.attention_ragged(rk, ro, qs, caches, q, r, v, scale).out
+    want = ref.attention_ragged(
+        kv_b, o_proj, qs, [la[: t - 8] for la in lat], [x[: t - 8] for x in rope], q, r, v, scale
+    )
+    err = rel_err(out, want)
+
+    def step(_k):
+        # One decode step per sequence: append the new KV row, then attend.
+        for c, la, ro_ in zip(caches, lat, rope, strict=True):
+            c.append(la[c.length : c.length + 1], ro_[c.length : c.length + 1])
+        return backend.attention_ragged(rk, ro, qs, caches, q, r, v, scale)
+
+    call_ms, kern_ms = timed(step, n)
+    kv_bytes = sum(c.length for c in caches) * (k + r) * 4
+    wbytes = kv_b.nbytes + o_proj.nbytes + kv_bytes
+    for c in caches:
+        c.release()
+    backend.release(rk)
+    backend.release(ro)
+    return dict(
+        name=name,
+        call_ms=call_ms,
+        kernel_ms=kern_ms,
+        rel_err=err,
+        weight_MB=wbytes / 1e6,
+        floor_us=wbytes / READ_BW * 1e6,
+    )
+
+
+ROWS = [
+    # name, seed row name, target call ms, target kernel ms
+    ("expert group decode 8x1 int4", "glm52 decode 8x1 w4 dual", 0.090, 0.045),
+    ("expert group decode 8x1 gs=64", "glm52 decode 8x1 g4 gs128", None, 0.050),
+    ("expert group 8x4 int4", "glm52 decode 8x4 w4 dual", None, 0.060),
+    ("expert group prefill 64x32 int4", "glm52 prefill 64x32 w4 dual", 1.5, 0.8),
+    ("dense matmul S=1 6144x6144 int4", "glm52 dense S=1 6144x6144 int4", 0.040, 0.010),
+    ("MLA ragged+o_proj 1 seq T=4096", "mla ragged H64 S1 T4096", 0.060, None),
+    ("MLA ragged+o_proj 8 seqs T=4096", "mla ragged H64 S8 T4096", 0.120, None),
+    ("MLA ragged+o_proj 32 seqs T=2048", "mla ragged H64 S32 T2048", 0.250, None),
+]
+
+
+def run_seed(seed_dir: Path, out: Path) -> dict[str, dict]:
+    """Build the seed with nvcc and run its own benchmark; returns its rows by name."""
+    lib = seed_dir / "libseed.so"
+    subprocess.run(
+        [
+            "nvcc",
+            "-arch=sm_90",
+            "-O3",
+            "-Xcompiler",
+            "-fPIC",
+            "-shared",
+            "-o",
+            str(lib),
+            str(seed_dir / "backend_cuda.cu"),
+        ],
+        check=True,
+    )
+    js = out / "seed-raw.json"
+    env = dict(os.environ, ONLY="glm52", SEEDBENCH_JSON=str(js))
+    with open(out / "seed.log", "w") as log:
+        subprocess.run(
+            [sys.executable, str(seed_dir / "bench_seed.py"), str(lib)],
+            env=env,
+            check=True,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=seed_dir,
+        )
+    return {r["name"]: r for r in json.load(open(js))}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--seed-dir", type=Path, default=None, help="folder with the seed sources")
+    p.add_argument("--only", default="", help="substring filter on row names")
+    a = p.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
+    from coliworker.server.backends import create_backend
+
+    seed = run_seed(a.seed_dir, a.out) if a.seed_dir else {}
+    backend = create_backend("cupy", devices=(0,))
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    fns = [
+        lambda: bench_group(backend, rng, ROWS[0][0], 8, 1),
+        lambda: bench_group(backend, rng, ROWS[1][0], 8, 1, fmt=4, gs=64),
+        lambda: bench_group(backend, rng, ROWS[2][0], 8, 4),
+        lambda: bench_group(backend, rng, ROWS[3][0], 64, 32, n=10),
+        lambda: bench_matmul(backend, rng, ROWS[4][0], 1, 6144, 6144),
+        lambda: bench_ragged(backend, rng, ROWS[5][0], 1, 4096),
+        lambda: bench_ragged(backend, rng, ROWS[6][0], 8, 4096),
+        lambda: bench_ragged(backend, rng, ROWS[7][0], 32, 2048),
+    ]
+    rows = []
+    for (name, seed_name, t_call, t_kern), fn in zip(ROWS, fns, strict=True):
+        if a.only and a.only not in name:
+            continue
+        try:
+            r = fn()
+        except Exception as exc:  # keep the other rows
+            r = dict(name=name, error=f"{type(exc).__name__}: {exc}")
+        s = seed.get(seed_name, {})
+        r.update(
+            seed_call_ms=s.get("wall_ms"),
+            seed_kernel_ms=s.get("kernel_ms"),
+            target_call_ms=t_call,
+            target_kernel_ms=t_kern,
+        )
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    import cupy
+
+    gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    date = datetime.date.today().isoformat()
+    meta = dict(
+        gpu=gpu,
+        date=date,
+        commit=_git_commit(),
+        host=platform.node(),
+        command="PYTHONPATH=.dev python bench/kernels.py --seed-dir .seed --out $OUT",
+        read_bw_TBps=READ_BW / 1e12,
+    )
+    (a.out / f"kernels-{date}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    md = [
+        f"# Kernel benchmark, {gpu}, {date}, commit {meta['commit']}",
+        "",
+        f"Command: `{meta['command']}` (seed built from the seed sources in the same run).",
+        "",
+        "| operation | ours call ms | ours kernel ms | seed call ms | seed kernel ms | "
+        "speedup (call) | GB/s | floor us | target | rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(v, k=3):
+        return "-" if v is None else f"{v:.{k}f}"
+
+    for r in rows:
+        if "error" in r:
+            md.append(f"| {r['name']} | error: {r['error']} |||||||||")
+            continue
+        sp = (r["seed_call_ms"] / r["call_ms"]) if r.get("seed_call_ms") else None
+        tgt = " / ".join(
+            x
+            for x in (
+                f"call<={r['target_call_ms']}" if r["target_call_ms"] else "",
+                f"kernel<={r['target_kernel_ms']}" if r["target_kernel_ms"] else "",
+            )
+            if x
+        )
+        md.append(
+            f"| {r['name']} | {f(r['call_ms'])} | {f(r['kernel_ms'])} | "
+            f"{f(r['seed_call_ms'])} | {f(r['seed_kernel_ms'])} | {f(sp, 1)}x | "
+            f"{f(r.get('kernel_GBps'), 0)} | {f(r['floor_us'], 1)} | {tgt} | "
+            f"{r['rel_err']:.1e} |"
+        )
+    (a.out / f"kernels-{date}.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    backend.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
