@@ -19,7 +19,7 @@ from coliworker.v1 import worker_pb2 as pb
 #: than one large message).
 CHUNK_BYTES = 1 << 20
 
-_NUMPY_OF = {
+_NUMPY_OF: dict[int, np.dtype] = {
     pb.DTYPE_FLOAT32: np.dtype("<f4"),
     pb.DTYPE_FLOAT16: np.dtype("<f2"),
     pb.DTYPE_BFLOAT16: np.dtype("<u2"),
@@ -127,7 +127,7 @@ def decode_rows(msg: pb.Array, field: str, width: int) -> np.ndarray:
 
 def _bytes(buf: bytes | memoryview | np.ndarray) -> bytes | memoryview:
     if isinstance(buf, np.ndarray):
-        return memoryview(np.ascontiguousarray(buf)).cast("B")
+        return np.ascontiguousarray(buf).data.cast("B")
     return buf
 
 

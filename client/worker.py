@@ -208,7 +208,7 @@ class WorkerClient:
             info = self._local.info = CallInfo()
         return info
 
-    def _call(self, method: Callable[..., Any], request: Any, timeout: float | None = None) -> Any:
+    def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
         try:
             resp, call = method.with_call(request, timeout=timeout or self.timeout)
         except grpc.RpcError as err:
@@ -305,7 +305,7 @@ class WorkerClient:
     def _payload(weights: np.ndarray, scales: np.ndarray | None) -> tuple[memoryview, memoryview]:
         w = np.ascontiguousarray(weights)
         s = np.zeros(0, np.float32) if scales is None else np.ascontiguousarray(scales, np.float32)
-        return memoryview(w).cast("B"), memoryview(s).cast("B")
+        return w.data.cast("B"), s.data.cast("B")
 
     def _stream(
         self,

@@ -32,6 +32,7 @@ from coliworker.server.errors import (
     WorkerError,
 )
 from coliworker.server.sequences import RowsIn, SequenceStore
+from coliworker.server.session import SessionManager
 from coliworker.server.store import Budget, DeviceUsage, Handle, TensorStore
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.v1 import worker_pb2_grpc as pb_grpc
@@ -97,6 +98,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._ticket_ids = itertools.count(1)
         self._lock = threading.Lock()
         self._compute_calls = 0
+        self.sessions = SessionManager(self)
 
     # -- plumbing -----------------------------------------------------------------------
 
@@ -208,8 +210,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         """Read a header and its data; returns (spec, hash, QTensor, handle field)."""
         first = next(chunks, None)
         if first is None or first.WhichOneof("part") != "header":
-            got = "nothing" if first is None else "a data chunk"
-            raise InvalidArgument(f"{op}: expected a header as the first message, got {got}")
+            what = "nothing" if first is None else "a data chunk"
+            raise InvalidArgument(f"{op}: expected a header as the first message, got {what}")
         header = first.header
         spec = validate.spec(header.spec, self.devices, f"{op}.header.spec")
         wbytes, sbytes = validate.sizes(spec)
@@ -586,7 +588,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             raise ResourceExhausted(
                 f"{op}.sequences: expected at most {self.config.max_sequences_per_call}, got {n}"
             )
-        rows, seen = [], {}
+        rows: list[RowsIn] = []
+        seen: dict[int, int] = {}
         for i, s in enumerate(request.sequences):
             f = f"{op}.sequences[{i}]"
             if s.sequence_id in seen:
@@ -638,6 +641,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             kv_b = self._tensor(request.kv_b, "free_sequence.kv_b", owner).id
         count, released = self.sequences.free(owner, request.sequence_id, kv_b)
         return pb.FreeSequenceResponse(caches=count, released_bytes=released)
+
+    def Session(self, request_iterator, context):
+        """The hot calls multiplexed on one stream (``server/session.py``)."""
+        context.send_initial_metadata(((INSTANCE_METADATA_KEY, self.instance_id),))
+        return self.sessions.serve(request_iterator, context)
 
 
 __all__ = ["INSTANCE_METADATA_KEY", "Hooks", "WorkerServicer"]
