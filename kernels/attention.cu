@@ -85,7 +85,7 @@ mla_attend(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ p
     for (int j = 0; j < HPW; ++j) {
         head[j] = (blockIdx.x * ATT_WARPS + warp) * HPW + j;
         const bool ok = head[j] < H;
-        m[j] = -INFINITY;
+        m[j] = -COLI_INF;
         l[j] = 0.f;
 #pragma unroll
         for (int n = 0; n < NPL; ++n) {
@@ -124,11 +124,11 @@ mla_attend(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ p
         float (&p)[HPW][ATT_TT] = sc;  // probabilities overwrite the scores
 #pragma unroll
         for (int j = 0; j < HPW; ++j) {
-            float mt = -INFINITY;
+            float mt = -COLI_INF;
 #pragma unroll
             for (int t = 0; t < ATT_TT; ++t) {
                 const float v = warp_sum(sc[j][t]) * scale;
-                sc[j][t] = t0 + t < te ? v : -INFINITY;
+                sc[j][t] = t0 + t < te ? v : -COLI_INF;
                 mt = fmaxf(mt, sc[j][t]);
             }
             const float mn = fmaxf(m[j], mt);  // finite: row t0 < te is valid
@@ -181,14 +181,14 @@ mla_merge(float *__restrict__ cl, const float *__restrict__ pm, const float *__r
     const int h = blockIdx.x, s = blockIdx.y;
     const size_t base = ((size_t)s * H + h) * nsplit;
     // Every thread computes M and L itself (nsplit is small): no shared reduction to race on.
-    float M = -INFINITY;
+    float M = -COLI_INF;
     for (int z = 0; z < nsplit; ++z) M = fmaxf(M, pm[base + z]);
     float L = 0.f;
-    if (M != -INFINITY)
+    if (M != -COLI_INF)
         for (int z = 0; z < nsplit; ++z) L += pl[base + z] * expf(pm[base + z] - M);
     const float inv = L > 0.f ? 1.f / L : 0.f;
     for (int z = threadIdx.x; z < nsplit; z += blockDim.x)
-        wz[z] = M != -INFINITY ? expf(pm[base + z] - M) * inv : 0.f;
+        wz[z] = M != -COLI_INF ? expf(pm[base + z] - M) * inv : 0.f;
     __syncthreads();
     for (int k = threadIdx.x; k < K; k += blockDim.x) {
         float v = 0.f;

@@ -18,8 +18,12 @@ ATT_WARPS = 8
 ATT_TT = 8
 # (lanes' share of K + R, heads per warp): registers hold q and the weighted latent.
 NPL_CHOICES = ((2, 2), (4, 2), (8, 2), (18, 2), (36, 1))
-ABSORB_VARIANTS = tuple(f"mla_absorb<{f}>" for f in range(5))
-ATTEND_VARIANTS = tuple(f"mla_attend<{n}, {h}>" for n, h in NPL_CHOICES) + ("mla_merge",)
+# Every variant of attention.cu: the file compiles once per device with all of them.
+VARIANTS = (
+    tuple(f"mla_absorb<{f}>" for f in range(5))
+    + tuple(f"mla_attend<{n}, {h}>" for n, h in NPL_CHOICES)
+    + ("mla_merge",)
+)
 MAX_KR = 32 * NPL_CHOICES[-1][0]
 
 
@@ -38,7 +42,7 @@ def absorb(
     w/s: kv_b [H*(Q+V), K] resident bytes and scales."""
     S = q.shape[0]
     k = spec.in_features
-    fn = get_function("attention.cu", f"mla_absorb<{spec.fmt}>", ABSORB_VARIANTS)
+    fn = get_function("attention.cu", f"mla_absorb<{spec.fmt}>", VARIANTS)
     gs, shift = gs_args(spec.fmt, spec.group_size)
     fn(
         (heads, -(-k // 128), -(-S // 8)),
@@ -98,7 +102,7 @@ def attend(
     pm = cupy.empty((S, heads, nsplit), cupy.float32)
     pl = cupy.empty((S, heads, nsplit), cupy.float32)
     pacc = cupy.empty((S, heads, nsplit, k), cupy.float32)
-    fn = get_function("attention.cu", f"mla_attend<{npl}, {hpw}>", ATTEND_VARIANTS)
+    fn = get_function("attention.cu", f"mla_attend<{npl}, {hpw}>", VARIANTS)
     fn(
         (groups, S, nsplit),
         (ATT_WARPS * 32,),
@@ -117,7 +121,7 @@ def attend(
         ),
         shared_mem=4 * ATT_TT * npl * 32,
     )
-    merge = get_function("attention.cu", "mla_merge", ATTEND_VARIANTS)
+    merge = get_function("attention.cu", "mla_merge", VARIANTS)
     merge(
         (heads, S),
         (128,),

@@ -22,6 +22,8 @@ template <> struct Fmt<3> { static constexpr int QUADS = 16; };  // 64 x int2
 template <> struct Fmt<4> { static constexpr int QUADS = 8; };   // 32 x int4, grouped scales
 
 #define COLI_BLOCK_BYTES 512
+// NVRTC has no <math.h> INFINITY.
+#define COLI_INF __int_as_float(0x7f800000)
 
 __device__ __forceinline__ float coli_magic(unsigned int code, float bias) {
     return __uint_as_float(0x4B000000u | code) - bias;

@@ -5,6 +5,7 @@ The layout test runs everywhere (NumPy model of the kernels' decode); the rest i
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import numpy as np
@@ -216,12 +217,14 @@ def test_out_of_memory_is_typed_and_recoverable(cupy_backend, rng):
     w = b.place(t, 0)
     kv = b.new_kv(0, 16, 4)
     kv.append(np.ones((10, 16), np.float32), np.ones((10, 4), np.float32))
+    big = make_tensor(rng, 1, 8192, 8192)  # 64 MiB
+    gc.collect()
     pool = cupy.get_default_memory_pool()
     pool.free_all_blocks()
-    pool.set_limit(size=pool.total_bytes() + (1 << 20))
+    pool.set_limit(size=pool.used_bytes() + (4 << 20))
     try:
         with pytest.raises(OutOfDeviceMemory, match="device 0"):
-            b.place(make_tensor(rng, 1, 4096, 4096), 0)
+            b.place(big, 0)
         with pytest.raises(OutOfDeviceMemory):
             kv.append(np.ones((100000, 16), np.float32), np.ones((100000, 4), np.float32))
         assert kv.length == 10 and kv.cap == 256
