@@ -19,6 +19,7 @@ from coliworker.client.errors import (
     Unavailable,
     WorkerError,
 )
+from coliworker.client.session import Session, SessionFuture
 from coliworker.client.worker import (
     DeviceStats,
     ExpertGroupFuture,
@@ -38,6 +39,8 @@ __all__ = [
     "NotFound",
     "PermissionDenied",
     "ResourceExhausted",
+    "Session",
+    "SessionFuture",
     "TensorRef",
     "Unauthenticated",
     "Unavailable",

@@ -200,6 +200,13 @@ class WorkerClient:
     def close(self) -> None:
         self._channel.close()
 
+    def session(self, *, shm: bool = False, shm_bytes: int = 256 << 20) -> Any:
+        """A Session stream for the hot calls, several in flight (``client/session.py``);
+        ``shm=True`` moves activations through shared memory (same host only)."""
+        from coliworker.client.session import Session
+
+        return Session(self, shm=shm, shm_bytes=shm_bytes)
+
     @property
     def last_call(self) -> CallInfo:
         """backend_ns (and ragged lengths) of this thread's last compute call."""

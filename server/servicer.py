@@ -33,6 +33,7 @@ from coliworker.server.errors import (
 )
 from coliworker.server.sequences import RowsIn, SequenceStore
 from coliworker.server.session import SessionManager
+from coliworker.server.session import SessionManager
 from coliworker.server.store import Budget, DeviceUsage, Handle, TensorStore
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.v1 import worker_pb2_grpc as pb_grpc
@@ -98,6 +99,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._ticket_ids = itertools.count(1)
         self._lock = threading.Lock()
         self._compute_calls = 0
+        self.sessions = SessionManager(self)
         self.sessions = SessionManager(self)
 
     # -- plumbing -----------------------------------------------------------------------
@@ -641,6 +643,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             kv_b = self._tensor(request.kv_b, "free_sequence.kv_b", owner).id
         count, released = self.sequences.free(owner, request.sequence_id, kv_b)
         return pb.FreeSequenceResponse(caches=count, released_bytes=released)
+
+    def Session(self, request_iterator, context):
+        """The hot calls multiplexed on one stream (``server/session.py``)."""
+        context.send_initial_metadata(((INSTANCE_METADATA_KEY, self.instance_id),))
+        return self.sessions.serve(request_iterator, context)
 
     def Session(self, request_iterator, context):
         """The hot calls multiplexed on one stream (``server/session.py``)."""

@@ -23,14 +23,26 @@ DTYPE_UINT8: DType
 DTYPE_INT32: DType
 
 class Array(_message.Message):
-    __slots__ = ("dtype", "shape", "data")
+    __slots__ = ("dtype", "shape", "data", "shm", "staged")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     shape: _containers.RepeatedScalarFieldContainer[int]
     data: bytes
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    shm: Slice
+    staged: Slice
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[Slice, _Mapping]] = ..., staged: _Optional[_Union[Slice, _Mapping]] = ...) -> None: ...
+
+class Slice(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
@@ -418,8 +430,24 @@ class FreeSequenceResponse(_message.Message):
     released_bytes: int
     def __init__(self, caches: _Optional[int] = ..., released_bytes: _Optional[int] = ...) -> None: ...
 
+class ShmAttach(_message.Message):
+    __slots__ = ("name", "size", "nonce")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size: int
+    nonce: bytes
+    def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
+
+class ShmAttached(_message.Message):
+    __slots__ = ("size",)
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    def __init__(self, size: _Optional[int] = ...) -> None: ...
+
 class SessionRequest(_message.Message):
-    __slots__ = ("request_id", "matmul", "expert_group", "expert_group_routed", "attention", "attention_ragged", "expert_mlp")
+    __slots__ = ("request_id", "matmul", "expert_group", "expert_group_routed", "attention", "attention_ragged", "expert_mlp", "attach_shm", "chunk", "output_shm")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MATMUL_FIELD_NUMBER: _ClassVar[int]
     EXPERT_GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -427,6 +455,9 @@ class SessionRequest(_message.Message):
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_RAGGED_FIELD_NUMBER: _ClassVar[int]
     EXPERT_MLP_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_SHM_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_SHM_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     matmul: MatmulRequest
     expert_group: ExpertGroupRequest
@@ -434,7 +465,10 @@ class SessionRequest(_message.Message):
     attention: AttentionRequest
     attention_ragged: AttentionRaggedRequest
     expert_mlp: ExpertMlpRequest
-    def __init__(self, request_id: _Optional[int] = ..., matmul: _Optional[_Union[MatmulRequest, _Mapping]] = ..., expert_group: _Optional[_Union[ExpertGroupRequest, _Mapping]] = ..., expert_group_routed: _Optional[_Union[ExpertGroupRoutedRequest, _Mapping]] = ..., attention: _Optional[_Union[AttentionRequest, _Mapping]] = ..., attention_ragged: _Optional[_Union[AttentionRaggedRequest, _Mapping]] = ..., expert_mlp: _Optional[_Union[ExpertMlpRequest, _Mapping]] = ...) -> None: ...
+    attach_shm: ShmAttach
+    chunk: bytes
+    output_shm: Slice
+    def __init__(self, request_id: _Optional[int] = ..., matmul: _Optional[_Union[MatmulRequest, _Mapping]] = ..., expert_group: _Optional[_Union[ExpertGroupRequest, _Mapping]] = ..., expert_group_routed: _Optional[_Union[ExpertGroupRoutedRequest, _Mapping]] = ..., attention: _Optional[_Union[AttentionRequest, _Mapping]] = ..., attention_ragged: _Optional[_Union[AttentionRaggedRequest, _Mapping]] = ..., expert_mlp: _Optional[_Union[ExpertMlpRequest, _Mapping]] = ..., attach_shm: _Optional[_Union[ShmAttach, _Mapping]] = ..., chunk: _Optional[bytes] = ..., output_shm: _Optional[_Union[Slice, _Mapping]] = ...) -> None: ...
 
 class Status(_message.Message):
     __slots__ = ("code", "message")
@@ -445,7 +479,7 @@ class Status(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("request_id", "matmul", "expert_group", "expert_group_routed", "attention", "attention_ragged", "expert_mlp", "error")
+    __slots__ = ("request_id", "matmul", "expert_group", "expert_group_routed", "attention", "attention_ragged", "expert_mlp", "shm_attached", "chunk", "error")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MATMUL_FIELD_NUMBER: _ClassVar[int]
     EXPERT_GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -453,6 +487,8 @@ class SessionResponse(_message.Message):
     ATTENTION_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_RAGGED_FIELD_NUMBER: _ClassVar[int]
     EXPERT_MLP_FIELD_NUMBER: _ClassVar[int]
+    SHM_ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     matmul: MatmulResponse
@@ -461,5 +497,7 @@ class SessionResponse(_message.Message):
     attention: AttentionResponse
     attention_ragged: AttentionRaggedResponse
     expert_mlp: ExpertMlpResponse
+    shm_attached: ShmAttached
+    chunk: bytes
     error: Status
-    def __init__(self, request_id: _Optional[int] = ..., matmul: _Optional[_Union[MatmulResponse, _Mapping]] = ..., expert_group: _Optional[_Union[ExpertGroupResponse, _Mapping]] = ..., expert_group_routed: _Optional[_Union[ExpertGroupResponse, _Mapping]] = ..., attention: _Optional[_Union[AttentionResponse, _Mapping]] = ..., attention_ragged: _Optional[_Union[AttentionRaggedResponse, _Mapping]] = ..., expert_mlp: _Optional[_Union[ExpertMlpResponse, _Mapping]] = ..., error: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[int] = ..., matmul: _Optional[_Union[MatmulResponse, _Mapping]] = ..., expert_group: _Optional[_Union[ExpertGroupResponse, _Mapping]] = ..., expert_group_routed: _Optional[_Union[ExpertGroupResponse, _Mapping]] = ..., attention: _Optional[_Union[AttentionResponse, _Mapping]] = ..., attention_ragged: _Optional[_Union[AttentionRaggedResponse, _Mapping]] = ..., expert_mlp: _Optional[_Union[ExpertMlpResponse, _Mapping]] = ..., shm_attached: _Optional[_Union[ShmAttached, _Mapping]] = ..., chunk: _Optional[bytes] = ..., error: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...

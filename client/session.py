@@ -1,0 +1,445 @@
+"""``Session``: the hot calls on one bidirectional stream, several in flight.
+
+    with WorkerClient(addr) as w, w.session(shm=True) as s:
+        fut = s.expert_group_routed(experts, x, routes, weights)   # returns at once
+        att = s.attention_ragged(kv_b, o_proj, q, sequences=..., ...)
+        y, a = fut.result(), att.result()
+        y2 = s.expert_group_routed_sync(experts, x2, routes, weights)   # submit + wait
+
+Each call gets a request id; a background reader thread matches responses to futures, so
+any number of calls (up to the worker's window) overlap on the wire and in the worker. An
+error fails only its own future (``WorkerError`` subclasses, as the unary calls raise);
+the stream stays usable. Ragged attention calls on one kv_b run in the order submitted.
+
+``shm=True`` (same host only) attaches a shared-memory segment: activations in and out
+travel through it and the stream carries only small control messages. Arrays over 1 MiB
+that do not go through shared memory travel as chunks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+
+from coliworker.client import codec, errors, staging
+from coliworker.client.shm import Allocator, Segment
+from coliworker.v1 import worker_pb2 as pb
+
+_STATUS_OF = {c.value[0]: c for c in grpc.StatusCode}
+_ERROR_OF = {
+    cls.code: cls
+    for cls in (getattr(errors, n) for n in errors.__all__)
+    if isinstance(cls, type)
+    and issubclass(cls, errors.WorkerError)
+    and cls is not errors.WorkerError
+}
+
+
+def _error(status: pb.Status) -> errors.WorkerError:
+    code = _STATUS_OF.get(status.code, grpc.StatusCode.UNKNOWN)
+    return _ERROR_OF.get(code, errors.WorkerError)(status.message or code.name, code)
+
+
+class SessionFuture:
+    """The pending result of one session call. ``backend_ns`` (and ``lengths`` for ragged
+    attention) are set once it is done."""
+
+    __slots__ = ("request_id", "_done", "_value", "_error", "backend_ns", "lengths", "_regions")
+
+    def __init__(self, request_id: int) -> None:
+        self.request_id = request_id
+        self._done = threading.Lock()
+        self._done.acquire()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self.backend_ns = 0
+        self.lengths: list[int] = []
+        self._regions: list[tuple[int, int]] = []
+
+    def done(self) -> bool:
+        return not self._done.locked()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The decoded result; raises the call's WorkerError, or DeadlineExceeded after
+        ``timeout`` seconds (the call itself keeps running)."""
+        if not self._done.acquire(timeout=-1 if timeout is None else timeout):
+            raise errors.DeadlineExceeded(
+                f"session request {self.request_id}: no result after {timeout} s"
+            )
+        self._done.release()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def _set(self, value: Any = None, error: BaseException | None = None) -> None:
+        self._value, self._error = value, error
+        self._done.release()
+
+
+def _hid(t: Any) -> int:
+    if t is None:
+        return 0
+    return int(getattr(t, "handle", t))
+
+
+class Session:
+    """One Session stream of a ``WorkerClient`` (use ``WorkerClient.session()``).
+
+    ``shm``: attach a shared-memory segment of ``shm_bytes`` (same host only; raises the
+    worker's error, e.g. FailedPrecondition on another host). ``timeout``: default wait of
+    ``result()`` in the sync helpers (the client's timeout when None).
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        shm: bool = False,
+        shm_bytes: int = 256 << 20,
+        timeout: float | None = None,
+    ) -> None:
+        self._client = client
+        self.wire_dtype = client.wire_dtype
+        self.timeout = client.timeout if timeout is None else timeout
+        self._send: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: dict[int, tuple[SessionFuture, Callable[[Any], Any]]] = {}
+        self._chunks: dict[int, bytearray] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._broken: errors.WorkerError | None = None
+        self._closed = False
+        self.segment: Segment | None = None
+        self._alloc: Allocator | None = None
+        self._call = client._stub.Session(self._requests())
+        self._reader = threading.Thread(target=self._read, name="session-reader", daemon=True)
+        self._reader.start()
+        if shm:
+            self._attach(shm_bytes)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Finish the stream (in-flight calls complete first) and release shared memory."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._send.put(None)
+        self._reader.join(timeout)
+        if self._reader.is_alive():
+            self._call.cancel()
+            self._reader.join(1.0)
+        if self.segment is not None:
+            self.segment.close()
+
+    def _attach(self, size: int) -> None:
+        seg = Segment.create(size)
+        try:
+            fut = self._submit(
+                "attach_shm", pb.ShmAttach(name=seg.name, size=seg.size, nonce=seg.nonce), None
+            )
+            fut.result(self.timeout)
+        except BaseException:
+            seg.close()
+            raise
+        seg.unlink()  # both sides have it mapped: the memory now lives as long as they do
+        self.segment, self._alloc = seg, Allocator(seg.size)
+
+    @property
+    def shm(self) -> bool:
+        """Whether activations travel through shared memory."""
+        return self.segment is not None
+
+    # -- the stream -----------------------------------------------------------------------
+
+    def _requests(self) -> Iterator[pb.SessionRequest]:
+        while True:
+            item = self._send.get()
+            if item is None:
+                return
+            yield from item
+
+    def _read(self) -> None:
+        try:
+            for resp in self._call:
+                self._receive(resp)
+            err: errors.WorkerError = errors.Unavailable("session stream ended")
+        except grpc.RpcError as exc:
+            err = errors.from_rpc_error(exc)
+        with self._lock:
+            self._broken = err
+            pending, self._pending = self._pending, {}
+        for fut, _ in pending.values():
+            self._free_regions(fut)
+            fut._set(error=err)
+
+    def _receive(self, resp: pb.SessionResponse) -> None:
+        rid = resp.request_id
+        kind = resp.WhichOneof("result")
+        if kind == "chunk":
+            buf = self._chunks.get(rid)
+            if buf is None:
+                buf = self._chunks[rid] = bytearray()
+            buf.extend(resp.chunk)
+            return
+        with self._lock:
+            entry = self._pending.pop(rid, None)
+        staged = self._chunks.pop(rid, None)
+        if entry is None:
+            return  # nobody waits for it (never happens unless the worker misbehaves)
+        fut, decode = entry
+        try:
+            if kind == "error":
+                raise _error(resp.error)
+            body = getattr(resp, kind)
+            seg = self.segment
+            staging.resolve(body, staged, seg.read if seg is not None else None, "result")
+            value = decode(body)
+        except BaseException as exc:
+            self._free_regions(fut)
+            fut._set(error=exc)
+            return
+        self._free_regions(fut)
+        fut._set(value)
+
+    def _free_regions(self, fut: SessionFuture) -> None:
+        if self._alloc is not None:
+            for off, n in fut._regions:
+                self._alloc.free(off, n)
+        fut._regions = []
+
+    def _submit(
+        self,
+        kind: str,
+        body: Any,
+        decode: Callable[[Any], Any] | None,
+        out_bytes: int = 0,
+    ) -> SessionFuture:
+        rid = next(self._ids)
+        fut = SessionFuture(rid)
+        req = pb.SessionRequest(request_id=rid, **{kind: body})
+        if self._alloc is not None and kind != "attach_shm":
+            self._to_shm(getattr(req, kind), fut)
+            if out_bytes:
+                off = self._alloc.alloc(out_bytes)
+                if off is not None:
+                    fut._regions.append((off, out_bytes))
+                    req.output_shm.offset, req.output_shm.length = off, out_bytes
+        msgs: list[pb.SessionRequest] = []
+        if kind != "attach_shm":
+            pieces = staging.stage(getattr(req, kind))
+            msgs = [pb.SessionRequest(request_id=rid, chunk=bytes(p)) for p in pieces]
+        msgs.append(req)
+        with self._lock:
+            if self._closed or self._broken is not None:
+                err = errors.Cancelled("session is closed") if self._closed else self._broken
+                self._free_regions(fut)
+                raise err
+            self._pending[rid] = (fut, decode or (lambda b: b))
+        self._send.put(msgs)
+        return fut
+
+    def _to_shm(self, body: Any, fut: SessionFuture) -> None:
+        """Move the request's arrays into the segment (those that fit)."""
+        seg, alloc = self.segment, self._alloc
+        assert seg is not None and alloc is not None
+        for a in staging.iter_arrays(body):
+            n = len(a.data)
+            if not n:
+                continue
+            off = alloc.alloc(n)
+            if off is None:
+                continue  # full: this array travels in the message
+            fut._regions.append((off, n))
+            seg.write(off, a.data)
+            a.shm.offset, a.shm.length = off, n
+            a.ClearField("data")
+
+    # -- encoding helpers -----------------------------------------------------------------
+
+    def _enc(self, x: np.ndarray, name: str, ndim: int) -> pb.Array:
+        a = np.asarray(x, dtype=np.float32)
+        if a.ndim != ndim:
+            raise ValueError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
+        return codec.encode(a, self.wire_dtype)
+
+    @staticmethod
+    def _experts(experts: Iterable[Sequence[Any]]) -> list[pb.Expert]:
+        return [pb.Expert(gate=_hid(g), up=_hid(u), down=_hid(d)) for g, u, d in experts]
+
+    @staticmethod
+    def _decoder(field: str, fut_box: list[SessionFuture]) -> Callable[[Any], np.ndarray]:
+        def decode(body: Any) -> np.ndarray:
+            f = fut_box[0]
+            f.backend_ns = body.backend_ns
+            if hasattr(body, "lengths"):
+                f.lengths = list(body.lengths)
+            return np.array(codec.decode(getattr(body, field), "result"), copy=True)
+
+        return decode
+
+    def _go(self, kind: str, body: Any, field: str, out_bytes: int) -> SessionFuture:
+        box: list[SessionFuture] = []
+        fut = self._submit(kind, body, self._decoder(field, box), out_bytes)
+        box.append(fut)
+        return fut
+
+    # -- calls (futures) ------------------------------------------------------------------
+
+    def matmul(self, t: Any, x: np.ndarray) -> SessionFuture:
+        """x float32 [S, I] -> future of y float32 [S, O]."""
+        xa = self._enc(x, "x", 2)
+        out = xa.shape[0] * int(getattr(t, "out_features", xa.shape[1])) * 4
+        return self._go("matmul", pb.MatmulRequest(handle=_hid(t), x=xa), "y", out)
+
+    def expert_mlp(self, gate: Any, up: Any, down: Any, x: np.ndarray) -> SessionFuture:
+        """x float32 [S, D] -> future of down(silu(gate x) * up x) float32 [S, D]."""
+        xa = self._enc(x, "x", 2)
+        body = pb.ExpertMlpRequest(gate=_hid(gate), up=_hid(up), down=_hid(down), x=xa)
+        return self._go("expert_mlp", body, "y", int(np.prod(xa.shape)) * 4)
+
+    def expert_group(
+        self, experts: Iterable[Sequence[Any]], rows: Sequence[int], x: np.ndarray
+    ) -> SessionFuture:
+        """The packed form: x float32 [sum(rows), D], rows[c] rows for expert c -> future
+        of y float32 packed the same way."""
+        xa = self._enc(x, "x", 2)
+        body = pb.ExpertGroupRequest(
+            experts=self._experts(experts), rows=[int(r) for r in rows], x=xa
+        )
+        return self._go("expert_group", body, "y", int(np.prod(xa.shape)) * 4)
+
+    def expert_group_routed(
+        self,
+        experts: Iterable[Sequence[Any]],
+        x: np.ndarray,
+        routes: np.ndarray,
+        weights: np.ndarray,
+    ) -> SessionFuture:
+        """x float32 [T, D] (each token once); routes int [T, K] into experts; weights
+        float32 [T, K] -> future of y[t] = sum_j weights[t, j] * expert_{routes[t, j]}(x[t])."""
+        xa = self._enc(x, "x", 2)
+        body = pb.ExpertGroupRoutedRequest(
+            experts=self._experts(experts),
+            x=xa,
+            routes=codec.encode(np.asarray(routes, np.int32), pb.DTYPE_INT32),
+            weights=codec.encode(np.asarray(weights, np.float32), pb.DTYPE_FLOAT32),
+        )
+        return self._go("expert_group_routed", body, "y", int(np.prod(xa.shape)) * 4)
+
+    def attention(
+        self,
+        kv_b: Any,
+        q: np.ndarray,
+        latent: np.ndarray,
+        rope: np.ndarray,
+        *,
+        q_dim: int,
+        rope_dim: int,
+        v_dim: int,
+        scale: float,
+        o_proj: Any = None,
+    ) -> SessionFuture:
+        """Causal MLA over one sequence (as ``WorkerClient.attention``), as a future."""
+        qa = self._enc(q, "q", 3)
+        body = pb.AttentionRequest(
+            kv_b=_hid(kv_b),
+            o_proj=_hid(o_proj),
+            q=qa,
+            latent=self._enc(latent, "latent", 2),
+            rope=self._enc(rope, "rope", 2),
+            q_dim=q_dim,
+            rope_dim=rope_dim,
+            v_dim=v_dim,
+            scale=scale,
+        )
+        return self._go("attention", body, "out", self._att_out(qa, v_dim, o_proj))
+
+    def attention_ragged(
+        self,
+        kv_b: Any,
+        o_proj: Any,
+        q: np.ndarray,
+        *,
+        sequences: Sequence[tuple[int, int, np.ndarray, np.ndarray]],
+        q_dim: int,
+        rope_dim: int,
+        v_dim: int,
+        scale: float,
+    ) -> SessionFuture:
+        """Ragged MLA over resident KV (as ``WorkerClient.attention_ragged``), as a future;
+        ``future.lengths`` holds the resident lengths once done. Calls on one kv_b run in
+        the order submitted."""
+        seqs = []
+        for sid, start, lat, rop in sequences:
+            lat = np.asarray(lat, np.float32)
+            rop = np.asarray(rop, np.float32)
+            seqs.append(
+                pb.SequenceRows(
+                    sequence_id=int(sid),
+                    start=int(start),
+                    latent=self._enc(lat, "latent", 2) if lat.size else pb.Array(),
+                    rope=self._enc(rop, "rope", 2) if rop.size else pb.Array(),
+                )
+            )
+        qa = self._enc(q, "q", 3)
+        body = pb.AttentionRaggedRequest(
+            kv_b=_hid(kv_b),
+            o_proj=_hid(o_proj),
+            q=qa,
+            sequences=seqs,
+            q_dim=q_dim,
+            rope_dim=rope_dim,
+            v_dim=v_dim,
+            scale=scale,
+        )
+        return self._go("attention_ragged", body, "out", self._att_out(qa, v_dim, o_proj))
+
+    @staticmethod
+    def _att_out(qa: pb.Array, v_dim: int, o_proj: Any) -> int:
+        s, h = int(qa.shape[0]), int(qa.shape[1])
+        width = int(getattr(o_proj, "out_features", 0)) or h * v_dim
+        return s * max(width, h * v_dim) * 4
+
+    # -- sync helpers ---------------------------------------------------------------------
+
+    def matmul_sync(self, t: Any, x: np.ndarray) -> np.ndarray:
+        return self.matmul(t, x).result(self.timeout)
+
+    def expert_mlp_sync(self, gate: Any, up: Any, down: Any, x: np.ndarray) -> np.ndarray:
+        return self.expert_mlp(gate, up, down, x).result(self.timeout)
+
+    def expert_group_sync(
+        self, experts: Iterable[Sequence[Any]], rows: Sequence[int], x: np.ndarray
+    ) -> np.ndarray:
+        return self.expert_group(experts, rows, x).result(self.timeout)
+
+    def expert_group_routed_sync(
+        self,
+        experts: Iterable[Sequence[Any]],
+        x: np.ndarray,
+        routes: np.ndarray,
+        weights: np.ndarray,
+    ) -> np.ndarray:
+        return self.expert_group_routed(experts, x, routes, weights).result(self.timeout)
+
+    def attention_sync(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        return self.attention(*args, **kwargs).result(self.timeout)
+
+    def attention_ragged_sync(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        return self.attention_ragged(*args, **kwargs).result(self.timeout)
+
+
+__all__ = ["Session", "SessionFuture"]

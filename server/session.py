@@ -1,0 +1,358 @@
+"""The Session stream: hot calls multiplexed on one bidirectional RPC.
+
+One stream per client. A reader thread takes requests off the stream and dispatches them;
+results go back as soon as they are ready, each tagged with its request id:
+
+    client ──► reader thread ──► (idle stream) the handler thread runs it itself
+                             └─► (busy stream) a bounded pool of this stream's threads
+    handler thread ◄── results ◄── pool            handler thread ──► client
+
+Running the lone in-flight call on the thread that writes the stream saves one thread
+handoff per call at decode, where calls come one at a time; a second call that arrives
+meanwhile goes to the pool, so pipelined calls still overlap.
+
+Per-request semantics: errors become a ``Status`` result of that request only (mapped like
+the unary handlers map them); ragged attention calls on one kv_b run one at a time in
+arrival order, because each appends to (or rolls back) resident KV caches. Everything else
+may finish out of order. At most ``MAX_IN_FLIGHT`` requests run per stream; beyond that the
+reader stops reading, which pushes back on the client through gRPC flow control.
+
+Large arrays arrive as ``chunk`` messages ahead of their call and leave the same way; with
+a shared-memory segment attached (``coliworker.client.shm``) arrays are read from and
+written to it. The segment is unmapped when the stream ends for any reason.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from coliworker.client import codec, staging
+from coliworker.client.shm import Segment, ShmError
+from coliworker.server.errors import WorkerError
+from coliworker.v1 import worker_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+#: Requests running or queued per stream before the reader stops reading.
+MAX_IN_FLIGHT = 256
+#: Pool threads per stream (started on first use).
+POOL_THREADS = 4
+#: Staged bytes one request may send ahead of its call.
+MAX_STAGED_BYTES = 4 << 30
+
+_CALLS = (
+    "matmul",
+    "expert_group",
+    "expert_group_routed",
+    "attention",
+    "attention_ragged",
+    "expert_mlp",
+)
+_END = object()
+_SHM_STATUS = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "not_found": grpc.StatusCode.FAILED_PRECONDITION,
+    "permission": grpc.StatusCode.PERMISSION_DENIED,
+}
+
+
+def _status(code: grpc.StatusCode, message: str) -> pb.Status:
+    return pb.Status(code=code.value[0], message=message)
+
+
+@dataclass
+class _Job:
+    request_id: int
+    kind: str
+    call: Any
+    output: tuple[int, int] | None
+    key: Any = None
+    done: bool = field(default=False)
+
+
+class SessionStream:
+    """The state of one Session stream (see the module docstring)."""
+
+    def __init__(self, servicer: Any, owner: str) -> None:
+        self.servicer = servicer
+        self.owner = owner
+        self.handlers: dict[str, Callable[[Any, str], Any]] = {
+            k: getattr(servicer, k) for k in _CALLS
+        }
+        self.out: queue.SimpleQueue = queue.SimpleQueue()  # response lists, _Job, or _END
+        self.pool: queue.SimpleQueue = queue.SimpleQueue()  # _Job or None (stop)
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.reading = True
+        self.ended = False
+        self.busy: dict[Any, collections.deque[_Job]] = {}
+        self.slots = threading.Semaphore(MAX_IN_FLIGHT)
+        self.staged: dict[int, bytearray] = {}
+        self.overflow: set[int] = set()  # request ids whose chunks exceeded the limit
+        self.segment: Segment | None = None
+
+    # -- the handler thread ---------------------------------------------------------------
+
+    def responses(self, request_iterator: Iterator[pb.SessionRequest]) -> Iterator[Any]:
+        reader = threading.Thread(
+            target=self._read, args=(request_iterator,), name="session-reader", daemon=True
+        )
+        reader.start()
+        try:
+            while True:
+                item = self.out.get()
+                if item is _END:
+                    return
+                if isinstance(item, _Job):
+                    item = self._run(item)
+                yield from item
+        finally:
+            self.close()
+
+    def end(self) -> None:
+        """The RPC is over (done callback): wake the handler thread so it cleans up."""
+        with self.lock:
+            self.reading = False
+        self.out.put(_END)
+
+    def close(self) -> None:
+        with self.lock:
+            if self.ended:
+                return
+            self.ended = True
+            threads, self.threads = self.threads, []
+        for _ in threads:
+            self.pool.put(None)
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
+
+    # -- the reader thread ----------------------------------------------------------------
+
+    def _read(self, request_iterator: Iterator[pb.SessionRequest]) -> None:
+        try:
+            for req in request_iterator:
+                if self.ended:
+                    break
+                self._accept(req)
+        except Exception as exc:  # the client went away mid-stream
+            log.debug("session stream read ended: %s", exc)
+        with self.lock:
+            self.reading = False
+            idle = self.in_flight == 0
+        if idle:
+            self.out.put(_END)
+
+    def _accept(self, req: pb.SessionRequest) -> None:
+        rid = req.request_id
+        kind = req.WhichOneof("call")
+        if kind == "chunk":
+            if rid in self.overflow:
+                return
+            buf = self.staged.get(rid)
+            if buf is None:
+                buf = self.staged[rid] = bytearray()
+            if len(buf) + len(req.chunk) > MAX_STAGED_BYTES:
+                del self.staged[rid]  # the call is answered with the error
+                self.overflow.add(rid)
+                return
+            buf.extend(req.chunk)
+            return
+        staged = self.staged.pop(rid, None)
+        if kind == "attach_shm":
+            self.out.put([self._attach(rid, req.attach_shm)])
+            return
+        if kind is None:
+            self.out.put([self._error(rid, grpc.StatusCode.INVALID_ARGUMENT, "session: empty")])
+            return
+        call = getattr(req, kind)
+        if rid in self.overflow:
+            self.overflow.discard(rid)
+            self.out.put(
+                [
+                    self._error(
+                        rid,
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{kind}: staged chunks exceed {MAX_STAGED_BYTES} bytes per request",
+                    )
+                ]
+            )
+            return
+        try:
+            seg = self.segment
+            staging.resolve(call, staged, seg.read if seg is not None else None, kind)
+        except (ValueError, ShmError) as exc:
+            msg = exc.message if isinstance(exc, ShmError) else str(exc)
+            self.out.put([self._error(rid, grpc.StatusCode.INVALID_ARGUMENT, msg)])
+            return
+        output = None
+        if req.HasField("output_shm"):
+            output = (req.output_shm.offset, req.output_shm.length)
+        job = _Job(rid, kind, call, output)
+        if kind == "attention_ragged":
+            job.key = call.kv_b
+        self.slots.acquire()
+        with self.lock:
+            self.in_flight += 1
+            if job.key is not None:
+                waiting = self.busy.get(job.key)
+                if waiting is not None:
+                    waiting.append(job)  # runs when the earlier call on this kv_b is done
+                    return
+                self.busy[job.key] = collections.deque()
+            inline = self.in_flight == 1
+        self._dispatch(job, inline)
+
+    def _dispatch(self, job: _Job, inline: bool) -> None:
+        if inline:
+            self.out.put(job)
+            return
+        with self.lock:
+            if not self.threads and not self.ended:
+                for i in range(POOL_THREADS):
+                    t = threading.Thread(target=self._work, name=f"session-pool-{i}", daemon=True)
+                    t.start()
+                    self.threads.append(t)
+        self.pool.put(job)
+
+    def _work(self) -> None:
+        while True:
+            job = self.pool.get()
+            if job is None:
+                return
+            self.out.put(self._run(job))
+
+    # -- running one request --------------------------------------------------------------
+
+    def _run(self, job: _Job) -> list[pb.SessionResponse]:
+        try:
+            result = self.handlers[job.kind](job.call, self.owner)
+            resp = pb.SessionResponse(request_id=job.request_id)
+            getattr(resp, job.kind).CopyFrom(result)
+            out = self._place(resp, job)
+        except WorkerError as exc:
+            if type(exc) is WorkerError:
+                out = [self._internal(job, exc)]
+            else:
+                out = [self._error(job.request_id, exc.code, exc.message)]
+        except codec.CodecError as exc:
+            out = [self._error(job.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc))]
+        except ShmError as exc:  # the segment went away while the stream was ending
+            out = [self._error(job.request_id, grpc.StatusCode.CANCELLED, exc.message)]
+        except Exception as exc:
+            out = [self._internal(job, exc)]
+        finally:
+            self._finish(job)
+        return out
+
+    def _place(self, resp: pb.SessionResponse, job: _Job) -> list[pb.SessionResponse]:
+        """Move result arrays into the offered shared memory, or into chunks when large."""
+        body = getattr(resp, job.kind)
+        seg = self.segment
+        if job.output is not None and seg is not None:
+            off, room = job.output
+            for a in staging.iter_arrays(body):
+                n = len(a.data)
+                if n and n <= room:
+                    seg.write(off, a.data)
+                    a.shm.offset, a.shm.length = off, n
+                    a.ClearField("data")
+                    off += (n + 63) // 64 * 64
+                    room -= min(room, (n + 63) // 64 * 64)
+        pieces = staging.stage(body)
+        if not pieces:
+            return [resp]
+        rid = job.request_id
+        return [pb.SessionResponse(request_id=rid, chunk=bytes(p)) for p in pieces] + [resp]
+
+    def _finish(self, job: _Job) -> None:
+        nxt = None
+        with self.lock:
+            self.in_flight -= 1
+            if job.key is not None:
+                waiting = self.busy[job.key]
+                if waiting:
+                    nxt = waiting.popleft()
+                else:
+                    del self.busy[job.key]
+            end = not self.reading and self.in_flight == 0
+        self.slots.release()
+        if nxt is not None:
+            self._dispatch(nxt, False)
+        if end:
+            self.out.put(_END)
+
+    def _error(self, rid: int, code: grpc.StatusCode, message: str) -> pb.SessionResponse:
+        return pb.SessionResponse(request_id=rid, error=_status(code, message))
+
+    def _internal(self, job: _Job, exc: BaseException) -> pb.SessionResponse:
+        tag = uuid.uuid4().hex[:12]
+        log.error("internal error in session %s (request %s)", job.kind, tag, exc_info=exc)
+        return self._error(
+            job.request_id,
+            grpc.StatusCode.INTERNAL,
+            f"internal error (request {tag}); the worker log has the details",
+        )
+
+    def _attach(self, rid: int, msg: pb.ShmAttach) -> pb.SessionResponse:
+        if self.segment is not None:
+            return self._error(
+                rid,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"attach_shm: this stream already has segment {self.segment.name}",
+            )
+        try:
+            seg = Segment.attach(msg.name, msg.size, msg.nonce)
+        except ShmError as exc:
+            return self._error(rid, _SHM_STATUS[exc.kind], exc.message)
+        with self.lock:
+            if self.ended:
+                seg.close()
+                return self._error(rid, grpc.StatusCode.CANCELLED, "attach_shm: stream ended")
+            self.segment = seg
+        return pb.SessionResponse(request_id=rid, shm_attached=pb.ShmAttached(size=seg.size))
+
+
+class SessionManager:
+    """Serves Session streams for one servicer; tracks the live ones."""
+
+    def __init__(self, servicer: Any) -> None:
+        self.servicer = servicer
+        self._lock = threading.Lock()
+        self._streams: set[SessionStream] = set()
+
+    def serve(self, request_iterator, context: grpc.ServicerContext) -> Iterator[Any]:
+        stream = SessionStream(self.servicer, self.servicer.owner(context))
+        with self._lock:
+            self._streams.add(stream)
+
+        def done() -> None:
+            stream.end()
+            stream.close()
+            with self._lock:
+                self._streams.discard(stream)
+
+        context.add_callback(done)
+        return stream.responses(request_iterator)
+
+    def streams(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    def attached_segments(self) -> list[str]:
+        """Names of the shared-memory segments mapped now (for tests and diagnostics)."""
+        with self._lock:
+            return [s.segment.name for s in self._streams if s.segment is not None]
+
+
+__all__ = ["MAX_IN_FLIGHT", "SessionManager", "SessionStream"]

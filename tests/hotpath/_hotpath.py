@@ -1,0 +1,61 @@
+"""Shared pieces of the hot-path tests (fixtures are in conftest.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from coliworker.client import WorkerClient
+from coliworker.kernels import reference as ref
+from coliworker.kernels.qtensor import QTensor, row_bytes
+
+D, I_E = 48, 24  # hidden and expert widths (odd-ish sizes, not tile multiples)
+H, Q, R, V, K, D_OUT = 2, 8, 4, 8, 16, 20  # MLA dims
+
+
+def int4_tensor(rng: np.random.Generator, i: int, o: int) -> QTensor:
+    w = rng.integers(0, 256, size=o * row_bytes(2, i), dtype=np.uint8)
+    s = (rng.random(o) * 0.05 + 0.01).astype(np.float32)
+    return QTensor(2, i, o, 0, w, s)
+
+
+def f32_tensor(rng: np.random.Generator, i: int, o: int) -> QTensor:
+    w = (rng.standard_normal((o, i)) * 0.3).astype(np.float32)
+    return QTensor(0, i, o, 0, w.view(np.uint8).reshape(-1), np.zeros(0, np.float32))
+
+
+def upload(w: WorkerClient, t: QTensor):
+    scales = t.scales if t.fmt else None
+    return w.upload(
+        t.weights.reshape(t.out_features, -1),
+        scales,
+        fmt=t.fmt,
+        in_features=t.in_features,
+        out_features=t.out_features,
+    )
+
+
+@dataclass
+class Model:
+    experts: list  # (gate, up, down) TensorRefs
+    tensors: list  # (gate, up, down) QTensors
+    kv_b: object
+    o_proj: object
+    kv_b_t: QTensor
+    o_proj_t: QTensor
+    mat: object  # fmt 0 [D, D]
+    mat_t: QTensor
+
+
+def routed_reference(m: Model, x, routes, weights) -> np.ndarray:
+    """sum_j w[t, j] * expert_mlp(x[t]) from the float64 reference, expert by expert."""
+    y = np.zeros(x.shape, np.float64)
+    for t in range(x.shape[0]):
+        for j in range(routes.shape[1]):
+            g, u, d = m.tensors[routes[t, j]]
+            y[t] += weights[t, j] * ref.expert_mlp(g, u, d, x[t : t + 1])[0]
+    return y
+
+
+ATT = dict(q_dim=Q, rope_dim=R, v_dim=V, scale=1.0 / np.sqrt(Q + R))

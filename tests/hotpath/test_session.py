@@ -1,0 +1,122 @@
+"""The Session stream: same results as unary, several in flight, per-request errors,
+arrival order for ragged attention on one kv_b."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _hotpath import ATT, D_OUT, D, H, K, Q, R, routed_reference
+
+from coliworker.client import InvalidArgument, NotFound
+from coliworker.kernels import reference as ref
+
+
+@pytest.fixture(params=[False, True], ids=["stream", "shm"])
+def session(client, request):
+    with client.session(shm=request.param) as s:
+        assert s.shm is request.param
+        yield s
+
+
+def _routing(rng, t, k, n):
+    routes = np.stack([rng.choice(n, size=k, replace=False) for _ in range(t)]).astype(np.int32)
+    return routes, rng.random((t, k)).astype(np.float32)
+
+
+def test_results_equal_unary(client, model, session, rng):
+    m = model
+    x = rng.standard_normal((5, D)).astype(np.float32)
+    np.testing.assert_array_equal(session.matmul_sync(m.mat, x), client.matmul(m.mat, x))
+    g, u, d = m.experts[0]
+    np.testing.assert_array_equal(
+        session.expert_mlp_sync(g, u, d, x), client.expert_mlp(g, u, d, x)
+    )
+    rows = [2, 1, 2]
+    np.testing.assert_array_equal(
+        session.expert_group_sync(m.experts[:3], rows, x),
+        client.expert_group(m.experts[:3], rows, x),
+    )
+    routes, w = _routing(rng, 5, 3, len(m.experts))
+    np.testing.assert_array_equal(
+        session.expert_group_routed_sync(m.experts, x, routes, w),
+        client.expert_group_routed(m.experts, x, routes, w),
+    )
+    q = rng.standard_normal((3, H, Q + R)).astype(np.float32)
+    lat = rng.standard_normal((7, K)).astype(np.float32)
+    rope = rng.standard_normal((7, R)).astype(np.float32)
+    np.testing.assert_array_equal(
+        session.attention_sync(m.kv_b, q, lat, rope, o_proj=m.o_proj, **ATT),
+        client.attention(m.kv_b, q, lat, rope, o_proj=m.o_proj, **ATT),
+    )
+
+
+def test_routed_is_weighted_sum_of_expert_mlp(model, session, rng):
+    x = rng.standard_normal((4, D)).astype(np.float32)
+    routes, w = _routing(rng, 4, 3, len(model.experts))
+    y = session.expert_group_routed_sync(model.experts, x, routes, w)
+    want = routed_reference(model, x, routes, w)
+    assert np.max(np.abs(y - want)) <= 1e-5 * np.max(np.abs(want))
+
+
+def test_several_in_flight(model, session, rng):
+    xs = [rng.standard_normal((1 + i % 3, D)).astype(np.float32) for i in range(40)]
+    futs = [session.matmul(model.mat, x) for x in xs]
+    assert len({f.request_id for f in futs}) == len(futs)
+    for x, f in zip(xs, futs, strict=True):
+        np.testing.assert_allclose(f.result(10), ref.matmul(model.mat_t, x), rtol=1e-5, atol=1e-5)
+        assert f.backend_ns > 0
+
+
+def test_bad_request_fails_alone(model, session, rng):
+    x = rng.standard_normal((2, D)).astype(np.float32)
+    good1 = session.matmul(model.mat, x)
+    unknown = session.matmul(987654321, x)
+    wrong_cols = session.matmul(model.mat, x[:, :-1])
+    bad_route = session.expert_group_routed(
+        model.experts, x, np.array([[0], [99]], np.int32), np.ones((2, 1), np.float32)
+    )
+    good2 = session.matmul(model.mat, x)
+    with pytest.raises(NotFound, match="matmul.handle"):
+        unknown.result(10)
+    with pytest.raises(InvalidArgument, match=f"matmul.x: expected {D} columns"):
+        wrong_cols.result(10)
+    with pytest.raises(InvalidArgument, match=r"routes\[1, 0\]"):
+        bad_route.result(10)
+    np.testing.assert_array_equal(good1.result(10), good2.result(10))
+    # the stream is still usable
+    np.testing.assert_array_equal(session.matmul_sync(model.mat, x), good1.result())
+
+
+def test_ragged_order_on_one_kv_b(client, model, session, rng):
+    """Appends to one sequence submitted back to back (no waiting) run in order."""
+    n = 12
+    lat = rng.standard_normal((n, K)).astype(np.float32)
+    rope = rng.standard_normal((n, R)).astype(np.float32)
+    qs = rng.standard_normal((n, 1, H, Q + R)).astype(np.float32)
+    sid = int(rng.integers(1, 1 << 40))
+    futs = [
+        session.attention_ragged(
+            model.kv_b,
+            model.o_proj,
+            qs[i],
+            sequences=[(sid, i, lat[i : i + 1], rope[i : i + 1])],
+            **ATT,
+        )
+        for i in range(n)
+    ]
+    outs = [f.result(10) for f in futs]
+    assert [f.lengths for f in futs] == [[i + 1] for i in range(n)]
+    for i in range(n):
+        want = ref.attention(
+            model.kv_b_t, model.o_proj_t, qs[i], lat[: i + 1], rope[: i + 1], **ATT
+        )
+        assert outs[i].shape == (1, D_OUT)
+        np.testing.assert_allclose(outs[i], want, rtol=1e-4, atol=1e-5)
+    client.free_sequence(sid)
+
+
+def test_closed_session_refuses(model, client, rng):
+    s = client.session()
+    s.close()
+    with pytest.raises(Exception, match="closed"):
+        s.matmul(model.mat, rng.standard_normal((1, D)).astype(np.float32))

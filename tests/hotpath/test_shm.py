@@ -1,0 +1,171 @@
+"""The shared-memory data plane: both directions, 0600, refusals, cleanup on death/stop."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from _hotpath import D
+
+from coliworker.client import FailedPrecondition, PermissionDenied, WorkerClient
+from coliworker.client import shm as shm_mod
+from coliworker.client.shm import Segment, shm_dir
+from coliworker.server.app import build_server
+from coliworker.server.config import Config
+from coliworker.v1 import worker_pb2 as pb
+
+
+def _mapped(name: str) -> bool:
+    with open("/proc/self/maps") as f:
+        return name in f.read()
+
+
+def _wait(cond, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def test_round_trip_both_directions(client, model, rng, monkeypatch):
+    calls = {"read": 0, "write": 0}
+    read, write = Segment.read, Segment.write
+
+    def counting_read(self, *a):
+        calls["read"] += 1
+        return read(self, *a)
+
+    def counting_write(self, *a):
+        calls["write"] += 1
+        return write(self, *a)
+
+    monkeypatch.setattr(Segment, "read", counting_read)
+    monkeypatch.setattr(Segment, "write", counting_write)
+    x = rng.standard_normal((3, D)).astype(np.float32)
+    with client.session(shm=True) as s:
+        y = s.matmul_sync(model.mat, x)
+    np.testing.assert_array_equal(y, client.matmul(model.mat, x))
+    # client writes x, worker reads it; worker writes y, client reads it
+    assert calls == {"read": 2, "write": 2}
+
+
+def test_segment_is_private_and_unlinked(client, server):
+    with client.session(shm=True) as s:
+        seg = s.segment
+        assert os.fstat(seg.fd).st_mode & 0o777 == 0o600
+        assert seg.name.startswith(f"coliworker-{os.getpid()}-")
+        assert not os.path.exists(os.path.join(shm_dir(), seg.name))  # unlinked once attached
+        assert server.servicer.sessions.attached_segments() == [seg.name]
+        assert _mapped(seg.name)
+    assert _wait(lambda: not _mapped(seg.name))
+    assert _wait(lambda: server.servicer.sessions.attached_segments() == [])
+
+
+def _attach(s, seg, nonce=None):
+    return s._submit(
+        "attach_shm", pb.ShmAttach(name=seg.name, size=seg.size, nonce=nonce or seg.nonce), None
+    ).result(10)
+
+
+def test_worker_refuses_open_mode_and_wrong_nonce(client):
+    seg = Segment.create(1 << 16)
+    try:
+        with client.session() as s:
+            os.fchmod(seg.fd, 0o644)
+            with pytest.raises(PermissionDenied, match="expected 0600"):
+                _attach(s, seg)
+            os.fchmod(seg.fd, 0o600)
+            with pytest.raises(PermissionDenied, match="nonce"):
+                _attach(s, seg, nonce=b"\1" * 16)
+            _attach(s, seg)  # now fine
+    finally:
+        seg.close()
+
+
+def test_worker_refuses_missing_segment(client):
+    with client.session() as s:
+        msg = pb.ShmAttach(name="coliworker-1-0123456789abcdef", size=1 << 16, nonce=b"\0" * 16)
+        with pytest.raises(FailedPrecondition, match="another host"):
+            s._submit("attach_shm", msg, None).result(10)
+        bad = pb.ShmAttach(name="../etc/passwd", size=1 << 16, nonce=b"\0" * 16)
+        with pytest.raises(Exception, match="attach_shm.name"):
+            s._submit("attach_shm", bad, None).result(10)
+
+
+_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np
+    from coliworker.client import WorkerClient
+    w = WorkerClient(sys.argv[1])
+    s = w.session(shm=True)
+    print(s.segment.name, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_dead_client_leaks_nothing(server):
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, server.address], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        name = child.stdout.readline().strip()
+        assert name.startswith(f"coliworker-{child.pid}-")
+        assert _wait(lambda: name in server.servicer.sessions.attached_segments())
+        assert _mapped(name)
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        assert _wait(lambda: name not in server.servicer.sessions.attached_segments())
+        assert _wait(lambda: not _mapped(name))
+        assert not os.path.exists(os.path.join(shm_dir(), name))
+    finally:
+        child.kill()
+        child.stdout.close()
+
+
+def test_stale_segment_of_dead_process_is_swept():
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    path = os.path.join(shm_dir(), f"coliworker-{dead.pid}-0123456789abcdef")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.close(fd)
+    seg = Segment.create(1 << 12)
+    try:
+        assert not os.path.exists(path)
+    finally:
+        seg.close()
+    assert not os.path.exists(seg.path or os.path.join(shm_dir(), seg.name))
+
+
+def test_worker_stop_releases_segment(rng):
+    srv = build_server(Config(backend="numpy", port=0, metrics_port=None)).start()
+    w = WorkerClient(srv.address, timeout=10)
+    s = w.session(shm=True)
+    name = s.segment.name
+    assert _mapped(name)
+    srv.stop(0)
+    assert _wait(lambda: srv.servicer.sessions.attached_segments() == [])
+    with pytest.raises(Exception):  # noqa: B017 - Unavailable or Cancelled, by timing
+        s.matmul(1, rng.standard_normal((1, D)).astype(np.float32)).result(10)
+    s.close()
+    w.close()
+    assert _wait(lambda: not _mapped(name))
+    assert not [n for n in os.listdir(shm_dir()) if n.startswith(f"coliworker-{os.getpid()}-")]
+
+
+def test_allocator_reuses_and_coalesces():
+    a = shm_mod.Allocator(shm_mod.HEADER_BYTES + 1024)
+    blocks = [a.alloc(100) for _ in range(8)]
+    assert None not in blocks and a.alloc(64) is None
+    for off in blocks[::2] + blocks[1::2]:
+        a.free(off, 100)
+    assert a.free_bytes() == 1024 and a.alloc(1024) == shm_mod.HEADER_BYTES
