@@ -13,6 +13,7 @@ import struct
 from collections.abc import Iterator
 
 import numpy as np
+
 from coliworker.v1 import worker_pb2 as pb
 
 #: Size of the data chunks on upload streams (Python gRPC streams 1 MiB chunks ~5x faster
@@ -105,12 +106,13 @@ def decode(
     for d in shape:
         count *= d
     expected = count * np_dtype.itemsize
-    if len(msg.data) != expected:
+    data = msg.data  # each read of a bytes field copies it: read once
+    if len(data) != expected:
         raise CodecError(
             f"{field}.data: expected {expected} bytes ({list(shape)} x {np_dtype.itemsize}), "
-            f"got {len(msg.data)}"
+            f"got {len(data)}"
         )
-    raw = np.frombuffer(msg.data, dtype=np_dtype).reshape(shape)
+    raw = np.frombuffer(data, dtype=np_dtype).reshape(shape)
     if msg.dtype == pb.DTYPE_FLOAT16:
         return raw.astype(np.float32)
     if msg.dtype == pb.DTYPE_BFLOAT16:

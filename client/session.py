@@ -28,6 +28,7 @@ import grpc
 import numpy as np
 
 from coliworker.client import codec, errors, staging
+from coliworker.client.codec import CHUNK_BYTES
 from coliworker.client.shm import Allocator, Segment
 from coliworker.v1 import worker_pb2 as pb
 
@@ -111,6 +112,7 @@ class Session:
         self._pending: dict[int, tuple[SessionFuture, Callable[[Any], Any]]] = {}
         self._chunks: dict[int, bytearray] = {}
         self._ids = itertools.count(1)
+        self._tls = threading.local()  # arrays encoded for the call being built
         self._lock = threading.Lock()
         self._broken: errors.WorkerError | None = None
         self._closed = False
@@ -227,20 +229,18 @@ class Session:
         decode: Callable[[Any], Any] | None,
         out_bytes: int = 0,
     ) -> SessionFuture:
+        side: list[np.ndarray] = getattr(self._tls, "side", None) or []
+        self._tls.side = []
         rid = next(self._ids)
         fut = SessionFuture(rid)
         req = pb.SessionRequest(request_id=rid, **{kind: body})
-        if self._alloc is not None and kind != "attach_shm":
-            self._to_shm(getattr(req, kind), fut)
-            if out_bytes:
-                off = self._alloc.alloc(out_bytes)
-                if off is not None:
-                    fut._regions.append((off, out_bytes))
-                    req.output_shm.offset, req.output_shm.length = off, out_bytes
-        msgs: list[pb.SessionRequest] = []
-        if kind != "attach_shm":
-            pieces = staging.stage(getattr(req, kind))
-            msgs = [pb.SessionRequest(request_id=rid, chunk=bytes(p)) for p in pieces]
+        pieces = self._place(getattr(req, kind), side, fut) if side else []
+        if self._alloc is not None and out_bytes:
+            off = self._alloc.alloc(out_bytes)
+            if off is not None:
+                fut._regions.append((off, out_bytes))
+                req.output_shm.offset, req.output_shm.length = off, out_bytes
+        msgs = [pb.SessionRequest(request_id=rid, chunk=bytes(p)) for p in pieces]
         msgs.append(req)
         with self._lock:
             if self._closed or self._broken is not None:
@@ -251,29 +251,58 @@ class Session:
         self._send.put(msgs)
         return fut
 
-    def _to_shm(self, body: Any, fut: SessionFuture) -> None:
-        """Move the request's arrays into the segment (those that fit)."""
-        seg, alloc = self.segment, self._alloc
-        assert seg is not None and alloc is not None
+    def _place(self, body: Any, side: list[np.ndarray], fut: SessionFuture) -> list[memoryview]:
+        """Give each encoded array its bytes: shared memory when attached and room is left,
+        else inline when small, else chunks. The bytes are copied once, straight from the
+        NumPy array (a large array never enters a protobuf message)."""
+        pieces: list[memoryview] = []
+        staged = 0
         for a in staging.iter_arrays(body):
-            n = len(a.data)
-            if not n:
+            if not a.HasField("staged") or a.data:
                 continue
-            off = alloc.alloc(n)
-            if off is None:
-                continue  # full: this array travels in the message
-            fut._regions.append((off, n))
-            seg.write(off, a.data)
-            a.shm.offset, a.shm.length = off, n
-            a.ClearField("data")
+            raw = side[a.staged.offset]
+            n = raw.nbytes
+            view = memoryview(raw).cast("B")
+            if self._alloc is not None:
+                off = self._alloc.alloc(n)
+                if off is not None:
+                    fut._regions.append((off, n))
+                    self.segment.write(off, view)  # type: ignore[union-attr]
+                    a.ClearField("staged")
+                    a.shm.offset, a.shm.length = off, n
+                    continue
+            if n > staging.STAGE_ABOVE:
+                pieces += [view[i : i + CHUNK_BYTES] for i in range(0, n, CHUNK_BYTES)]
+                a.staged.offset, a.staged.length = staged, n
+                staged += n
+            else:
+                a.ClearField("staged")
+                a.data = view.tobytes()
+        return pieces
 
     # -- encoding helpers -----------------------------------------------------------------
 
     def _enc(self, x: np.ndarray, name: str, ndim: int) -> pb.Array:
+        """An Array whose bytes are placed later by ``_place``: until then ``staged``
+        holds the index of the wire-typed NumPy array in this thread's side list."""
         a = np.asarray(x, dtype=np.float32)
         if a.ndim != ndim:
             raise ValueError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
-        return codec.encode(a, self.wire_dtype)
+        if self.wire_dtype == pb.DTYPE_FLOAT32:
+            raw = np.ascontiguousarray(a, "<f4")
+        elif self.wire_dtype == pb.DTYPE_FLOAT16:
+            raw = np.ascontiguousarray(a, "<f2")
+        else:
+            raw = codec.float32_to_bfloat16_bits(a)
+        side = getattr(self._tls, "side", None)
+        if side is None:
+            side = self._tls.side = []
+        side.append(raw)
+        return pb.Array(
+            dtype=self.wire_dtype,
+            shape=list(a.shape),
+            staged=pb.Slice(offset=len(side) - 1, length=raw.nbytes),
+        )
 
     @staticmethod
     def _experts(experts: Iterable[Sequence[Any]]) -> list[pb.Expert]:
@@ -286,7 +315,7 @@ class Session:
             f.backend_ns = body.backend_ns
             if hasattr(body, "lengths"):
                 f.lengths = list(body.lengths)
-            return np.array(codec.decode(getattr(body, field), "result"), copy=True)
+            return codec.decode(getattr(body, field), "result")
 
         return decode
 

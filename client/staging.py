@@ -41,10 +41,11 @@ def stage(msg: Message, limit: int = STAGE_ABOVE) -> list[bytes | memoryview]:
     pieces: list[bytes | memoryview] = []
     offset = 0
     for a in iter_arrays(msg):
-        n = len(a.data)
+        data = a.data  # each read of a bytes field copies it: read once
+        n = len(data)
         if n <= limit:
             continue
-        view = memoryview(a.data)
+        view = memoryview(data)
         pieces += [view[i : i + CHUNK_BYTES] for i in range(0, n, CHUNK_BYTES)]
         a.staged.offset, a.staged.length = offset, n
         a.ClearField("data")

@@ -237,9 +237,7 @@ class SessionStream:
     def _run(self, job: _Job) -> list[pb.SessionResponse]:
         try:
             result = self.handlers[job.kind](job.call, self.owner)
-            resp = pb.SessionResponse(request_id=job.request_id)
-            getattr(resp, job.kind).CopyFrom(result)
-            out = self._place(resp, job)
+            out = self._place(result, job)
         except WorkerError as exc:
             if type(exc) is WorkerError:
                 out = [self._internal(job, exc)]
@@ -255,21 +253,24 @@ class SessionStream:
             self._finish(job)
         return out
 
-    def _place(self, resp: pb.SessionResponse, job: _Job) -> list[pb.SessionResponse]:
-        """Move result arrays into the offered shared memory, or into chunks when large."""
-        body = getattr(resp, job.kind)
+    def _place(self, body: Any, job: _Job) -> list[pb.SessionResponse]:
+        """Move result arrays into the offered shared memory, or into chunks when large
+        (before the result is copied into its SessionResponse, so big bytes are not)."""
         seg = self.segment
         if job.output is not None and seg is not None:
             off, room = job.output
             for a in staging.iter_arrays(body):
-                n = len(a.data)
+                data = a.data
+                n = len(data)
                 if n and n <= room:
-                    seg.write(off, a.data)
+                    seg.write(off, data)
                     a.shm.offset, a.shm.length = off, n
                     a.ClearField("data")
                     off += (n + 63) // 64 * 64
                     room -= min(room, (n + 63) // 64 * 64)
         pieces = staging.stage(body)
+        resp = pb.SessionResponse(request_id=job.request_id)
+        getattr(resp, job.kind).CopyFrom(body)
         if not pieces:
             return [resp]
         rid = job.request_id

@@ -1,0 +1,542 @@
+"""Per-call cost of the remote hot path, against a raw gRPC echo of the same bytes.
+
+A worker process (this script with ``--serve``) and a client process (this script) on one
+host. GLM-5.2 decode shapes: an expert group of 8 experts x 1 row at D=6144, and ragged MLA
+attention for one sequence of T=4096 resident rows (q [1, 64, 256], a new 576-float KV row,
+out [1, 6144] through o_proj). Paths:
+
+    unary         one RPC per call (packed expert group: 8 rows in, 8 rows out)
+    unary-routed  one RPC per call, routed form (1 row in, 1 row out)
+    session       the Session stream, packed form
+    routed        the Session stream, routed form
+    routed-uds    the same over a Unix domain socket
+    shm           the Session stream, routed form, activations in shared memory
+
+For each: p50/p99 end to end, the worker's backend time, and overhead = end to end minus
+backend time, compared with the p50 of a raw gRPC echo (bytes in, bytes out, no protobuf,
+no work) of the same request/response sizes on the same transport (unary or stream).
+Then the throughput of a 50 MB activation batch (chunked stream, shared memory), and of a
+1 GB upload and its re-upload (hash + Lookup probe only).
+
+The expert intermediate width only changes compute, never the wire: the NumPy backend
+dequantizes every weight in float64 on every call, so ``--expert-inter`` defaults to 16
+there (2048 with CuPy) to keep the run short. Writes bench/results/rpc-<date>-<backend>.json
+and .md.
+
+    python bench/rpc.py --backend numpy
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+import numpy as np
+
+D, TOPK, N_EXPERTS = 6144, 8, 8
+H, Q, R, V, K, D_OUT, T = 64, 192, 64, 256, 512, 6144, 4096
+ECHO_UNARY = "/coliworker.bench.Echo/Unary"
+ECHO_STREAM = "/coliworker.bench.Echo/Stream"
+
+
+# -- worker process -----------------------------------------------------------------------
+
+
+def _echo_handlers() -> grpc.GenericRpcHandler:
+    """Raw echo: the first 8 bytes of a request give the response size; no protobuf."""
+
+    def reply(req: bytes) -> bytes:
+        return bytes(int.from_bytes(req[:8], "little"))
+
+    def unary(req: bytes, context) -> bytes:
+        return reply(req)
+
+    def stream(it, context):
+        for req in it:
+            yield reply(req)
+
+    return grpc.method_handlers_generic_handler(
+        "coliworker.bench.Echo",
+        {
+            "Unary": grpc.unary_unary_rpc_method_handler(unary),
+            "Stream": grpc.stream_stream_rpc_method_handler(stream),
+        },
+    )
+
+
+def serve(args: argparse.Namespace) -> None:
+    from coliworker.server.app import build_server
+    from coliworker.server.config import Config
+
+    cfg = Config(
+        backend=args.backend,
+        port=0,
+        metrics_port=None,
+        unix_socket=args.unix_socket,
+        max_message_bytes=64 << 20,
+        memory_limit=0,
+    )
+    srv = build_server(cfg)
+    srv.server.add_generic_rpc_handlers((_echo_handlers(),))
+    srv.start()
+    print(f"READY {srv.port}", flush=True)
+    sys.stdin.read()  # the client closes stdin when it is done (or dies)
+    srv.stop(1)
+
+
+# -- client -------------------------------------------------------------------------------
+
+
+def stats(ns: list[int]) -> dict[str, float]:
+    a = np.asarray(ns, np.float64) / 1e6
+    return {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99))}
+
+
+class Echo:
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.unary = channel.unary_unary(ECHO_UNARY)
+        self.stream = channel.stream_stream(ECHO_STREAM)
+
+    def measure(self, kind: str, req_bytes: int, resp_bytes: int, n: int) -> dict[str, float]:
+        payload = resp_bytes.to_bytes(8, "little") + bytes(max(req_bytes - 8, 0))
+        times = []
+        if kind == "unary":
+            for _ in range(n):
+                t0 = time.perf_counter_ns()
+                self.unary(payload)
+                times.append(time.perf_counter_ns() - t0)
+        else:
+            import queue
+
+            q: queue.SimpleQueue = queue.SimpleQueue()
+
+            def gen():
+                while (m := q.get()) is not None:
+                    yield m
+
+            it = self.stream(gen())
+            for _ in range(n):
+                t0 = time.perf_counter_ns()
+                q.put(payload)
+                next(it)
+                times.append(time.perf_counter_ns() - t0)
+            q.put(None)
+            for _ in it:
+                pass
+        return stats(times)
+
+
+def timed(call, n: int, warmup: int) -> tuple[list[int], list[int]]:
+    """call() -> backend_ns; returns (end-to-end ns, backend ns) per call."""
+    for _ in range(warmup):
+        call()
+    e2e, backend = [], []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        b = call()
+        e2e.append(time.perf_counter_ns() - t0)
+        backend.append(b)
+    return e2e, backend
+
+
+def row(name, transport, e2e, backend, echo, req_bytes, resp_bytes) -> dict:
+    over = [a - b for a, b in zip(e2e, backend, strict=True)]
+    s, b, o = stats(e2e), stats(backend), stats(over)
+    return {
+        "path": name,
+        "transport": transport,
+        "request_bytes": req_bytes,
+        "response_bytes": resp_bytes,
+        "p50_ms": s["p50_ms"],
+        "p99_ms": s["p99_ms"],
+        "backend_p50_ms": b["p50_ms"],
+        "overhead_p50_ms": o["p50_ms"],
+        "overhead_p99_ms": o["p99_ms"],
+        "echo_p50_ms": echo["p50_ms"],
+        "echo_p99_ms": echo["p99_ms"],
+        "overhead_vs_echo": o["p50_ms"] / echo["p50_ms"],
+    }
+
+
+def bench(args: argparse.Namespace) -> dict:
+    from coliworker.client import WorkerClient
+    from coliworker.v1 import worker_pb2 as pb
+
+    sock = os.path.join(tempfile.mkdtemp(prefix="coliworker-bench-"), "worker.sock")
+    worker = subprocess.Popen(
+        [sys.executable, __file__, "--serve", "--backend", args.backend, "--unix-socket", sock],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = worker.stdout.readline().split()
+        if not line or line[0] != "READY":
+            raise SystemExit(f"worker did not start: {line}")
+        addr = f"127.0.0.1:{line[1]}"
+        return _run(args, addr, f"unix:{sock}", WorkerClient, pb)
+    finally:
+        worker.stdin.close()
+        worker.wait(30)
+
+
+def _upload_expert(w, rng, inter: int):
+    """One int4 expert (gate, up [inter, D], down [D, inter])."""
+
+    def t(i, o):
+        q = rng.integers(0, 256, size=(o, (i + 1) // 2), dtype=np.uint8)
+        s = (rng.random(o) * 0.02 + 0.005).astype(np.float32)
+        return w.upload(q, s, fmt=2, in_features=i, out_features=o)
+
+    return (t(D, inter), t(D, inter), t(inter, D))
+
+
+def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
+    rng = np.random.default_rng(0)
+    n, warm = args.iters, max(3, args.iters // 10)
+    w = WorkerClient(addr, timeout=600, progress=False)
+    wu = WorkerClient(uds, timeout=600, progress=False)
+    echo = Echo(w._channel)
+    echo_uds = Echo(wu._channel)
+    info = w.info()
+    print(f"worker {info.backend} {[d.name for d in info.devices]}", flush=True)
+
+    experts = [_upload_expert(w, rng, args.expert_inter) for _ in range(N_EXPERTS)]
+    x1 = rng.standard_normal((1, D)).astype(np.float32)
+    x8 = np.repeat(x1, TOPK, axis=0)
+    routes = np.arange(TOPK, dtype=np.int32)[None]
+    weights = (rng.random((1, TOPK)) / TOPK).astype(np.float32)
+    rows = [1] * TOPK
+
+    def req_size(kind, body, shm=False):
+        if kind is None:
+            return body.ByteSize()
+        m = pb.SessionRequest(request_id=1 << 20, **{kind: body})
+        if shm:
+            for a in _arrays(m):
+                a.shm.offset, a.shm.length = 1 << 20, len(a.data)
+                a.ClearField("data")
+            m.output_shm.offset, m.output_shm.length = 1 << 20, 1 << 16
+        return m.ByteSize()
+
+    from coliworker.client import codec
+    from coliworker.client.staging import iter_arrays as _arrays
+
+    exp_pb = [pb.Expert(gate=g.handle, up=u.handle, down=d.handle) for g, u, d in experts]
+    packed = pb.ExpertGroupRequest(experts=exp_pb, rows=rows, x=codec.encode(x8))
+    routed = pb.ExpertGroupRoutedRequest(
+        experts=exp_pb,
+        x=codec.encode(x1),
+        routes=codec.encode(routes, pb.DTYPE_INT32),
+        weights=codec.encode(weights),
+    )
+    out8, out1 = 8 * D * 4 + 40, D * 4 + 40
+    shm_resp = 60  # request id + Array header + slice + timings
+    results = []
+
+    def unary_packed():
+        w.expert_group(experts, rows, x8)
+        return w.last_call.backend_ns
+
+    def unary_routed():
+        w.expert_group_routed(experts, x1, routes, weights)
+        return w.last_call.backend_ns
+
+    group_paths = [
+        ("unary", "tcp", "unary", w, None, unary_packed, req_size(None, packed), out8),
+        ("unary-routed", "tcp", "unary", w, None, unary_routed, req_size(None, routed), out1),
+    ]
+    sessions = {
+        "session": (w.session(), "tcp", "expert_group"),
+        "routed": (w.session(), "tcp", "expert_group_routed"),
+        "routed-uds": (wu.session(), "uds", "expert_group_routed"),
+        "shm": (w.session(shm=True), "tcp", "expert_group_routed"),
+    }
+    for name, (s, tr, kind) in sessions.items():
+        if kind == "expert_group":
+
+            def call(s=s):
+                f = s.expert_group(experts, rows, x8)
+                f.result()
+                return f.backend_ns
+
+            body, out = packed, out8
+        else:
+
+            def call(s=s):
+                f = s.expert_group_routed(experts, x1, routes, weights)
+                f.result()
+                return f.backend_ns
+
+            body, out = routed, out1
+        shm = name == "shm"
+        group_paths.append(
+            (name, tr, "stream", None, s, call, req_size(kind, body, shm), shm_resp if shm else out)
+        )
+    for name, tr, ekind, _, _, call, rq, rs in group_paths:
+        e2e, backend = timed(call, n, warm)
+        ech = (echo_uds if tr == "uds" else echo).measure(ekind, rq, rs, n)
+        r = row(f"expert_group/{name}", tr, e2e, backend, ech, rq, rs)
+        results.append(r)
+        print(_fmt(r), flush=True)
+
+    # -- ragged attention, one sequence of T rows ------------------------------------------
+    kv_b = _int4(w, rng, K, H * (Q + V))
+    o_proj = _int4(w, rng, H * V, D_OUT)
+    att = dict(q_dim=Q, rope_dim=R, v_dim=V, scale=1.0 / np.sqrt(Q + R))
+    lat = rng.standard_normal((T + 1, K)).astype(np.float32)
+    rope = rng.standard_normal((T + 1, R)).astype(np.float32)
+    q = rng.standard_normal((1, H, Q + R)).astype(np.float32)
+    with w.session() as s:  # prefill the cache: T rows (8 MB, chunked)
+        s.attention_ragged_sync(kv_b, o_proj, q, sequences=[(7, 0, lat[:T], rope[:T])], **att)
+    seq = [(7, T, lat[T:], rope[T:])]  # every call rolls back to T and appends row T
+    body = pb.AttentionRaggedRequest(
+        kv_b=kv_b.handle,
+        o_proj=o_proj.handle,
+        q=codec.encode(q),
+        sequences=[
+            pb.SequenceRows(
+                sequence_id=7, start=T, latent=codec.encode(lat[T:]), rope=codec.encode(rope[T:])
+            )
+        ],
+        **att,
+    )
+    out_att = D_OUT * 4 + 40
+
+    def att_unary():
+        w.attention_ragged(kv_b, o_proj, q, sequences=seq, **att)
+        return w.last_call.backend_ns
+
+    att_paths = [("unary", "tcp", "unary", att_unary, req_size(None, body), out_att)]
+    for name, (s, tr, _) in sessions.items():
+        if name == "session":
+            continue
+
+        def call(s=s):
+            f = s.attention_ragged(kv_b, o_proj, q, sequences=seq, **att)
+            f.result()
+            return f.backend_ns
+
+        shm = name == "shm"
+        att_paths.append(
+            (
+                name.replace("routed", "session"),
+                tr,
+                "stream",
+                call,
+                req_size("attention_ragged", body, shm),
+                shm_resp if shm else out_att,
+            )
+        )
+    na = args.att_iters
+    for name, tr, ekind, call, rq, rs in att_paths:
+        e2e, backend = timed(call, na, 2)
+        ech = (echo_uds if tr == "uds" else echo).measure(ekind, rq, rs, max(na, 100))
+        r = row(f"attention_ragged/{name}", tr, e2e, backend, ech, rq, rs)
+        results.append(r)
+        print(_fmt(r), flush=True)
+
+    # -- 50 MB activation batches ----------------------------------------------------------
+    thr = []
+    mat = w.upload(
+        rng.standard_normal((64, 64)).astype(np.float32), None, fmt=0, in_features=64,
+        out_features=64,
+    )  # fmt: skip
+    big = rng.standard_normal((50 * 1024 * 1024 // 256, 64)).astype(np.float32)
+    for name, s in (("stream-chunks", sessions["routed"][0]), ("shm", sessions["shm"][0])):
+        times, back = [], []
+        for _ in range(args.big_iters + 1):
+            t0 = time.perf_counter_ns()
+            f = s.matmul(mat, big)
+            f.result()
+            times.append(time.perf_counter_ns() - t0)
+            back.append(f.backend_ns)
+        times, back = times[1:], back[1:]
+        moved = 2 * big.nbytes
+        best = min(range(len(times)), key=lambda i: times[i] - back[i])
+        med_t = float(np.median(times)) / 1e9
+        med_o = float(np.median([a - b for a, b in zip(times, back, strict=True)])) / 1e9
+        r = {
+            "path": f"batch-50MB/{name}",
+            "bytes_each_way": big.nbytes,
+            "e2e_p50_ms": med_t * 1e3,
+            "backend_p50_ms": float(np.median(back)) / 1e6,
+            "GBps_end_to_end": moved / med_t / 1e9,
+            "GBps_transport": moved / med_o / 1e9,
+            "GBps_transport_best": moved / ((times[best] - back[best]) / 1e9) / 1e9,
+        }
+        thr.append(r)
+        print(r, flush=True)
+    for s, _, _ in sessions.values():
+        s.close()
+
+    # -- 1 GB upload and re-upload -----------------------------------------------------------
+    if args.upload_gb > 0:
+        cols = 65536
+        o = int(args.upload_gb * (1 << 30)) // cols
+        wq = rng.integers(0, 256, size=(o, cols), dtype=np.uint8)
+        sc = (rng.random(o) * 0.01).astype(np.float32)
+        t0 = time.perf_counter()
+        ref = w.upload(wq, sc, fmt=1, in_features=cols, out_features=o)
+        t_up = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        again = w.upload(wq, sc, fmt=1, in_features=cols, out_features=o)
+        t_re = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        codec.content_hash(1, cols, o, 0, wq, sc)
+        t_hash = time.perf_counter() - t0
+        r = {
+            "path": "upload",
+            "bytes": int(wq.nbytes + sc.nbytes),
+            "upload_s": t_up,
+            "upload_GBps": wq.nbytes / t_up / 1e9,
+            "reupload_s": t_re,
+            "reupload_deduplicated": again.deduplicated,
+            "client_hash_s": t_hash,
+            "reupload_minus_hash_ms": (t_re - t_hash) * 1e3,
+        }
+        thr.append(r)
+        print(r, flush=True)
+        w.free(again)
+        w.free(ref)
+    w.close()
+    wu.close()
+    return {"worker": {"backend": info.backend, "devices": [d.name for d in info.devices]},
+            "latency": results, "throughput": thr}  # fmt: skip
+
+
+def _int4(w, rng, i, o):
+    q = rng.integers(0, 256, size=(o, (i + 1) // 2), dtype=np.uint8)
+    s = (rng.random(o) * 0.02 + 0.005).astype(np.float32)
+    return w.upload(q, s, fmt=2, in_features=i, out_features=o)
+
+
+def _fmt(r: dict) -> str:
+    return (
+        f"{r['path']:<28} {r['transport']:<4} p50 {r['p50_ms']:7.3f} ms  p99 {r['p99_ms']:7.3f}"
+        f"  backend {r['backend_p50_ms']:7.3f}  overhead {r['overhead_p50_ms']:6.3f}"
+        f"  echo {r['echo_p50_ms']:6.3f}  ratio {r['overhead_vs_echo']:5.2f}"
+    )
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = ""
+    try:
+        gpu = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit = subprocess.run(
+        ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return {
+        "host": platform.node(),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "gpu": gpu or "none",
+        "python": platform.python_version(),
+        "grpcio": grpc.__version__,
+        "commit": commit + ("+dirty" if dirty else ""),
+    }
+
+
+def write(result: dict, args: argparse.Namespace) -> None:
+    date = datetime.datetime.now(datetime.timezone.utc)
+    result["machine"] = machine()
+    result["date"] = date.isoformat(timespec="seconds")
+    result["command"] = "python " + shlex.join(["bench/rpc.py", *sys.argv[1:]])
+    result["settings"] = {
+        "iters": args.iters,
+        "att_iters": args.att_iters,
+        "expert_inter": args.expert_inter,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"rpc-{date:%Y-%m-%d}-{args.backend}")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=2)
+    m = result["machine"]
+    lines = [
+        f"# bench/rpc.py — {args.backend} backend",
+        "",
+        f"- date: {result['date']}",
+        f"- commit: {m['commit']}",
+        f"- machine: {m['host']}, {m['cpu']} x{m['cpus']}, GPU: {m['gpu']}",
+        f"- python {m['python']}, grpcio {m['grpcio']}",
+        f"- command: `{result['command']}`",
+        f"- expert intermediate width: {args.expert_inter} (wire bytes do not depend on it)",
+        "",
+        "Per call, ms. overhead = end to end - backend; echo = raw gRPC echo of the same",
+        "request/response bytes on the same transport; ratio = overhead p50 / echo p50.",
+        "",
+        "| path | transport | req B | resp B | p50 | p99 | backend p50 | overhead p50 "
+        "| echo p50 | ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["latency"]:
+        lines.append(
+            f"| {r['path']} | {r['transport']} | {r['request_bytes']} | {r['response_bytes']} "
+            f"| {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['backend_p50_ms']:.3f} "
+            f"| {r['overhead_p50_ms']:.3f} | {r['echo_p50_ms']:.3f} "
+            f"| {r['overhead_vs_echo']:.2f} |"
+        )
+    lines += ["", "Throughput:", ""]
+    for r in result["throughput"]:
+        lines.append("- " + ", ".join(f"{k} {_num(v)}" for k, v in r.items()))
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {stem}.json and .md")
+
+
+def _num(v) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default="numpy", choices=("numpy", "cupy"))
+    p.add_argument("--iters", type=int, default=300, help="calls per expert-group path")
+    p.add_argument("--att-iters", type=int, default=None, help="calls per attention path")
+    p.add_argument("--big-iters", type=int, default=3, help="50 MB batches per path")
+    p.add_argument("--expert-inter", type=int, default=None, help="expert I (default: 16 numpy)")
+    p.add_argument("--upload-gb", type=float, default=1.0, help="0 skips the upload test")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--unix-socket", default="", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve:
+        serve(args)
+        return
+    if args.expert_inter is None:
+        args.expert_inter = 16 if args.backend == "numpy" else 2048
+    if args.att_iters is None:
+        args.att_iters = 30 if args.backend == "numpy" else args.iters
+    write(bench(args), args)
+
+
+if __name__ == "__main__":
+    main()
