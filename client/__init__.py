@@ -18,7 +18,10 @@ from coliworker.client.errors import (
     Unauthenticated,
     Unavailable,
     WorkerError,
+    WorkerRestarted,
 )
+from coliworker.client.recovery import RecoveringClient
+from coliworker.client.security import TLS
 from coliworker.client.session import Session, SessionFuture
 from coliworker.client.worker import (
     DeviceStats,
@@ -38,7 +41,9 @@ __all__ = [
     "InvalidArgument",
     "NotFound",
     "PermissionDenied",
+    "RecoveringClient",
     "ResourceExhausted",
+    "TLS",
     "Session",
     "SessionFuture",
     "TensorRef",
@@ -47,4 +52,5 @@ __all__ = [
     "WorkerClient",
     "WorkerError",
     "WorkerInfo",
+    "WorkerRestarted",
 ]

@@ -6,6 +6,8 @@
     ├── FailedPrecondition      state does not allow it (KV start past resident rows, evicted)
     ├── ResourceExhausted       device memory, budgets, limits
     ├── Unavailable             worker unreachable or compute failed: fall back to the CPU path
+    │   └── WorkerRestarted     the worker restarted and its resident state could not be
+    │                           restored (RecoveringClient without retain/loader): CPU path
     ├── DeadlineExceeded        the call ran past its deadline
     ├── Cancelled               the call was cancelled
     ├── Unauthenticated         missing or wrong token
@@ -53,6 +55,12 @@ class ResourceExhausted(WorkerError):
 
 class Unavailable(WorkerError):
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class WorkerRestarted(Unavailable):
+    """The worker restarted (new instance id): its tensors, KV caches and tickets are gone
+    and this client had no means to restore them. Fall back to the CPU path (the seed's
+    "return 0"), or re-upload and carry on."""
 
 
 class DeadlineExceeded(WorkerError):
@@ -112,5 +120,6 @@ __all__ = [
     "Unauthenticated",
     "Unavailable",
     "WorkerError",
+    "WorkerRestarted",
     "from_rpc_error",
 ]

@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 from coliworker.client import codec
 from coliworker.client.errors import WorkerError, from_rpc_error
+from coliworker.client.security import TLS, make_channel
 from coliworker.kernels.qtensor import row_bytes, scale_count
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.v1 import worker_pb2_grpc as pb_grpc
@@ -175,6 +176,8 @@ class WorkerClient:
         wire_dtype: str = "float32",
         max_message_bytes: int = 64 << 20,
         channel: grpc.Channel | None = None,
+        token: str | None = None,
+        tls: TLS | bool | None = None,
     ) -> None:
         self.address = address
         self.timeout = timeout
@@ -184,7 +187,8 @@ class WorkerClient:
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ]
-        self._channel = channel or grpc.insecure_channel(address, options=options)
+        # token: bearer token sent on every call; tls: TLS settings (True: system roots).
+        self._channel = channel or make_channel(address, options, tls=tls, token=token)
         self._stub = pb_grpc.WorkerStub(self._channel)
         self._local = threading.local()
         self.instance_id: str | None = None

@@ -9,8 +9,10 @@ from concurrent import futures
 import grpc
 from coliworker import __version__
 from coliworker.server.backend import Backend
+from coliworker.server.auth import AuthInterceptor, check_exposure, server_credentials
 from coliworker.server.backends import create_backend
 from coliworker.server.config import Config
+from coliworker.server.limits import GuardInterceptor
 from coliworker.server.servicer import WorkerServicer
 from coliworker.v1 import worker_pb2_grpc as pb_grpc
 
@@ -33,6 +35,10 @@ class WorkerServer:
             interceptors.append(self.metrics.interceptor())
             hooks = self.metrics
         self.servicer = WorkerServicer(config, self.backend, hooks=hooks)
+        check_exposure(config, authenticated=self.servicer.tokens is not None)
+        if self.servicer.tokens is not None:
+            interceptors.append(AuthInterceptor(self.servicer.tokens))
+        interceptors.append(GuardInterceptor())
         if self.metrics is not None:
             self.metrics.bind(residency=self.servicer.usage, devices=self.backend.devices)
         options = [
@@ -44,6 +50,7 @@ class WorkerServer:
             futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="rpc"),
             interceptors=interceptors,
             options=options,
+            maximum_concurrent_rpcs=config.max_in_flight,
         )
         pb_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         from coliworker.server.health import Health, enable_reflection
@@ -51,7 +58,11 @@ class WorkerServer:
         self.health = Health()
         self.health.attach(self.server)
         enable_reflection(self.server)
-        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        credentials = server_credentials(config)
+        if credentials is not None:
+            self.port = self.server.add_secure_port(f"{config.host}:{config.port}", credentials)
+        else:
+            self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
         if self.port == 0:
             raise OSError(f"cannot listen on {config.host}:{config.port}")
         if config.unix_socket:
@@ -78,6 +89,8 @@ class WorkerServer:
         return self
 
     def stop(self, grace: float | None = None) -> None:
+        """Drain: health turns NOT_SERVING, new calls are refused at once, calls in flight
+        get ``grace`` seconds to finish (None: cancel them now)."""
         self.health.set_not_serving()
         self.server.stop(grace).wait()
         self.backend.close()

@@ -50,7 +50,7 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     done.wait()
-    server.stop(grace=10.0)
+    server.stop(grace=config.drain_grace)
     return 0
 
 

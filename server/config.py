@@ -64,6 +64,16 @@ class Config:
     max_kv_rows: int = 1 << 20
     fail_after: int | None = None  # fault injection: compute calls fail after N successes
     unix_socket: str = ""
+    # Security and limits (auth.py, limits.py).
+    token_file: str = ""
+    tokens: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    insecure: bool = False
+    max_in_flight: int = 256
+    quota: int = 0  # bytes per owner (token) for tensors + KV; 0: no quota
+    drain_grace: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -81,6 +91,7 @@ class Config:
             "max_pending_tickets",
             "max_sequences_per_call",
             "max_kv_rows",
+            "max_in_flight",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
@@ -90,6 +101,14 @@ class Config:
             raise ValueError(f"memory_limit: expected >= 0, got {self.memory_limit}")
         if self.fail_after is not None and self.fail_after < 0:
             raise ValueError(f"fail_after: expected >= 0, got {self.fail_after}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert, tls_key: expected both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca: needs tls_cert and tls_key (mutual TLS is TLS)")
+        if self.quota < 0:
+            raise ValueError(f"quota: expected >= 0, got {self.quota}")
+        if not 0 <= self.drain_grace <= 3600:
+            raise ValueError(f"drain_grace: expected 0..3600 seconds, got {self.drain_grace}")
 
 
 @dataclass(frozen=True)
@@ -207,12 +226,70 @@ SETTINGS: tuple[Setting, ...] = (
         str,
         "also listen on this Unix domain socket path (default off)",
     ),
+    Setting(
+        "token_file",
+        "--token-file",
+        "COLIWORKER_TOKEN_FILE",
+        str,
+        "file of accepted bearer tokens, one 'name:token' (or bare token) per line; calls "
+        "without one get UNAUTHENTICATED (health stays open) (default off)",
+    ),
+    Setting(
+        "tokens",
+        "--tokens",
+        "COLIWORKER_TOKENS",
+        str,
+        "comma-separated 'name:token' (or bare) tokens, added to --token-file's; prefer the "
+        "variable or the file, command lines are visible to other users (default off)",
+    ),
+    Setting("tls_cert", "--tls-cert", "COLIWORKER_TLS_CERT", str, "PEM server certificate (TLS)"),
+    Setting("tls_key", "--tls-key", "COLIWORKER_TLS_KEY", str, "PEM private key of --tls-cert"),
+    Setting(
+        "tls_client_ca",
+        "--tls-client-ca",
+        "COLIWORKER_TLS_CLIENT_CA",
+        str,
+        "PEM CA bundle: clients must present a certificate it signed (mutual TLS)",
+    ),
+    Setting(
+        "insecure",
+        "--insecure",
+        "COLIWORKER_INSECURE",
+        _parse_bool,
+        "allow a non-loopback --host without tokens or TLS (warns; default: refuse to start)",
+    ),
+    Setting(
+        "max_in_flight",
+        "--max-in-flight",
+        "COLIWORKER_MAX_IN_FLIGHT",
+        int,
+        "calls accepted at once, queued ones included; more get RESOURCE_EXHAUSTED (default 256)",
+    ),
+    Setting(
+        "quota",
+        "--quota",
+        "COLIWORKER_QUOTA",
+        parse_bytes,
+        "bytes each token (owner) may keep resident, tensors + KV, e.g. 20G (default 0: none)",
+    ),
+    Setting(
+        "drain_grace",
+        "--drain-grace",
+        "COLIWORKER_DRAIN_GRACE",
+        float,
+        "on SIGTERM: seconds in-flight calls get to finish before exit (default 10)",
+    ),
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one flag per setting; unset flags stay None so the environment can fill them."""
     for s in SETTINGS:
+        if s.parse is _parse_bool:  # a switch: "--insecure" alone means true
+            parser.add_argument(
+                s.flag, dest=s.name, default=None, nargs="?", const="true", help=s.help
+            )
+            continue
         parser.add_argument(s.flag, dest=s.name, default=None, help=s.help)
 
 

@@ -23,6 +23,7 @@ from coliworker.server.errors import (
     OutOfDeviceMemory,
     ResourceExhausted,
 )
+from coliworker.server.limits import Quota
 from coliworker.server.store import Budget, Handle
 
 Key = tuple[str, int, int]  # (owner, kv_b handle id, sequence id)
@@ -54,9 +55,11 @@ class SequenceStore:
         budget: Budget,
         max_rows: int,
         on_evict: Callable[[int], None] | None = None,
+        quota: Quota | None = None,
     ) -> None:
         self.backend = backend
         self.budget = budget
+        self.quota = quota or Quota()  # per-owner bytes (limits.py)
         self.max_rows = max_rows
         self.on_evict = on_evict
         # One lock for cache mutation and the attention that reads the caches: an eviction
@@ -73,6 +76,7 @@ class SequenceStore:
         """
         keys = [(kv_b.owner, kv_b.id, s.sequence_id) for s in rows]
         plan: list[tuple[Key, RowsIn, Sequence_ | None]] = []
+        need = 0
         for i, (key, s) in enumerate(zip(keys, rows, strict=True)):
             seq = self._seqs.get(key)
             if seq is not None and (seq.k, seq.r) != (k, r):
@@ -103,6 +107,9 @@ class SequenceStore:
                     f"{total} rows, limit {self.max_rows} (--max-kv-rows)"
                 )
             plan.append((key, s, seq))
+            # Least new memory these rows can take (checked against the quota up front).
+            need += max(0, 4 * total * (k + r) - (seq.cache.nbytes if seq is not None else 0))
+        self.quota.check(kv_b.owner, need, "attention_ragged")
 
         device = kv_b.spec.device
         protected = set(keys)
@@ -116,11 +123,11 @@ class SequenceStore:
             if s.start < seq.cache.length:
                 seq.cache.truncate(s.start)
             if len(s.latent):
-                self._append(seq, s, protected)
+                self._append(seq, s, protected, key[0])
             caches.append(seq.cache)
         return caches
 
-    def _append(self, seq: Sequence_, s: RowsIn, protected: set[Key]) -> None:
+    def _append(self, seq: Sequence_, s: RowsIn, protected: set[Key], owner: str) -> None:
         """Append rows, charging the budget for growth and evicting LRU sequences if needed."""
         while True:
             before = seq.cache.nbytes
@@ -141,6 +148,12 @@ class SequenceStore:
                 f"attention_ragged: sequence {s.sequence_id} needs {grown} more bytes of KV on "
                 f"device {seq.device}, over its {self.budget.limit}-byte budget (--memory-limit) "
                 f"with nothing left to evict"
+            )
+        if not self.quota.charge(owner, grown):
+            seq.cache.truncate(seq.cache.length - len(s.latent))
+            raise ResourceExhausted(
+                f"attention_ragged: sequence {s.sequence_id} needs {grown} more bytes of KV, "
+                f"over the {self.quota.limit}-byte quota of its owner (--quota)"
             )
 
     def _evict_one(self, device: int, protected: set[Key]) -> bool:
@@ -165,6 +178,7 @@ class SequenceStore:
         nbytes = seq.cache.nbytes
         seq.cache.release()
         self.budget.release(seq.device, nbytes)
+        self.quota.discharge(key[0], nbytes)
         return nbytes
 
     def free(self, owner: str, sequence_id: int, kv_b: int | None) -> tuple[int, int]:

@@ -23,14 +23,17 @@ from coliworker.client import codec
 from coliworker.kernels.qtensor import QTensor
 from coliworker.server import validate
 from coliworker.server.backend import Backend, Pending, Phases, Result
+from coliworker.server.auth import TokenTable
 from coliworker.server.config import Config
 from coliworker.server.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    Unauthenticated,
     Unavailable,
     WorkerError,
 )
+from coliworker.server.limits import Quota, check_upload
 from coliworker.server.sequences import RowsIn, SequenceStore
 from coliworker.server.session import SessionManager
 from coliworker.server.session import SessionManager
@@ -91,9 +94,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.instance_id = uuid.uuid4().hex
         self.devices = tuple(config.devices)
         self.budget = Budget(self.devices, config.memory_limit)
-        self.store = TensorStore(backend, self.devices, self.budget)
+        self.tokens = TokenTable.from_config(config)  # None: authentication off
+        self.quota = Quota(config.quota)
+        self.store = TensorStore(backend, self.devices, self.budget, self.quota)
         self.sequences = SequenceStore(
-            backend, self.budget, config.max_kv_rows, on_evict=self.hooks.record_eviction
+            backend,
+            self.budget,
+            config.max_kv_rows,
+            on_evict=self.hooks.record_eviction,
+            quota=self.quota,
         )
         self._tickets: dict[int, _Ticket] = {}
         self._ticket_ids = itertools.count(1)
@@ -105,8 +114,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     # -- plumbing -----------------------------------------------------------------------
 
     def owner(self, context: grpc.ServicerContext) -> str:
-        """Who owns the handles this call may touch ("" when authentication is off)."""
-        return ""
+        """Who owns the handles this call may touch: the name of the call's bearer token
+        ("" when authentication is off). AuthInterceptor has already refused calls without
+        a valid token; this is the second line of defence."""
+        if self.tokens is None:
+            return ""
+        owner = self.tokens.owner_from_metadata(context.invocation_metadata())
+        if owner is None:
+            raise Unauthenticated("missing or invalid bearer token")
+        return owner
 
     def _internal(self, exc: BaseException, context: grpc.ServicerContext, op: str):
         request_id = uuid.uuid4().hex[:12]
@@ -208,7 +224,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return pb.LookupResponse(found=True, tensor=self._info(h))
         return pb.LookupResponse(found=True)
 
-    def _receive(self, chunks: Iterator[pb.UploadChunk], op: str):
+    def _receive(self, chunks: Iterator[pb.UploadChunk], op: str, owner: str = ""):
         """Read a header and its data; returns (spec, hash, QTensor, handle field)."""
         first = next(chunks, None)
         if first is None or first.WhichOneof("part") != "header":
@@ -251,6 +267,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     f"{op}: data: expected {total} bytes in all, got more "
                     f"({got + n} after message {i})"
                 )
+        if self.store.lookup(header.content_hash, spec.device, False) is None:
+            check_upload(self.quota, self.budget, self.backend, spec.device, total, owner, op)
             view[got : got + n] = msg.data
             got += n
         if got != total:
@@ -277,8 +295,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     @_guard
     def Upload(self, request_iterator, context):
-        spec, digest, tensor, _ = self._receive(request_iterator, "upload")
-        handle, dedup, phases = self.store.upload(spec, digest, tensor, self.owner(context))
+        owner = self.owner(context)
+        spec, digest, tensor, _ = self._receive(request_iterator, "upload", owner)
+        handle, dedup, phases = self.store.upload(spec, digest, tensor, owner)
         self.hooks.record_upload(spec.device, 0 if dedup else tensor.nbytes, dedup)
         return pb.UploadResponse(
             tensor=self._info(handle), deduplicated=dedup, backend_ns=phases.total_ns
@@ -286,8 +305,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     @_guard
     def Update(self, request_iterator, context):
-        spec, digest, tensor, header = self._receive(request_iterator, "update")
-        handle = self._tensor(header.handle, "update.header.handle", self.owner(context))
+        owner = self.owner(context)
+        spec, digest, tensor, header = self._receive(request_iterator, "update", owner)
+        handle = self._tensor(header.handle, "update.header.handle", owner)
         if handle.spec != spec:
             raise InvalidArgument(
                 f"update.header.spec: expected {handle.spec} (the handle's spec), got {spec}"

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from coliworker.kernels.qtensor import QTensor
 from coliworker.server.backend import Backend, Phases, Resident
 from coliworker.server.errors import NotFound, ResourceExhausted
+from coliworker.server.limits import Quota
 
 
 @dataclass(frozen=True)
@@ -107,10 +108,17 @@ class Budget:
 
 
 class TensorStore:
-    def __init__(self, backend: Backend, devices: tuple[int, ...], budget: Budget) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        devices: tuple[int, ...],
+        budget: Budget,
+        quota: Quota | None = None,
+    ) -> None:
         self.backend = backend
         self.devices = devices
         self.budget = budget
+        self.quota = quota or Quota()  # per-owner bytes (limits.py)
         self._lock = threading.RLock()
         self._by_key: dict[tuple[int, bytes], TensorData] = {}
         self._handles: dict[int, Handle] = {}
@@ -146,7 +154,10 @@ class TensorStore:
             data = self._by_key.get((device, content_hash))
             if data is None:
                 return None
-            return self._new_handle(owner, data) if acquire else Handle(0, owner, data)
+            if not acquire:
+                return Handle(0, owner, data)
+            self.quota.acquire(owner, data, "lookup")
+            return self._new_handle(owner, data)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -159,20 +170,30 @@ class TensorStore:
         if hit is not None:
             return hit, True, Phases()
         nbytes = tensor.nbytes
-        self.budget.reserve(spec.device, nbytes, "upload")
+        self.quota.reserve(owner, nbytes, "upload")
+        try:
+            self.budget.reserve(spec.device, nbytes, "upload")
+        except BaseException:
+            self.quota.unreserve(owner, nbytes)
+            raise
         try:
             t0 = time.perf_counter_ns()
             resident = self.backend.place(tensor, spec.device)
             phases = Phases(h2d_ns=time.perf_counter_ns() - t0)
         except BaseException:
             self.budget.release(spec.device, nbytes)
+            self.quota.unreserve(owner, nbytes)
             raise
         with self._lock:
             raced = self._by_key.get(key)
             if raced is None:
                 data = TensorData(spec, content_hash, resident, nbytes)
                 self._by_key[key] = data
+                self.quota.bind(owner, data)
                 return self._new_handle(owner, data), False, phases
+            # Same content, same bytes: the reservation becomes a reference (never raises).
+            self.quota.unreserve(owner, nbytes)
+            self.quota.acquire(owner, raced, "upload")
             handle = self._new_handle(owner, raced)
         # An identical upload finished first: keep its copy, drop ours.
         self.backend.release(resident)
@@ -189,8 +210,10 @@ class TensorStore:
                 return Phases()
             existing = self._by_key.get(key)
             if existing is not None:
+                self.quota.acquire(handle.owner, existing, "update")
                 existing.refs += 1
                 handle.data = existing
+                self.quota.release(handle.owner, old)
                 self._drop_ref(old)
                 return Phases()
             if old.refs == 1:
@@ -202,19 +225,27 @@ class TensorStore:
                 self._by_key[key] = old
                 return Phases(h2d_ns=time.perf_counter_ns() - t0)
         # Shared: copy on write.
-        self.budget.reserve(spec.device, tensor.nbytes, "update")
+        self.quota.reserve(handle.owner, tensor.nbytes, "update")
+        try:
+            self.budget.reserve(spec.device, tensor.nbytes, "update")
+        except BaseException:
+            self.quota.unreserve(handle.owner, tensor.nbytes)
+            raise
         try:
             t0 = time.perf_counter_ns()
             resident = self.backend.place(tensor, spec.device)
             phases = Phases(h2d_ns=time.perf_counter_ns() - t0)
         except BaseException:
             self.budget.release(spec.device, tensor.nbytes)
+            self.quota.unreserve(handle.owner, tensor.nbytes)
             raise
         with self._lock:
             data = TensorData(spec, content_hash, resident, tensor.nbytes, refs=1)
             self._by_key[key] = data
+            self.quota.bind(handle.owner, data)
             old = handle.data
             handle.data = data
+            self.quota.release(handle.owner, old)
             self._drop_ref(old)
         return phases
 
@@ -227,6 +258,7 @@ class TensorStore:
             while len(self._freed) > 65536:
                 self._freed.popitem(last=False)
             data = handle.data
+            self.quota.release(handle.owner, data)
             released = self._drop_ref(data)
             return released, data.refs
 
