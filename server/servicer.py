@@ -255,6 +255,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 f"{self.config.memory_limit} bytes (--memory-limit)"
             )
         total = wbytes + sbytes
+        if self.store.lookup(header.content_hash, spec.device, False) is None:
+            check_upload(self.quota, self.budget, self.backend, spec.device, total, owner, op)
         buf = bytearray(total)
         view = memoryview(buf)
         got = 0
@@ -267,8 +269,6 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     f"{op}: data: expected {total} bytes in all, got more "
                     f"({got + n} after message {i})"
                 )
-        if self.store.lookup(header.content_hash, spec.device, False) is None:
-            check_upload(self.quota, self.budget, self.backend, spec.device, total, owner, op)
             view[got : got + n] = msg.data
             got += n
         if got != total:
