@@ -7,9 +7,10 @@ import threading
 from concurrent import futures
 
 import grpc
+
 from coliworker import __version__
-from coliworker.server.backend import Backend
 from coliworker.server.auth import AuthInterceptor, check_exposure, server_credentials
+from coliworker.server.backend import Backend
 from coliworker.server.backends import create_backend
 from coliworker.server.config import Config
 from coliworker.server.limits import GuardInterceptor
@@ -93,6 +94,8 @@ class WorkerServer:
         get ``grace`` seconds to finish (None: cancel them now)."""
         self.health.set_not_serving()
         self.server.stop(grace).wait()
+        if self.metrics is not None:
+            self.metrics.stop()
         self.backend.close()
         self._stopped.set()
 

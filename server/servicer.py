@@ -18,12 +18,13 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
+
 from coliworker import __version__
 from coliworker.client import codec
 from coliworker.kernels.qtensor import QTensor
 from coliworker.server import validate
-from coliworker.server.backend import Backend, Pending, Phases, Result
 from coliworker.server.auth import TokenTable
+from coliworker.server.backend import Backend, Pending, Phases, Result
 from coliworker.server.config import Config
 from coliworker.server.errors import (
     InvalidArgument,
@@ -35,7 +36,6 @@ from coliworker.server.errors import (
 )
 from coliworker.server.limits import Quota, check_upload
 from coliworker.server.sequences import RowsIn, SequenceStore
-from coliworker.server.session import SessionManager
 from coliworker.server.session import SessionManager
 from coliworker.server.store import Budget, DeviceUsage, Handle, TensorStore
 from coliworker.v1 import worker_pb2 as pb
@@ -52,6 +52,7 @@ class Hooks:
     def record_group(self, device: int, experts: int, rows: int, phases: Phases) -> None: ...
     def record_upload(self, device: int, nbytes: int, deduplicated: bool) -> None: ...
     def record_eviction(self, device: int) -> None: ...
+    def record_session_request(self, call: str, code: object, seconds: float) -> None: ...
 
 
 @dataclass
@@ -62,6 +63,19 @@ class _Ticket:
     experts: int
     rows: int
     output_dtype: int
+    residents: frozenset[int] = frozenset()  # id() of the tensors the work reads
+    _outcome: Result | BaseException | None = None
+
+    def settle(self) -> Result:
+        """Wait for the work once; later calls return (or raise) the same outcome."""
+        if self._outcome is None:
+            try:
+                self._outcome = self.pending.result()
+            except BaseException as exc:
+                self._outcome = exc
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        return self._outcome
 
 
 def _guard(method: Callable) -> Callable:
@@ -108,7 +122,6 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._ticket_ids = itertools.count(1)
         self._lock = threading.Lock()
         self._compute_calls = 0
-        self.sessions = SessionManager(self)
         self.sessions = SessionManager(self)
 
     # -- plumbing -----------------------------------------------------------------------
@@ -312,6 +325,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             raise InvalidArgument(
                 f"update.header.spec: expected {handle.spec} (the handle's spec), got {spec}"
             )
+        self._settle_tickets(handle)
         phases = self.store.update(handle, digest, tensor)
         self.hooks.record_upload(spec.device, tensor.nbytes, False)
         return pb.UpdateResponse(tensor=self._info(handle), backend_ns=phases.total_ns)
@@ -319,10 +333,23 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     @_guard
     def Free(self, request, context):
         handle = self._tensor(request.handle, "free.handle", self.owner(context))
+        self._settle_tickets(handle)
         with self.sequences.lock:
             self.sequences.drop_handle(handle)
             released, refs = self.store.free(handle)
         return pb.FreeResponse(released_bytes=released, references=refs)
+
+    def _settle_tickets(self, handle: Handle) -> None:
+        """Issued work still reading this tensor finishes before its data changes or goes
+        (its result is kept for the take)."""
+        key = id(handle.data.resident)
+        with self._lock:
+            waiting = [t for t in self._tickets.values() if key in t.residents]
+        for t in waiting:
+            try:
+                t.settle()
+            except Exception:
+                pass  # reported to whoever takes the ticket
 
     def usage(self) -> list[DeviceUsage]:
         tensors = self.store.tensor_usage()
@@ -525,6 +552,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 len(triples),
                 sum(rows),
                 request.output_dtype or request.x.dtype,
+                frozenset(id(r) for triple in triples for r in triple),
             )
         return pb.ExpertGroupTicket(ticket=ticket)
 
@@ -538,7 +566,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     f"expert_group_take.ticket: unknown or already taken ticket {request.ticket}"
                 )
             del self._tickets[request.ticket]
-        r = t.pending.result()
+        r = t.settle()
         return self._group_response(r, t.device, t.experts, t.rows, t.output_dtype)
 
     @_guard
@@ -663,11 +691,6 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             kv_b = self._tensor(request.kv_b, "free_sequence.kv_b", owner).id
         count, released = self.sequences.free(owner, request.sequence_id, kv_b)
         return pb.FreeSequenceResponse(caches=count, released_bytes=released)
-
-    def Session(self, request_iterator, context):
-        """The hot calls multiplexed on one stream (``server/session.py``)."""
-        context.send_initial_metadata(((INSTANCE_METADATA_KEY, self.instance_id),))
-        return self.sessions.serve(request_iterator, context)
 
     def Session(self, request_iterator, context):
         """The hot calls multiplexed on one stream (``server/session.py``)."""
