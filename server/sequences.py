@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from coliworker.server.backend import Backend, KVCache
 from coliworker.server.errors import (
     FailedPrecondition,

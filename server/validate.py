@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+
 from coliworker.client.codec import CodecError, decode
 from coliworker.kernels.qtensor import MAX_FORMAT, row_bytes, scale_count
 from coliworker.server.errors import InvalidArgument
