@@ -69,9 +69,11 @@ class _Down(Unavailable):
     """The transport failed: the worker did not answer (internal: becomes a retry)."""
 
 
-def _instance_of(call: Any) -> str | None:
+def _instance_of(call: Any, trailing: bool = False) -> str | None:
+    """The worker instance in a call's metadata; ``trailing``: only if the worker completed
+    the call (a transport failure mid-call has initial metadata but no trailers)."""
     try:
-        metadata = call.initial_metadata() or ()
+        metadata = (call.trailing_metadata() if trailing else call.initial_metadata()) or ()
     except Exception:
         return None
     for key, value in metadata:
@@ -188,13 +190,14 @@ class RecoveringClient(_Base):
         try:
             resp, call = method.with_call(request, timeout=timeout or self.timeout)
         except grpc.RpcError as err:
-            instance = _instance_of(err)
+            instance = _instance_of(err, trailing=True) or _instance_of(err)
+            answered = _instance_of(err, trailing=True) is not None
             expected = self._expected()
             if instance is not None and expected is None:
                 self.instance_id = instance
             elif instance is not None and instance != expected:
                 raise _Restart(instance) from None
-            if instance is None and err.code() == grpc.StatusCode.UNAVAILABLE:
+            if not answered and err.code() == grpc.StatusCode.UNAVAILABLE:
                 raise _Down(err.details() or "worker unreachable") from None
             raise from_rpc_error(err) from None
         instance = _instance_of(call)

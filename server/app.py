@@ -39,7 +39,7 @@ class WorkerServer:
         check_exposure(config, authenticated=self.servicer.tokens is not None)
         if self.servicer.tokens is not None:
             interceptors.append(AuthInterceptor(self.servicer.tokens))
-        interceptors.append(GuardInterceptor())
+        interceptors.append(GuardInterceptor(self.servicer.instance_id))
         if self.metrics is not None:
             self.metrics.bind(residency=self.servicer.usage, devices=self.backend.devices)
         options = [

@@ -166,13 +166,21 @@ def _checked(requests: Iterator[Any], context: grpc.ServicerContext, method: str
 
 
 class GuardInterceptor(grpc.ServerInterceptor):
-    """Two checks before a handler runs:
+    """Marks every answer as the worker's, then runs two checks before a handler runs.
+
+    The mark is the instance id in the *trailing* metadata (``coliworker-instance``): only a
+    call the worker completed carries it, so a client tells a status the worker sent (an
+    UNAVAILABLE compute fault: use the CPU path) from one its transport made up when the
+    worker died mid-call (retry once it is back).
 
     - bytes that do not parse as the request message are answered INVALID_ARGUMENT (gRPC
       itself would answer INTERNAL, which reads as a worker bug);
     - calls whose client cancelled, or whose deadline passed while they queued for a thread,
       are skipped: the worker does no work nobody will read.
     """
+
+    def __init__(self, instance_id: str = "") -> None:
+        self._mark = (("coliworker-instance", instance_id),) if instance_id else None
 
     def intercept_service(
         self,
@@ -183,11 +191,14 @@ class GuardInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         method = details.method.rsplit("/", 1)[-1]  # type: ignore[attr-defined]
+        mark = self._mark
         parse = _lenient(handler.request_deserializer)
         if handler.unary_unary or handler.unary_stream:
             inner = handler.unary_unary or handler.unary_stream
 
             def unary(request: Any, context: grpc.ServicerContext) -> Any:
+                if mark:
+                    context.set_trailing_metadata(mark)
                 if isinstance(request, _Malformed):
                     _refuse(context, method, request)
                 if not context.is_active():
@@ -203,6 +214,8 @@ class GuardInterceptor(grpc.ServerInterceptor):
         inner_s = handler.stream_unary or handler.stream_stream
 
         def streaming(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+            if mark:
+                context.set_trailing_metadata(mark)
             if not context.is_active():
                 context.abort(grpc.StatusCode.CANCELLED, f"{method}: the call ended first")
             return inner_s(_checked(requests, context, method), context)
