@@ -54,11 +54,24 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client_options(args: argparse.Namespace) -> dict:
+    """WorkerClient keyword arguments from the connection flags (token, TLS)."""
+    from coliworker.client.security import TLS
+
+    opts: dict = {}
+    if args.token_file:
+        with open(args.token_file) as f:
+            opts["token"] = f.read().strip()
+    if args.ca or args.cert or args.key or args.server_name or args.tls:
+        opts["tls"] = TLS(ca=args.ca, cert=args.cert, key=args.key, server_name=args.server_name)
+    return opts
+
+
 def _info(args: argparse.Namespace) -> int:
     from coliworker.client import WorkerClient, WorkerError
 
     try:
-        with WorkerClient(args.address, timeout=10) as w:
+        with WorkerClient(args.address, timeout=10, **_client_options(args)) as w:
             info = w.info()
     except WorkerError as exc:
         print(f"coliworker info: {args.address}: {exc}", file=sys.stderr)
@@ -82,7 +95,7 @@ def _stats(args: argparse.Namespace) -> int:
     from coliworker.client import WorkerClient, WorkerError
 
     try:
-        with WorkerClient(args.address, timeout=10) as w:
+        with WorkerClient(args.address, timeout=10, **_client_options(args)) as w:
             stats = w.stats()
     except WorkerError as exc:
         print(f"coliworker stats: {args.address}: {exc}", file=sys.stderr)
@@ -105,7 +118,13 @@ def _stats(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from coliworker.server.demo import run_demo
 
-    return run_demo(args.address, layers=args.layers, tokens=args.tokens, seed=args.seed)
+    return run_demo(
+        args.address,
+        layers=args.layers,
+        tokens=args.tokens,
+        seed=args.seed,
+        **_client_options(args),
+    )
 
 
 def _top(args: argparse.Namespace) -> int:
@@ -117,7 +136,18 @@ def _top(args: argparse.Namespace) -> int:
 def _health(args: argparse.Namespace) -> int:
     from coliworker.server.health import probe
 
-    return probe(args.address)
+    tls = _client_options(args).get("tls")
+    return probe(args.address, tls=tls)
+
+
+def _add_connection(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=DEFAULT_ADDRESS, help="worker host:port or unix:PATH")
+    p.add_argument("--token-file", help="file holding the bearer token (worker --token-file)")
+    p.add_argument("--tls", action="store_true", help="use TLS with the system's roots")
+    p.add_argument("--ca", help="PEM file of the roots that signed the worker's certificate")
+    p.add_argument("--cert", help="client certificate PEM (mutual TLS)")
+    p.add_argument("--key", help="client key PEM (mutual TLS)")
+    p.add_argument("--server-name", help="name to check the worker's certificate against")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,13 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
         ("health", _health, "exit 0 when the worker's health is SERVING"),
     ):
         c = sub.add_parser(name, help=text)
-        c.add_argument("--address", default=DEFAULT_ADDRESS, help="worker host:port")
+        _add_connection(c)
         c.set_defaults(func=func)
 
     demo = sub.add_parser(
         "demo", help="run a small GLM-style decode loop against a worker and check it against NumPy"
     )
-    demo.add_argument("--address", default=DEFAULT_ADDRESS, help="worker host:port")
+    _add_connection(demo)
     demo.add_argument("--layers", type=int, default=3, help="MoE layers (default 3)")
     demo.add_argument("--tokens", type=int, default=6, help="tokens to decode (default 6)")
     demo.add_argument("--seed", type=int, default=None, help="random seed (default: fresh)")

@@ -194,13 +194,21 @@ def decode(model: Model, be: Backend, x0: np.ndarray, tokens: int) -> np.ndarray
     return np.stack(outs)
 
 
-def run_demo(address: str, layers: int = 3, tokens: int = 6, seed: int | None = None) -> int:
+def run_demo(
+    address: str,
+    layers: int = 3,
+    tokens: int = 6,
+    seed: int | None = None,
+    **client_options: object,
+) -> int:
+    """Run the loop against the worker at ``address``; 0 when it matches NumPy.
+    ``client_options`` go to WorkerClient (token=, tls=)."""
     seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     rng = np.random.default_rng(seed)
     model = Model(rng, Dims(), layers)
     x0 = rng.standard_normal((2, model.dims.d)).astype(np.float32)
     try:
-        with WorkerClient(address, timeout=60, progress=False) as w:
+        with WorkerClient(address, timeout=60, progress=False, **client_options) as w:  # type: ignore[arg-type]
             info = w.info()
             print(f"worker {address}: coliworker {info.version}, backend {info.backend}")
             t0 = time.perf_counter()

@@ -98,14 +98,20 @@ def enable_reflection(server: grpc.Server) -> bool:
     return True
 
 
-def probe(address: str, service: str = "", timeout: float = 3.0) -> int:
+def probe(address: str, service: str = "", timeout: float = 3.0, tls: Any = None) -> int:
     """Ask grpc.health.v1 Check at ``address``: 0 when SERVING, 1 otherwise (unreachable,
     NOT_SERVING, unknown service). Prints one line saying which."""
     # HealthCheckRequest{service=1: string}; HealthCheckResponse{status=1: enum}.
     raw = service.encode()
     request = (b"\x0a" + _varint(len(raw)) + raw) if raw else b""
     try:
-        with grpc.insecure_channel(address) as channel:
+        if tls is None:
+            channel = grpc.insecure_channel(address)
+        else:
+            name = getattr(tls, "server_name", None)
+            options = [("grpc.ssl_target_name_override", name)] if name else []
+            channel = grpc.secure_channel(address, tls.credentials(), options=options)
+        with channel:
             check = channel.unary_unary(_CHECK)
             reply = check(request, timeout=timeout)
     except grpc.RpcError as err:

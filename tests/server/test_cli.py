@@ -97,3 +97,37 @@ def test_readme_documents_every_setting():
     readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
     missing = [s.env for s in cfg.SETTINGS if s.env not in readme]
     assert not missing, f"README lacks {missing}; paste `python -m coliworker.server.config`"
+
+
+def test_client_commands_take_a_token(tmp_path, capsys):
+    from coliworker.server.app import build_server
+    from coliworker.server.config import Config
+
+    srv = build_server(
+        Config(port=0, backend="numpy", metrics_port=None, tokens="ops:s3cret-token-0123456789")
+    ).start()
+    try:
+        token = tmp_path / "token"
+        token.write_text("s3cret-token-0123456789\n")
+        assert main(["info", "--address", srv.address]) == 1
+        assert "UNAUTHENTICATED" in capsys.readouterr().err
+        assert main(["info", "--address", srv.address, "--token-file", str(token)]) == 0
+        assert main(["health", "--address", srv.address]) == 0  # health stays open
+        assert (
+            main(
+                [
+                    "demo",
+                    "--address",
+                    srv.address,
+                    "--token-file",
+                    str(token),
+                    "--layers",
+                    "1",
+                    "--tokens",
+                    "2",
+                ]
+            )
+            == 0
+        )
+    finally:
+        srv.stop(None)
