@@ -192,6 +192,7 @@ ROWS = [
 
 def run_seed(seed_dir: Path, out: Path) -> dict[str, dict]:
     """Build the seed with nvcc and run its own benchmark; returns its rows by name."""
+    seed_dir, out = seed_dir.resolve(), out.resolve()  # it runs with cwd=seed_dir
     lib = seed_dir / "libseed.so"
     subprocess.run(
         [

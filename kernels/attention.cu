@@ -20,6 +20,10 @@ struct KvDesc {
 
 // grid (H, ceil(K / 128), ceil(S / 8)), block 128; dynamic shared 8 * Q floats.
 // q float32 [S, H, Q + R]; qfull float32 [S, H, K + R]; w = kv_b [H * (Q + V), K] resident.
+// Each thread walks one column k down the Q rows of head h; the rows come in batches of
+// ABS_U independent element loads so a thread has that many in flight (the loop is latency
+// bound otherwise: 6 MB of kv_b at GLM-5.2 shapes, spread over only H * K threads).
+#define ABS_U 8
 template <int FMT>
 __global__ void __launch_bounds__(128)
 mla_absorb(float *__restrict__ qfull, const float *__restrict__ q,
@@ -36,11 +40,21 @@ mla_absorb(float *__restrict__ qfull, const float *__restrict__ q,
         float acc[8];
 #pragma unroll
         for (int s = 0; s < 8; ++s) acc[s] = 0.f;
-        for (int d = 0; d < Q; ++d) {
-            const int o = h * (Q + V) + d;
-            const float wv = load_elem<FMT>(w + (size_t)o * ld, sc, o, k, ngp, gs, gs_shift);
+        for (int d0 = 0; d0 < Q; d0 += ABS_U) {
+            float wv[ABS_U];
 #pragma unroll
-            for (int s = 0; s < 8; ++s) acc[s] = fmaf(qs[s * Q + d], wv, acc[s]);
+            for (int u = 0; u < ABS_U; ++u) {
+                const int o = h * (Q + V) + min(d0 + u, Q - 1);
+                wv[u] = load_elem<FMT>(w + (size_t)o * ld, sc, o, k, ngp, gs, gs_shift);
+            }
+#pragma unroll
+            for (int u = 0; u < ABS_U; ++u) {
+                if (d0 + u < Q) {
+#pragma unroll
+                    for (int s = 0; s < 8; ++s)
+                        acc[s] = fmaf(qs[s * Q + d0 + u], wv[u], acc[s]);
+                }
+            }
         }
 #pragma unroll
         for (int s = 0; s < 8; ++s)
@@ -97,7 +111,12 @@ mla_attend(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ p
 
     for (int t0 = tb; t0 < te; t0 += ATT_TT) {
         __syncthreads();  // every warp is done with the previous tile
-        for (int i = threadIdx.x; i < ATT_TT * W; i += blockDim.x) {
+        // Constant trip count (W, the block size are compile-time): fully unrolled, so every
+        // thread's loads of the tile are in flight together.
+#pragma unroll
+        for (int it = 0; it < (ATT_TT * W + ATT_WARPS * 32 - 1) / (ATT_WARPS * 32); ++it) {
+            const int i = threadIdx.x + it * (ATT_WARPS * 32);
+            if (i >= ATT_TT * W) break;
             const int t = i / W, c = i - t * W, row = t0 + t;
             float v = 0.f;
             if (row < te) {

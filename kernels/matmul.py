@@ -1,13 +1,17 @@
-"""CuPy wrapper of ``gemv.cu``: a table of ``y = x @ W^T`` jobs in one launch.
+"""CuPy wrappers of ``gemv.cu``: a table of ``y = x @ W^T`` jobs in one launch, and a whole
+expert group in one persistent launch.
 
-One launch serves a matmul (one job), every expert of a group (one job per expert: DUAL for
-gate+up with silu*mul fused, then one for the down projections) and the value projection of
-MLA attention (one job per head). Jobs of one launch share the weight spec (fmt, I, layout).
+gemv serves a matmul (one job), the value projection of MLA attention (one job per head) and
+the unfused expert path; jobs of one launch share the weight spec (fmt, I, layout). moe runs
+gate+up (silu*mul fused) and down of every expert of a group whose gate and up share one spec
+and whose down matrices share one spec of the same format.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import cupy
 import numpy as np
@@ -32,20 +36,52 @@ JOB_DTYPE = np.dtype(
 )
 assert JOB_DTYPE.itemsize == 64
 
+# Mirrors ``struct MoeJob`` in gemv.cu (88 bytes).
+MOE_DTYPE = np.dtype(
+    [
+        ("wg", "<u8"),
+        ("sg", "<u8"),
+        ("wu", "<u8"),
+        ("su", "<u8"),
+        ("wd", "<u8"),
+        ("sd", "<u8"),
+        ("x", "<u8"),
+        ("h", "<u8"),
+        ("y", "<u8"),
+        ("rows", "<i4"),
+        ("ie", "<i4"),
+        ("dout", "<i4"),
+        ("pad", "<i4"),
+    ]
+)
+assert MOE_DTYPE.itemsize == 88
+
 WARPS = 8
 SB_CHOICES = (1, 4, 8)  # activation rows per block: decode, a few rows, prefill
 SMEM_BUDGET = 64 * 1024  # bytes of staged x per block; more K tiles beyond
+MOE_RA = 2  # hidden rows per warp in moe's gate+up tiles (gemv.cu)
 
 
-def _rows_per_warp(dual: bool) -> int:
-    return 2 if dual else 4
+def moe_rb(fmt: int, sb: int) -> int:
+    """Output rows per warp in moe's down tiles (``MoeRB`` in gemv.cu)."""
+    return 8 if sb == 1 and fmt != 4 else 4
 
 
-def _name(fmt: int, sb: int, dual: bool) -> str:
-    return f"gemv<{fmt}, {_rows_per_warp(dual)}, {sb}, {'true' if dual else 'false'}>"
+def _rows_per_warp(sb: int) -> int:
+    return 2 if sb == 1 else 4
 
 
-VARIANTS = tuple(_name(f, sb, d) for f in range(5) for sb in SB_CHOICES for d in (False, True))
+def _gemv_name(fmt: int, sb: int) -> str:
+    return f"gemv<{fmt}, {_rows_per_warp(sb)}, {sb}>"
+
+
+def _moe_name(fmt: int, sb: int) -> str:
+    return f"moe<{fmt}, {sb}>"
+
+
+VARIANTS = tuple(_gemv_name(f, sb) for f in range(5) for sb in SB_CHOICES) + tuple(
+    _moe_name(f, sb) for f in range(5) for sb in SB_CHOICES
+)
 
 
 @dataclass(frozen=True)
@@ -56,6 +92,13 @@ class WeightSpec:
     in_features: int
     group_size: int
     layout: Layout
+
+    def geom(self) -> tuple[np.int32, ...]:
+        """The fields of ``struct WGeom`` as kernel arguments, in order."""
+        gs, shift = gs_args(self.fmt, self.group_size)
+        lay = self.layout
+        return (np.int32(self.in_features), np.int32(lay.in_padded), np.int32(lay.ld),
+                np.int32(max(lay.ngp, 1)), gs, shift)  # fmt: skip
 
 
 def gs_args(fmt: int, group_size: int) -> tuple[np.int32, np.int32]:
@@ -72,40 +115,117 @@ def pick_sb(max_rows: int) -> int:
     return SB_CHOICES[-1]
 
 
+def _kt(sb: int, blk: int, in_padded: int) -> int:
+    kt = max(blk, (SMEM_BUDGET // (4 * sb)) // blk * blk)
+    return min(kt, in_padded)
+
+
 def launch_gemv(
     spec: WeightSpec,
     jobs: cupy.ndarray,
     n_jobs: int,
     max_rows: int,
     max_out: int,
-    dual: bool,
 ) -> None:
-    """Launch gemv on the current device and stream.
+    """Launch gemv now on the current device and stream (see ``prepare_gemv``)."""
+    prepare_gemv(spec, jobs, n_jobs, max_rows, max_out)()
+
+
+def _noop() -> None:
+    return None
+
+
+def prepare_gemv(
+    spec: WeightSpec,
+    jobs: cupy.ndarray,
+    n_jobs: int,
+    max_rows: int,
+    max_out: int,
+) -> Callable[[], None]:
+    """Everything of a gemv launch but the launch: returns the call that makes it, so a
+    backend can do the host work before its kernel-phase event and launch right after it.
 
     jobs: device uint8 view of ``JOB_DTYPE`` [n_jobs] (any 8-byte aligned offset); every job's
     x is float32 [rows, x_stride] with ``in_features`` valid columns, y float32 [rows, y_stride].
     """
+    if n_jobs <= 0 or max_rows <= 0 or max_out <= 0:
+        return _noop
     lay = spec.layout
     sb = pick_sb(max_rows)
-    r = _rows_per_warp(dual)
-    blk = lay.block_elems
-    kt = max(blk, (SMEM_BUDGET // (4 * sb)) // blk * blk)
-    kt = min(kt, lay.in_padded)
-    fn = get_function("gemv.cu", _name(spec.fmt, sb, dual), VARIANTS)
-    gs, shift = gs_args(spec.fmt, spec.group_size)
+    r = _rows_per_warp(sb)
+    kt = _kt(sb, lay.block_elems, lay.in_padded)
+    fn = get_function("gemv.cu", _gemv_name(spec.fmt, sb), VARIANTS)
     grid = (-(-max_out // (WARPS * r)), n_jobs, -(-max_rows // sb))
-    fn(
-        grid,
+    args = (jobs, *spec.geom(), np.int32(kt))
+    return partial(fn, grid, (WARPS * 32,), args, shared_mem=4 * sb * kt)
+
+
+_occupancy: dict[tuple[int, str], int] = {}
+
+
+def _resident_blocks(fn: cupy.RawKernel, name: str, smem: int, n_sm: int) -> int:
+    """Blocks of ``fn`` that fit on the device at once (registers, shared memory, threads)."""
+    dev = cupy.cuda.Device().id
+    key = (dev, f"{name}/{smem}")
+    occ = _occupancy.get(key)
+    if occ is None:
+        regs = max(int(fn.num_regs), 1)
+        by_regs = 65536 // (((regs * 32 + 255) // 256 * 256) * WARPS)
+        by_smem = (227 * 1024) // (smem + 1024 + 16)
+        occ = _occupancy[key] = max(1, min(2048 // (WARPS * 32), by_regs, by_smem))
+    return occ * n_sm
+
+
+def prepare_moe(
+    gu: WeightSpec,
+    dn: WeightSpec,
+    table: cupy.ndarray,
+    n_jobs: int,
+    max_rows: int,
+    max_ie: int,
+    max_dout: int,
+    n_sm: int,
+) -> Callable[[], None]:
+    """One persistent launch for a whole expert group (gate+up, silu*mul, down), prepared:
+    returns the call that makes it (as ``prepare_gemv``).
+
+    table: device uint8, int32 counters [1 + n_jobs] ZERO at launch, padded to 16 bytes, then
+    ``MOE_DTYPE`` [n_jobs]. Every job's x is float32 [rows, D], h [rows, ie], y [rows, dout];
+    gate and up share ``gu`` (format, group size, geometry), every down matrix ``dn``.
+    """
+    sb = pick_sb(max_rows)
+    kt = max(_kt(sb, gu.layout.block_elems, gu.layout.in_padded),
+             _kt(sb, dn.layout.block_elems, dn.layout.in_padded))  # fmt: skip
+    name = _moe_name(gu.fmt, sb)
+    fn = get_function("gemv.cu", name, VARIANTS)
+    nz = -(-max_rows // sb)
+    ta = -(-max_ie // (WARPS * MOE_RA))
+    tb = -(-max_dout // (WARPS * moe_rb(gu.fmt, sb)))
+    total = (ta + tb) * nz * n_jobs
+    if total <= 0:
+        return _noop
+    smem = 4 * sb * kt
+    blocks = min(total, _resident_blocks(fn, name, smem, n_sm))
+    off = counter_bytes(n_jobs)
+    return partial(
+        fn,
+        (blocks,),
         (WARPS * 32,),
         (
-            jobs,
-            np.int32(spec.in_features),
-            np.int32(lay.in_padded),
-            np.int32(lay.ld),
-            np.int32(max(lay.ngp, 1)),
-            gs,
-            shift,
+            table[off:],
+            table,
+            np.int32(n_jobs),
+            np.int32(ta),
+            np.int32(tb),
+            np.int32(nz),
+            *gu.geom(),
+            *dn.geom(),
             np.int32(kt),
-        ),
-        shared_mem=4 * sb * kt,
+        ),  # fmt: skip
+        shared_mem=smem,
     )
+
+
+def counter_bytes(n_jobs: int) -> int:
+    """Bytes of moe's counters before its job table (16-byte aligned)."""
+    return -(-4 * (1 + n_jobs) // 16) * 16

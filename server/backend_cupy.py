@@ -22,7 +22,13 @@ import numpy as np
 
 from coliworker.kernels import attention as att
 from coliworker.kernels import layout
-from coliworker.kernels.matmul import JOB_DTYPE, WeightSpec, launch_gemv
+from coliworker.kernels.matmul import (
+    JOB_DTYPE,
+    WeightSpec,
+    counter_bytes,
+    prepare_gemv,
+    prepare_moe,
+)
 from coliworker.kernels.qtensor import QTensor
 from coliworker.server.backend import DeviceInfo, ExpertTriple, Phases, Result
 from coliworker.server.errors import InvalidArgument, OutOfDeviceMemory
@@ -58,10 +64,9 @@ class CupyResident:
         self.w = w
         self.s = s
         self.nbytes = int(w.nbytes + (s.nbytes if tensor.fmt else 0))
-
-    @property
-    def spec(self) -> WeightSpec:
-        return WeightSpec(self.fmt, self.in_features, self.group_size, self.layout)
+        # Made once: the per-call planning compares and hashes specs.
+        self.spec = WeightSpec(self.fmt, self.in_features, self.group_size, self.layout)
+        self.ptrs = (w.data.ptr, s.data.ptr)  # stable: replace() writes in place
 
     def row_ptrs(self, row: int) -> tuple[int, int]:
         """Device addresses of row ``row``'s weights and scales."""
@@ -151,6 +156,10 @@ class _Call:
         self.keep.append(a)
         return a
 
+    def packed(self, layout: Sequence[tuple[tuple[int, ...], object]]) -> _Packed:
+        """One device buffer and one pinned buffer for several arrays: one H2D copy."""
+        return _Packed(self, layout)
+
     def h2d(self, dst: cupy.ndarray, host: np.ndarray) -> None:
         pinned = cupyx.empty_pinned(host.shape, host.dtype)
         pinned[...] = host
@@ -178,6 +187,46 @@ class _Call:
         return result
 
 
+class _Packed:
+    """Arrays of one call packed into one device buffer (256-byte aligned parts) with a pinned
+    host twin, so the whole H2D phase is one copy; ``dev(i)`` is known before ``send()``, which
+    lets job tables hold pointers into the same buffer."""
+
+    def __init__(self, call: _Call, layout: Sequence[tuple[tuple[int, ...], object]]) -> None:
+        self._call = call
+        self._parts = []
+        off = 0
+        for shape, dtype in layout:
+            dt = np.dtype(dtype)
+            n = int(np.prod(shape)) * dt.itemsize
+            self._parts.append((off, n, tuple(shape), dt))
+            off += -(-max(n, 1) // 256) * 256
+        self._dev = call.empty((off,), cupy.uint8)
+        self._host = cupyx.empty_pinned((off,), np.uint8)
+        call.keep.append(self._host)
+
+    def dev(self, i: int) -> cupy.ndarray:
+        """Part i on the device; record (structured) parts as raw uint8 bytes."""
+        off, n, shape, dt = self._parts[i]
+        if dt.names is not None:
+            return self._dev[off : off + n]
+        return self._dev[off : off + n].view(dt).reshape(shape)
+
+    def ptr(self, i: int) -> int:
+        return self._dev.data.ptr + self._parts[i][0]
+
+    def put(self, i: int, a: np.ndarray) -> None:
+        """Fill part i (or, for byte parts, a prefix of it) from host array a."""
+        off, n, _, dt = self._parts[i]
+        b = np.ascontiguousarray(a, dt).view(np.uint8).reshape(-1)
+        if b.size > n:
+            raise ValueError(f"packed part {i}: {b.size} bytes do not fit {n}")
+        self._host[off : off + b.size] = b
+
+    def send(self) -> None:
+        self._dev.set(self._host, stream=self._call.stream)
+
+
 class CupyPending:
     """An expert group in flight on its own stream and buffers."""
 
@@ -194,6 +243,17 @@ class CupyPending:
 
 def _pointer_table(n: int) -> np.ndarray:
     return np.zeros(n, JOB_DTYPE)
+
+
+def _table_bound(n_experts: int) -> int:
+    """Bytes that hold any group's tables: per expert at most one moe record (88) and its share
+    of a counter block (4 + 15 padding + 4 for the queue slot), or three gemv records (192)."""
+    return 192 * n_experts + 64
+
+
+_silu_mul = cupy.ElementwiseKernel(
+    "float32 g, float32 u", "float32 h", "h = g / (1.f + expf(-g)) * u", "coli_silu_mul"
+)
 
 
 class CupyBackend:
@@ -267,17 +327,18 @@ class CupyBackend:
     def matmul(self, w: CupyResident, x: np.ndarray) -> Result:
         S = x.shape[0]
         with _Call(self, w.device, "matmul") as call:
-            x_dev = call.empty((S, w.in_features))
+            pk = call.packed([((S, w.in_features), np.float32), ((1,), JOB_DTYPE)])
             y_dev = call.empty((S, w.out_features))
-            jobs = _pointer_table(1)
-            jobs[0] = (*w.row_ptrs(0), 0, 0, x_dev.data.ptr, y_dev.data.ptr, S,
+            jobs = np.zeros(1, JOB_DTYPE)
+            jobs[0] = (*w.row_ptrs(0), 0, 0, pk.ptr(0), y_dev.data.ptr, S,
                        w.out_features, w.in_features, w.out_features)  # fmt: skip
-            jobs_dev = call.empty((jobs.nbytes,), cupy.uint8)
+            pk.put(0, x)
+            pk.put(1, jobs)
+            go = prepare_gemv(w.spec, pk.dev(1), 1, S, w.out_features)
             call.mark(0)
-            call.h2d(x_dev, np.ascontiguousarray(x, np.float32))
-            call.h2d(jobs_dev, jobs.view(np.uint8))
+            pk.send()
             call.mark(1)
-            launch_gemv(w.spec, jobs_dev, 1, S, w.out_features, dual=False)
+            go()
             call.mark(2)
             out = call.d2h(y_dev)
             call.mark(3)
@@ -289,76 +350,159 @@ class CupyBackend:
         return self.expert_group([(gate, up, down)], [x.shape[0]], x)
 
     # -- expert groups -----------------------------------------------------------------------
+    #
+    # Experts whose gate and up share one spec (format, size, group size) and whose down has the
+    # same format run in ONE persistent moe launch per (gate/up spec, down spec) combination:
+    # one launch for a model's usual group. Any other expert (gate and up of different formats
+    # or group sizes, say) runs unfused and still exact: gate and up as separate gemv jobs, silu
+    # times up elementwise, then down as a gemv job.
 
-    def _group_on_device(
-        self, call: _Call, experts: Sequence[ExpertTriple], rows: Sequence[int],
-        x_dev: cupy.ndarray, y_dev: cupy.ndarray,
-    ) -> tuple[list[tuple[WeightSpec, int, int, int, int, bool]], np.ndarray]:  # fmt: skip
-        """Device buffers and job tables of a group; returns the launches to make and the host
-        job table (uploaded by the caller in its H2D phase)."""
-        n = len(experts)
-        D = x_dev.shape[1]
-        hid_sizes = [int(r) * g.out_features for (g, _, _), r in zip(experts, rows, strict=True)]
-        h_dev = call.empty((max(sum(hid_sizes), 1),))
-        jobs = _pointer_table(2 * n)
-        by_spec_gu: dict[tuple, list[int]] = {}
-        by_spec_dn: dict[tuple, list[int]] = {}
-        row_off = hid_off = 0
-        for c, ((g, u, dn), r) in enumerate(zip(experts, rows, strict=True)):
-            r = int(r)
-            ie = g.out_features
-            gw, gs_ = g.row_ptrs(0)
-            uw, us = u.row_ptrs(0)
-            x_ptr = x_dev.data.ptr + row_off * D * 4
-            h_ptr = h_dev.data.ptr + hid_off * 4
-            jobs[c] = (gw, gs_, uw, us, x_ptr, h_ptr, r, ie, D, ie)
-            dw, ds = dn.row_ptrs(0)
-            y_ptr = y_dev.data.ptr + row_off * dn.out_features * 4
-            jobs[n + c] = (dw, ds, 0, 0, h_ptr, y_ptr, r, dn.out_features, ie, dn.out_features)
-            by_spec_gu.setdefault((g.spec, u.spec), []).append(c)
-            by_spec_dn.setdefault(dn.spec, []).append(n + c)
-            row_off += r
-            hid_off += hid_sizes[c]
-        # Jobs sharing a spec are contiguous in the table after this reorder.
-        order = [j for js in by_spec_gu.values() for j in js] + [
-            j for js in by_spec_dn.values() for j in js
-        ]
-        jobs = jobs[order]
-        launches = []
-        start = 0
-        for (spec, _), js in by_spec_gu.items():
-            sel = jobs[start : start + len(js)]
-            launches.append((spec, start, len(js), int(sel["rows"].max()),
-                             int(sel["out_rows"].max()), True))  # fmt: skip
-            start += len(js)
-        for spec, js in by_spec_dn.items():
-            sel = jobs[start : start + len(js)]
-            launches.append((spec, start, len(js), int(sel["rows"].max()),
-                             int(sel["out_rows"].max()), False))  # fmt: skip
-            start += len(js)
-        return launches, jobs
+    def _group_tables(
+        self, experts: Sequence[ExpertTriple], rows: Sequence[int], x_ptr: int, y_ptr: int,
+        h_ptr: int, hu_ptr: int,
+    ) -> tuple[np.ndarray, list[tuple]]:  # fmt: skip
+        """Host bytes of every table of a group and the launches that read them (at offsets).
+
+        x float32 [N, D] packed rows at x_ptr, y [N, dout] at y_ptr, hidden [sum rows*ie] at
+        h_ptr (and up's, for unfused experts, at hu_ptr). Launch tuples:
+        ("moe", gu, dn, offset, n, max_rows, max_ie, max_dout) or
+        ("gemv", spec, offset, n, max_rows, max_out) or ("silu_mul", floats): the unfused
+        experts' h = silu(h) * hu, over the whole hidden buffer (the fused experts' part of it
+        is dead by then: their moe launches come first and consume it).
+        """
+        D = experts[0][0].in_features
+        fused: dict[tuple, list[int]] = {}
+        unfused: list[int] = []
+        for c, (g, u, dn) in enumerate(experts):
+            if g.spec == u.spec and dn.fmt == g.fmt:
+                fused.setdefault((g.spec, dn.spec), []).append(c)
+            else:
+                unfused.append(c)
+        row_off = np.zeros(len(experts) + 1, np.int64)
+        row_off[1:] = np.cumsum([int(r) for r in rows])
+        hid = [int(r) * g.out_features for (g, _, _), r in zip(experts, rows, strict=True)]
+        hid_off = np.zeros(len(experts) + 1, np.int64)
+        hid_off[1:] = np.cumsum(hid)
+        dout = experts[0][2].out_features
+        chunks: list[np.ndarray] = []
+        launches: list[tuple] = []
+        pos = 0
+
+        def add(b: np.ndarray) -> int:
+            nonlocal pos
+            start = pos
+            chunks.append(b)
+            pad = -len(b) % 16
+            if pad:
+                chunks.append(np.zeros(pad, np.uint8))
+            pos += len(b) + pad
+            return start
+
+        for (gu, dn), cs in fused.items():
+            # MoeJob records as rows of 10 uint64 (the int32 pairs packed low word first).
+            recs = []
+            for c in cs:
+                g, u, d = experts[c]
+                r = int(rows[c])
+                recs.append((*g.ptrs, *u.ptrs, *d.ptrs, x_ptr + int(row_off[c]) * D * 4,
+                             h_ptr + int(hid_off[c]) * 4, y_ptr + int(row_off[c]) * dout * 4,
+                             r | (g.out_features << 32), d.out_features))  # fmt: skip
+            t = np.array(recs, np.uint64)
+            off = add(np.zeros(counter_bytes(len(cs)), np.uint8))
+            add(t.view(np.uint8).reshape(-1))
+            launches.append(("moe", gu, dn, off, len(cs), int(max(rows[c] for c in cs)),
+                             max(experts[c][0].out_features for c in cs),
+                             max(experts[c][2].out_features for c in cs)))  # fmt: skip
+        if unfused:
+            first: dict[WeightSpec, list[tuple]] = {}
+            second: dict[WeightSpec, list[tuple]] = {}
+            for c in unfused:
+                g, u, d = experts[c]
+                r, ie = int(rows[c]), g.out_features
+                xp = x_ptr + int(row_off[c]) * D * 4
+                hg = h_ptr + int(hid_off[c]) * 4
+                hu = hu_ptr + int(hid_off[c]) * 4
+                first.setdefault(g.spec, []).append((*g.ptrs, 0, 0, xp, hg, r, ie, D, ie))
+                first.setdefault(u.spec, []).append((*u.ptrs, 0, 0, xp, hu, r, ie, D, ie))
+                second.setdefault(d.spec, []).append(
+                    (
+                        *d.ptrs,
+                        0,
+                        0,
+                        hg,
+                        y_ptr + int(row_off[c]) * dout * 4,
+                        r,
+                        d.out_features,
+                        ie,
+                        dout,
+                    )  # fmt: skip
+                )
+            for phase in (first, second):
+                for spec, recs in phase.items():
+                    t = np.array(recs, JOB_DTYPE)
+                    off = add(t.view(np.uint8))
+                    launches.append(("gemv", spec, off, len(recs), int(t["rows"].max()),
+                                     int(t["out_rows"].max())))  # fmt: skip
+                if phase is first:
+                    launches.append(("silu_mul", int(hid_off[-1])))
+        table = np.concatenate(chunks) if chunks else np.zeros(16, np.uint8)
+        return table, launches
+
+    def _prepare_group(
+        self, call: _Call, table: cupy.ndarray, launches: list[tuple], h: cupy.ndarray,
+        hu: cupy.ndarray | None,
+    ) -> list:  # fmt: skip
+        """The calls that launch a group's kernels, in order (host work done here)."""
+        calls = []
+        for ln in launches:
+            if ln[0] == "moe":
+                _, gu, dn, off, n, max_rows, max_ie, max_dout = ln
+                calls.append(prepare_moe(gu, dn, table[off:], n, max_rows, max_ie, max_dout,
+                                         self._sms[call.device]))  # fmt: skip
+            elif ln[0] == "gemv":
+                _, spec, off, n, max_rows, max_out = ln
+                calls.append(prepare_gemv(spec, table[off:], n, max_rows, max_out))
+            else:
+                k = ln[1]
+                calls.append(lambda k=k: _silu_mul(h[:k], hu[:k], h[:k]))
+        return calls
+
+    def _group_buffers(
+        self, call: _Call, experts: Sequence[ExpertTriple], rows: Sequence[int]
+    ) -> tuple[cupy.ndarray, cupy.ndarray | None, cupy.ndarray]:
+        n_hid = max(
+            sum(int(r) * g.out_features for (g, _, _), r in zip(experts, rows, strict=True)), 1
+        )
+        h = call.empty((n_hid,))
+        mixed = any(not (g.spec == u.spec and d.fmt == g.fmt) for g, u, d in experts)
+        hu = call.empty((n_hid,)) if mixed else None
+        n = max(int(sum(int(r) for r in rows)), 1)
+        y = call.empty((n, experts[0][2].out_features))
+        return h, hu, y
 
     def expert_group_issue(
         self, experts: Sequence[ExpertTriple], rows: Sequence[int], x: np.ndarray
     ) -> CupyPending:
         device = experts[0][0].device
-        N = int(sum(int(r) for r in rows))
-        D = x.shape[1]
-        d_out = experts[0][2].out_features
+        N, D = x.shape
         with _Call(self, device, "expert_group") as call:
-            x_dev = call.empty((N, D))
-            y_dev = call.empty((N, d_out))
-            launches, jobs = self._group_on_device(call, experts, rows, x_dev, y_dev)
-            jobs_dev = call.empty((jobs.nbytes,), cupy.uint8)
+            h, hu, y_dev = self._group_buffers(call, experts, rows)
+            size = _table_bound(len(experts))
+            pk = call.packed([((N, D), np.float32), ((size,), np.uint8)])
+            table, launches = self._group_tables(
+                experts, rows, pk.ptr(0), y_dev.data.ptr, h.data.ptr,
+                hu.data.ptr if hu is not None else 0,
+            )  # fmt: skip
+            pk.put(0, x)
+            pk.put(1, table)
+            calls = self._prepare_group(call, pk.dev(1), launches, h, hu)
             call.mark(0)
-            call.h2d(x_dev, np.ascontiguousarray(x, np.float32))
-            call.h2d(jobs_dev, jobs.view(np.uint8))
+            pk.send()
             call.mark(1)
-            for spec, start, count, max_rows, max_out, dual in launches:
-                table = jobs_dev[start * JOB_DTYPE.itemsize :]
-                launch_gemv(spec, table, count, max_rows, max_out, dual)
+            for go in calls:
+                go()
             call.mark(2)
-            out = call.d2h(y_dev)
+            out = call.d2h(y_dev[:N])
             call.mark(3)
         return CupyPending(call, out)
 
@@ -383,31 +527,32 @@ class CupyBackend:
         used = [e for e in range(len(experts)) if counts[e]]
         pos = np.empty(T * K, np.int64)
         pos[order] = np.arange(T * K)
+        sel = [experts[e] for e in used]
+        rows = [int(counts[e]) for e in used]
+        d_out = experts[0][2].out_features
         with _Call(self, device, "expert_group_routed") as call:
-            x_dev = call.empty((T, D))
-            tok_dev = call.empty((T * K,), cupy.int64)
-            pos_dev = call.empty((T * K,), cupy.int64)
-            w_dev = call.empty((T, K))
             xp_dev = call.empty((T * K, D))
-            d_out = experts[0][2].out_features
-            yp_dev = call.empty((T * K, d_out))
-            sel = [experts[e] for e in used]
-            launches, jobs = self._group_on_device(
-                call, sel, [int(counts[e]) for e in used], xp_dev, yp_dev
-            )
-            jobs_dev = call.empty((jobs.nbytes,), cupy.uint8)
+            h, hu, yp_dev = self._group_buffers(call, sel, rows)
+            size = _table_bound(len(sel))
+            pk = call.packed([((T, D), np.float32), ((size,), np.uint8), ((T * K,), np.int64),
+                              ((T * K,), np.int64), ((T, K), np.float32)])  # fmt: skip
+            table, launches = self._group_tables(
+                sel, rows, xp_dev.data.ptr, yp_dev.data.ptr, h.data.ptr,
+                hu.data.ptr if hu is not None else 0,
+            )  # fmt: skip
+            pk.put(0, x)
+            pk.put(1, table)
+            pk.put(2, order // K)
+            pk.put(3, pos)
+            pk.put(4, weights)
+            calls = self._prepare_group(call, pk.dev(1), launches, h, hu)
             call.mark(0)
-            call.h2d(x_dev, np.ascontiguousarray(x, np.float32))
-            call.h2d(tok_dev, order // K)
-            call.h2d(pos_dev, pos)
-            call.h2d(w_dev, np.ascontiguousarray(weights, np.float32))
-            call.h2d(jobs_dev, jobs.view(np.uint8))
+            pk.send()
             call.mark(1)
-            cupy.take(x_dev, tok_dev, axis=0, out=xp_dev)
-            for spec, start, count, max_rows, max_out, dual in launches:
-                table = jobs_dev[start * JOB_DTYPE.itemsize :]
-                launch_gemv(spec, table, count, max_rows, max_out, dual)
-            y_dev = (yp_dev[pos_dev].reshape(T, K, d_out) * w_dev[:, :, None]).sum(axis=1)
+            cupy.take(pk.dev(0), pk.dev(2), axis=0, out=xp_dev)
+            for go in calls:
+                go()
+            y_dev = (yp_dev[pk.dev(3)].reshape(T, K, d_out) * pk.dev(4)[:, :, None]).sum(axis=1)
             call.keep.append(y_dev)
             call.mark(2)
             out = call.d2h(y_dev)
@@ -431,44 +576,58 @@ class CupyBackend:
         rope_dim: int,
         v_dim: int,
         scale: float,
-        uploads: list[tuple[cupy.ndarray, np.ndarray]],
+        uploads: list[np.ndarray],
     ) -> Result:
         S, H = q.shape[0], q.shape[1]
         K, R, V = kv_b.in_features, rope_dim, v_dim
-        q_dev = call.empty((S, H, q_dim + R))
-        kv_dev = call.empty((descs.nbytes,), cupy.uint8)
+        n_jobs = H + (o_proj is not None)
+        parts = [((S, H, q_dim + R), np.float32), ((len(descs),), att.KV_DTYPE),
+                 ((n_jobs,), JOB_DTYPE)]  # fmt: skip
+        pk = call.packed(parts + [(a.shape, np.float32) for a in uploads])
+        if uploads:  # batch attention: its cache rows travel in the same upload
+            descs = descs.copy()
+            descs["latent"], descs["rope"] = pk.ptr(3), pk.ptr(4)
+            pk.put(3, uploads[0])
+            pk.put(4, uploads[1])
         qfull = call.empty((S, H, K + R))
         cl = call.empty((H, S, K))
         ctx = call.empty((S, H * V))
-        jobs = _pointer_table(H)
-        for h in range(H):
-            w, s = kv_b.row_ptrs(h * (q_dim + V) + q_dim)
-            jobs[h] = (w, s, 0, 0, cl.data.ptr + h * S * K * 4, ctx.data.ptr + h * V * 4,
-                       S, V, K, H * V)  # fmt: skip
-        n_tables = 1
+        jobs = _pointer_table(n_jobs)
+        w0, s0 = kv_b.row_ptrs(q_dim)
+        h_idx = np.arange(H, dtype=np.uint64)
+        w_stride = np.uint64((q_dim + V) * kv_b.layout.ld)
+        s_stride = np.uint64((q_dim + V) * kv_b.layout.ngp * 4 if kv_b.fmt else 0)
+        jobs["w0"][:H] = np.uint64(w0) + h_idx * w_stride
+        jobs["s0"][:H] = np.uint64(s0) + h_idx * s_stride
+        jobs["x"][:H] = np.uint64(cl.data.ptr) + h_idx * np.uint64(S * K * 4)
+        jobs["y"][:H] = np.uint64(ctx.data.ptr) + h_idx * np.uint64(V * 4)
+        jobs["rows"][:H], jobs["out_rows"][:H] = S, V
+        jobs["x_stride"][:H], jobs["y_stride"][:H] = K, H * V
         if o_proj is not None:
             out_dev = call.empty((S, o_proj.out_features))
-            pj = _pointer_table(1)
-            pj[0] = (*o_proj.row_ptrs(0), 0, 0, ctx.data.ptr, out_dev.data.ptr, S,
-                     o_proj.out_features, H * V, o_proj.out_features)  # fmt: skip
-            jobs = np.concatenate([jobs, pj])
-            n_tables = 2
+            jobs[H] = (*o_proj.row_ptrs(0), 0, 0, ctx.data.ptr, out_dev.data.ptr, S,
+                       o_proj.out_features, H * V, o_proj.out_features)  # fmt: skip
         else:
             out_dev = ctx
-        jobs_dev = call.empty((jobs.nbytes,), cupy.uint8)
+        pk.put(0, q)
+        pk.put(1, descs)
+        pk.put(2, jobs)
+        value = prepare_gemv(kv_b.spec, pk.dev(2), H, S, V)
+        proj = (
+            prepare_gemv(
+                o_proj.spec, pk.dev(2)[H * JOB_DTYPE.itemsize :], 1, S, o_proj.out_features
+            )  # fmt: skip
+            if o_proj is not None
+            else None
+        )
         call.mark(0)
-        call.h2d(q_dev, np.ascontiguousarray(q, np.float32))
-        call.h2d(kv_dev, descs.view(np.uint8))
-        call.h2d(jobs_dev, jobs.view(np.uint8))
-        for dst, src in uploads:
-            call.h2d(dst, src)
+        pk.send()
         call.mark(1)
-        att.absorb(qfull, q_dev, kv_b.w, kv_b.s, kv_b.spec, H, q_dim, R, V)
-        att.attend(cl, qfull, kv_dev, H, K, R, scale, t_max, self._sms[call.device])
-        launch_gemv(kv_b.spec, jobs_dev, H, S, V, dual=False)
-        if n_tables == 2:
-            launch_gemv(o_proj.spec, jobs_dev[H * JOB_DTYPE.itemsize :], 1, S,
-                        o_proj.out_features, dual=False)  # fmt: skip
+        att.absorb(qfull, pk.dev(0), kv_b.w, kv_b.s, kv_b.spec, H, q_dim, R, V)
+        att.attend(cl, qfull, pk.dev(1), H, K, R, scale, t_max, self._sms[call.device])
+        value()
+        if proj is not None:
+            proj()
         call.mark(2)
         out = call.d2h(out_dev)
         call.mark(3)
@@ -498,15 +657,11 @@ class CupyBackend:
         self._check_kr(kv_b.in_features, rope_dim)
         S, T = q.shape[0], latent.shape[0]
         with _Call(self, kv_b.device, "attention") as call:
-            lat = call.empty((T, kv_b.in_features))
-            rop = call.empty((T, rope_dim))
             descs = np.zeros(S, att.KV_DTYPE)
-            descs["latent"] = lat.data.ptr
-            descs["rope"] = rop.data.ptr
             descs["len"] = T - S + 1 + np.arange(S)
             uploads = [
-                (lat, np.ascontiguousarray(latent, np.float32)),
-                (rop, np.ascontiguousarray(rope, np.float32)),
+                np.ascontiguousarray(latent, np.float32),
+                np.ascontiguousarray(rope, np.float32),
             ]
             return self._attention(call, kv_b, o_proj, q, descs, T, q_dim, rope_dim, v_dim,
                                    scale, uploads)  # fmt: skip

@@ -232,3 +232,59 @@ def test_out_of_memory_is_typed_and_recoverable(cupy_backend, rng):
         pool.set_limit(size=0)
     x = rng.standard_normal((1, 64)).astype(np.float32)
     assert rel_err(b.matmul(w, x).out, reference.matmul(t, x)) < REL_TOL
+
+
+# Gate, up and down of one expert may each have their own format and group size: such experts
+# run unfused (gate and up separately), beside fused ones in the same group.
+MIXED = [((4, 1, 3), (5, 0, 0)), ((0, 1, 3), (0, 0, 0)), ((2, 4, 2), (0, 64, 0)),
+         ((4, 4, 4), (64, 32, 64)), ((2, 2, 4), (0, 0, 32))]  # fmt: skip
+
+
+def _mixed_expert(b, rng, d, ie, fmts, gss):
+    host = tuple(
+        make_tensor(rng, f, *sh, gs)
+        for f, gs, sh in zip(fmts, gss, ((ie, d), (ie, d), (d, ie)), strict=True)
+    )
+    return host, tuple(b.place(t, 0) for t in host)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmts,gss", MIXED)
+def test_expert_mlp_mixed_formats(cupy_backend, rng, fmts, gss):
+    b = cupy_backend
+    host, dev = _mixed_expert(b, rng, 200, 72, fmts, gss)
+    x = rng.standard_normal((3, 200)).astype(np.float32)
+    res = b.expert_mlp(*dev, x)
+    assert rel_err(res.out, reference.expert_mlp(*host, x)) < REL_TOL
+
+
+@pytest.mark.gpu
+def test_expert_group_and_routed_mixed_formats(cupy_backend, rng):
+    b = cupy_backend
+    d, ie = 256, 96
+    pairs = [_mixed_expert(b, rng, d, ie, f, g) for f, g in MIXED + [((2, 2, 2), (0, 0, 0))]]
+    host = [h for h, _ in pairs]
+    dev = [dv for _, dv in pairs]
+    rows = [1, 4, 2, 9, 1, 3]
+    x = rng.standard_normal((sum(rows), d)).astype(np.float32)
+    res = b.expert_group(dev, rows, x)
+    assert rel_err(res.out, reference.expert_group(host, rows, x)) < REL_TOL
+    p = b.expert_group_issue(dev, rows, x)
+    assert np.array_equal(p.result().out, res.out)
+    xt = rng.standard_normal((7, d)).astype(np.float32)
+    routes = rng.integers(0, len(dev), (7, 4)).astype(np.int32)
+    w = rng.random((7, 4)).astype(np.float32)
+    got = b.expert_group_routed(dev, xt, routes, w)
+    assert rel_err(got.out, reference.expert_group_routed(host, xt, routes, w)) < REL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64), (1, 0)])
+@pytest.mark.parametrize("rows", [[1] * 8, [4] * 8, [32, 1, 17, 8, 5, 2, 40, 3]])
+def test_expert_group_fused_rows(cupy_backend, rng, fmt, gs, rows):
+    # The one-launch path at a GLM-like width (many tiles per expert, several row tiles).
+    b = cupy_backend
+    host, dev = _experts(b, rng, len(rows), 1024, 512, fmt, gs)
+    x = rng.standard_normal((sum(rows), 1024)).astype(np.float32)
+    res = b.expert_group(dev, rows, x)
+    assert rel_err(res.out, reference.expert_group(host, rows, x)) < REL_TOL
