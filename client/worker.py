@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import grpc
 import numpy as np
+
 from coliworker.client import codec
 from coliworker.client.errors import WorkerError, from_rpc_error
 from coliworker.client.security import TLS, make_channel

@@ -38,6 +38,12 @@ class Result:
 
     out: np.ndarray
     phases: Phases = field(default_factory=Phases)
+    wall_ns: int = 0  # the whole backend call as the caller timed it (host work included)
+
+    @property
+    def backend_ns(self) -> int:
+        """Time spent in the backend: the call's wall time when timed, else its phases."""
+        return self.wall_ns or self.phases.total_ns
 
 
 @dataclass(frozen=True)

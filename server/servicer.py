@@ -12,9 +12,11 @@ import functools
 import itertools
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import numpy as np
@@ -158,6 +160,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 f"{op}: compute failed (injected fault after {limit} calls, "
                 f"--fail-after); fall back to the CPU path"
             )
+
+    @staticmethod
+    def _timed(fn: Callable[..., Result], *args: Any) -> Result:
+        """Call the backend and record the call's wall time (what backend_ns reports)."""
+        t0 = time.perf_counter_ns()
+        r = fn(*args)
+        r.wall_ns = time.perf_counter_ns() - t0
+        return r
 
     def _tensor(self, handle: int, field: str, owner: str) -> Handle:
         if handle == 0:
@@ -395,9 +405,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         x = validate.array(request.x, "matmul.x", 2)
         validate.columns(x, w.spec.in_features, "matmul.x", "tensor in_features")
         self._begin_compute("matmul")
-        r = self.backend.matmul(w.data.resident, x)
+        r = self._timed(self.backend.matmul, w.data.resident, x)
         return pb.MatmulResponse(
-            y=self._out(r, request.output_dtype, request.x.dtype), backend_ns=r.phases.total_ns
+            y=self._out(r, request.output_dtype, request.x.dtype), backend_ns=r.backend_ns
         )
 
     @_guard
@@ -415,9 +425,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         x = validate.array(request.x, "expert_mlp.x", 2)
         validate.columns(x, dim, "expert_mlp.x", "gate in_features")
         self._begin_compute("expert_mlp")
-        r = self.backend.expert_mlp(g.data.resident, u.data.resident, d.data.resident, x)
+        r = self._timed(
+            self.backend.expert_mlp, g.data.resident, u.data.resident, d.data.resident, x
+        )
         return pb.ExpertMlpResponse(
-            y=self._out(r, request.output_dtype, request.x.dtype), backend_ns=r.phases.total_ns
+            y=self._out(r, request.output_dtype, request.x.dtype), backend_ns=r.backend_ns
         )
 
     def _experts(self, experts, op: str, owner: str) -> tuple[list[tuple], int, int]:
@@ -472,7 +484,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         p = r.phases
         return pb.ExpertGroupResponse(
             y=codec.encode(r.out, out_dtype),
-            backend_ns=p.total_ns,
+            backend_ns=r.backend_ns,
             h2d_ns=p.h2d_ns,
             kernel_ns=p.kernel_ns,
             d2h_ns=p.d2h_ns,
@@ -485,7 +497,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def expert_group(self, request: pb.ExpertGroupRequest, owner: str) -> pb.ExpertGroupResponse:
         triples, rows, x, device = self._group_args(request, "expert_group", owner)
         self._begin_compute("expert_group")
-        r = self.backend.expert_group(triples, rows, x)
+        r = self._timed(self.backend.expert_group, triples, rows, x)
         return self._group_response(
             r, device, len(triples), sum(rows), request.output_dtype or request.x.dtype
         )
@@ -526,7 +538,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 f"(an index into experts), got {int(routes[t, j])}"
             )
         self._begin_compute(op)
-        r = self.backend.expert_group_routed(triples, x, routes, weights)
+        r = self._timed(self.backend.expert_group_routed, triples, x, routes, weights)
         return self._group_response(
             r, device, len(triples), int(routes.size), request.output_dtype or request.x.dtype
         )
@@ -595,7 +607,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             )
         proj = self._o_proj(request.o_proj, kv_b, heads, request.v_dim, op, owner)
         self._begin_compute(op)
-        r = self.backend.attention(
+        r = self._timed(
+            self.backend.attention,
             kv_b.data.resident,
             proj,
             q,
@@ -607,7 +620,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             request.scale,
         )
         return pb.AttentionResponse(
-            out=self._out(r, request.output_dtype, request.q.dtype), backend_ns=r.phases.total_ns
+            out=self._out(r, request.output_dtype, request.q.dtype), backend_ns=r.backend_ns
         )
 
     def _o_proj(self, handle: int, kv_b: Handle, heads: int, v_dim: int, op: str, owner: str):
@@ -665,6 +678,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         proj = self._o_proj(request.o_proj, kv_b, heads, request.v_dim, op, owner)
         self._begin_compute(op)
         with self.sequences.lock:
+            t0 = time.perf_counter_ns()  # the KV append is backend work too
             caches = self.sequences.prepare(kv_b, rows, k, request.rope_dim)
             r = self.backend.attention_ragged(
                 kv_b.data.resident,
@@ -676,11 +690,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 request.v_dim,
                 request.scale,
             )
+            r.wall_ns = time.perf_counter_ns() - t0
             lengths = [c.length for c in caches]
         return pb.AttentionRaggedResponse(
             out=self._out(r, request.output_dtype, request.q.dtype),
             lengths=lengths,
-            backend_ns=r.phases.total_ns,
+            backend_ns=r.backend_ns,
         )
 
     @_guard
