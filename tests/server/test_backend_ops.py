@@ -305,3 +305,61 @@ def test_attention_ragged_glm52_shape(backend, rng) -> None:
     dims = (h, q_dim, r_dim, v_dim, 1 / math.sqrt(q_dim + r_dim))
     placed = (backend.place(kv_b, 0), backend.place(o_proj, 0))
     check_ragged(backend, rng, caches, (kv_b, o_proj), placed, dims, TOLERANCE[4])
+
+
+# -- one real GLM-5.2 shape per operation -----------------------------------------------------
+
+GLM_D, GLM_IE = 6144, 2048
+
+
+def test_matmul_glm52_dense(backend, rng) -> None:
+    """A dense int4 6144 x 6144 projection at decode (S=1) and a small batch (S=5)."""
+    w = random_qtensor(rng, 2, GLM_D, GLM_D)
+    placed = backend.place(w, 0)
+    for s in (1, 5):
+        x = rows_of(rng, s, GLM_D)
+        check(backend.matmul(placed, x), ref.matmul(w, x), TOLERANCE[2])
+
+
+def test_expert_mlp_glm52(backend, rng) -> None:
+    """The shared expert: gate/up [2048, 6144], down [6144, 2048], int4 gs=64, 3 rows."""
+    expert = random_expert(rng, 4, GLM_D, GLM_IE, 64)
+    x = rows_of(rng, 3, GLM_D)
+    check(
+        backend.expert_mlp(*place_expert(backend, expert), x),
+        ref.expert_mlp(*expert, x),
+        TOLERANCE[4],
+    )
+
+
+def test_expert_group_routed_glm52(backend, rng) -> None:
+    """Two decode tokens routed to 8 of 10 int4 experts each, weighted sum on the worker."""
+    experts = [random_expert(rng, 2, GLM_D, GLM_IE) for _ in range(10)]
+    placed = [place_expert(backend, e) for e in experts]
+    routes = np.stack([rng.permutation(10)[:8] for _ in range(2)]).astype(np.int32)
+    weights = rng.uniform(0.05, 0.3, (2, 8)).astype(np.float32)
+    x = rows_of(rng, 2, GLM_D)
+    got = backend.expert_group_routed(placed, x, routes, weights)
+    check(got, ref.expert_group_routed(experts, x, routes, weights), TOLERANCE[2])
+
+
+def test_attention_glm52_causal_batch(backend, rng) -> None:
+    """Causal MLA over one sequence at GLM-5.2 widths: 3 query rows, T=300, with o_proj."""
+    h, q_dim, r_dim, v_dim, k_dim = 64, 192, 64, 256, 512
+    kv_b, o_proj = attention_weights(rng, 2, 0, h, q_dim, v_dim, k_dim, d_out=GLM_D)
+    q = rng.standard_normal((3, h, q_dim + r_dim)).astype(np.float32)
+    latent, rope = rows_of(rng, 300, k_dim), rows_of(rng, 300, r_dim)
+    scale = 1 / math.sqrt(q_dim + r_dim)
+    got = backend.attention(
+        backend.place(kv_b, 0),
+        backend.place(o_proj, 0),
+        q,
+        latent,
+        rope,
+        q_dim,
+        r_dim,
+        v_dim,
+        scale,
+    )
+    want = ref.attention(kv_b, o_proj, q, latent, rope, q_dim, r_dim, v_dim, scale)
+    check(got, want, TOLERANCE[2])
