@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import cupy
 import numpy as np
@@ -93,12 +92,21 @@ class WeightSpec:
     group_size: int
     layout: Layout
 
+    @classmethod
+    def of(cls, fmt: int, in_features: int, group_size: int) -> WeightSpec:
+        """The one interned spec of these values: per-call code compares specs by identity."""
+        spec = cls(fmt, in_features, group_size, Layout.of(fmt, in_features, group_size))
+        return _SPECS.setdefault(spec, spec)
+
     def geom(self) -> tuple[np.int32, ...]:
         """The fields of ``struct WGeom`` as kernel arguments, in order."""
         gs, shift = gs_args(self.fmt, self.group_size)
         lay = self.layout
         return (np.int32(self.in_features), np.int32(lay.in_padded), np.int32(lay.ld),
                 np.int32(max(lay.ngp, 1)), gs, shift)  # fmt: skip
+
+
+_SPECS: dict[WeightSpec, WeightSpec] = {}
 
 
 def gs_args(fmt: int, group_size: int) -> tuple[np.int32, np.int32]:
@@ -120,44 +128,64 @@ def _kt(sb: int, blk: int, in_padded: int) -> int:
     return min(kt, in_padded)
 
 
-def launch_gemv(
-    spec: WeightSpec,
-    jobs: cupy.ndarray,
-    n_jobs: int,
-    max_rows: int,
-    max_out: int,
-) -> None:
-    """Launch gemv now on the current device and stream (see ``prepare_gemv``)."""
-    prepare_gemv(spec, jobs, n_jobs, max_rows, max_out)()
+class Launch:
+    """A prepared launch: kernel, grid, block, dynamic shared memory and every argument after
+    the leading pointers. ``launch(*ptrs)`` makes it on the current device and stream; pointers
+    are device addresses (``np.uint64``) or CuPy arrays."""
+
+    __slots__ = ("fn", "grid", "block", "tail", "smem")
+
+    def __init__(self, fn: cupy.RawKernel, grid: tuple, block: tuple, tail: tuple, smem: int):
+        self.fn, self.grid, self.block, self.tail, self.smem = fn, grid, block, tail, smem
+
+    def __call__(self, *ptrs: object) -> None:
+        self.fn(self.grid, self.block, ptrs + self.tail, shared_mem=self.smem)
 
 
-def _noop() -> None:
-    return None
+# Prepared launches by (device, kind, spec ids, sizes): the specs are interned, so their ids
+# are stable; a plain dict, cleared when it grows past a bound (shapes repeat in practice).
+_launches: dict[tuple, Launch | None] = {}
+_LAUNCH_CACHE = 4096
 
 
-def prepare_gemv(
-    spec: WeightSpec,
-    jobs: cupy.ndarray,
-    n_jobs: int,
-    max_rows: int,
-    max_out: int,
-) -> Callable[[], None]:
-    """Everything of a gemv launch but the launch: returns the call that makes it, so a
-    backend can do the host work before its kernel-phase event and launch right after it.
+def _cached(key: tuple, make: Callable[[], Launch | None]) -> Launch | None:
+    try:
+        return _launches[key]
+    except KeyError:
+        pass
+    if len(_launches) >= _LAUNCH_CACHE:
+        _launches.clear()
+    ln = _launches[key] = make()
+    return ln
 
-    jobs: device uint8 view of ``JOB_DTYPE`` [n_jobs] (any 8-byte aligned offset); every job's
-    x is float32 [rows, x_stride] with ``in_features`` valid columns, y float32 [rows, y_stride].
-    """
+
+def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int) -> Launch | None:
+    """The gemv launch of a job table (None when there is nothing to do), taking one pointer:
+    the jobs, device ``JOB_DTYPE`` [n_jobs] (8-byte aligned). Every job's x is float32
+    [rows, x_stride] with ``in_features`` valid columns, y float32 [rows, y_stride]."""
     if n_jobs <= 0 or max_rows <= 0 or max_out <= 0:
-        return _noop
-    lay = spec.layout
-    sb = pick_sb(max_rows)
-    r = _rows_per_warp(sb)
-    kt = _kt(sb, lay.block_elems, lay.in_padded)
-    fn = get_function("gemv.cu", _gemv_name(spec.fmt, sb), VARIANTS)
-    grid = (-(-max_out // (WARPS * r)), n_jobs, -(-max_rows // sb))
-    args = (jobs, *spec.geom(), np.int32(kt))
-    return partial(fn, grid, (WARPS * 32,), args, shared_mem=4 * sb * kt)
+        return None
+    dev = cupy.cuda.runtime.getDevice()
+
+    def make() -> Launch:
+        lay = spec.layout
+        sb = pick_sb(max_rows)
+        r = _rows_per_warp(sb)
+        kt = _kt(sb, lay.block_elems, lay.in_padded)
+        fn = get_function("gemv.cu", _gemv_name(spec.fmt, sb), VARIANTS)
+        grid = (-(-max_out // (WARPS * r)), n_jobs, -(-max_rows // sb))
+        return Launch(fn, grid, (WARPS * 32,), (*spec.geom(), np.int32(kt)), 4 * sb * kt)
+
+    return _cached((dev, "gemv", id(spec), n_jobs, max_rows, max_out), make)
+
+
+def launch_gemv(
+    spec: WeightSpec, jobs: cupy.ndarray, n_jobs: int, max_rows: int, max_out: int
+) -> None:
+    """Launch gemv now on the current device and stream (see ``gemv_launch``)."""
+    ln = gemv_launch(spec, n_jobs, max_rows, max_out)
+    if ln is not None:
+        ln(jobs)
 
 
 _occupancy: dict[tuple[int, str], int] = {}
@@ -176,56 +204,35 @@ def _resident_blocks(fn: cupy.RawKernel, name: str, smem: int, n_sm: int) -> int
     return occ * n_sm
 
 
-def prepare_moe(
-    gu: WeightSpec,
-    dn: WeightSpec,
-    table: cupy.ndarray,
-    n_jobs: int,
-    max_rows: int,
-    max_ie: int,
-    max_dout: int,
+def moe_launch(
+    gu: WeightSpec, dn: WeightSpec, n_jobs: int, max_rows: int, max_ie: int, max_dout: int,
     n_sm: int,
-) -> Callable[[], None]:
-    """One persistent launch for a whole expert group (gate+up, silu*mul, down), prepared:
-    returns the call that makes it (as ``prepare_gemv``).
-
-    table: device uint8, int32 counters [1 + n_jobs] ZERO at launch, padded to 16 bytes, then
-    ``MOE_DTYPE`` [n_jobs]. Every job's x is float32 [rows, D], h [rows, ie], y [rows, dout];
-    gate and up share ``gu`` (format, group size, geometry), every down matrix ``dn``.
+) -> Launch | None:  # fmt: skip
+    """One persistent launch for a whole expert group (gate+up, silu*mul, down), taking two
+    pointers: the ``MOE_DTYPE`` [n_jobs] jobs, then the int32 counters [1 + n_jobs], ZERO at
+    launch (in a table they come first: counters, padded to ``counter_bytes``, then jobs).
+    Every job's x is float32 [rows, D], h [rows, ie], y [rows, dout]; gate and up share
+    ``gu`` (format, group size, geometry), every down matrix ``dn``.
     """
-    sb = pick_sb(max_rows)
-    kt = max(_kt(sb, gu.layout.block_elems, gu.layout.in_padded),
-             _kt(sb, dn.layout.block_elems, dn.layout.in_padded))  # fmt: skip
-    name = _moe_name(gu.fmt, sb)
-    fn = get_function("gemv.cu", name, VARIANTS)
-    nz = -(-max_rows // sb)
-    ta = -(-max_ie // (WARPS * MOE_RA))
-    tb = -(-max_dout // (WARPS * moe_rb(gu.fmt, sb)))
-    total = (ta + tb) * nz * n_jobs
-    if total <= 0:
-        return _noop
-    smem = 4 * sb * kt
-    blocks = min(total, _resident_blocks(fn, name, smem, n_sm))
-    off = counter_bytes(n_jobs)
-    return partial(
-        fn,
-        (blocks,),
-        (WARPS * 32,),
-        (
-            table[off:],
-            table,
-            np.int32(n_jobs),
-            np.int32(ta),
-            np.int32(tb),
-            np.int32(nz),
-            *gu.geom(),
-            *dn.geom(),
-            np.int32(kt),
-        ),  # fmt: skip
-        shared_mem=smem,
-    )
+    dev = cupy.cuda.runtime.getDevice()
 
+    def make() -> Launch | None:
+        sb = pick_sb(max_rows)
+        kt = max(_kt(sb, gu.layout.block_elems, gu.layout.in_padded),
+                 _kt(sb, dn.layout.block_elems, dn.layout.in_padded))  # fmt: skip
+        name = _moe_name(gu.fmt, sb)
+        fn = get_function("gemv.cu", name, VARIANTS)
+        nz = -(-max_rows // sb)
+        ta = -(-max_ie // (WARPS * MOE_RA))
+        tb = -(-max_dout // (WARPS * moe_rb(gu.fmt, sb)))
+        total = (ta + tb) * nz * n_jobs
+        if total <= 0:
+            return None
+        smem = 4 * sb * kt
+        blocks = min(total, _resident_blocks(fn, name, smem, n_sm))
+        tail = (np.int32(n_jobs), np.int32(ta), np.int32(tb), np.int32(nz), *gu.geom(),
+                *dn.geom(), np.int32(kt))  # fmt: skip
+        return Launch(fn, (blocks,), (WARPS * 32,), tail, smem)
 
-def counter_bytes(n_jobs: int) -> int:
-    """Bytes of moe's counters before its job table (16-byte aligned)."""
-    return -(-4 * (1 + n_jobs) // 16) * 16
+    key = (dev, "moe", id(gu), id(dn), n_jobs, max_rows, max_ie, max_dout, n_sm)
+    return _cached(key, make)

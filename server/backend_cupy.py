@@ -4,15 +4,21 @@ Weights are re-laid out on the device at place time (``kernels/layout.py``); a c
 its activations: one H2D phase (activations and the per-call job / descriptor tables), the
 kernels, one D2H phase, timed with CUDA events.
 
-Concurrency: every thread gets its own non-blocking stream per device, and every per-call
-buffer (device and pinned) is allocated for that call from CuPy's pools and held by the call
-until its result is on the host, so calls from a thread pool, calls on several devices and
-outstanding ``expert_group_issue`` results never share mutable scratch.
+Host time per call is kept near the floor: every buffer of a call (inputs, outputs, scratch,
+on the device and pinned on the host) lies in one reusable arena with its own timing events;
+job tables are packed straight into the pinned inputs (``kernels/tables.py``); launches are
+prepared once per shape (``matmul.Launch``); the device is switched only when it differs.
+
+Concurrency: every thread gets its own non-blocking stream per device and its own pool of
+arenas; a call holds its arena until its result is on the host, so calls from a thread pool,
+calls on several devices and outstanding ``expert_group_issue`` results never share mutable
+scratch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Iterator, Sequence
 
@@ -22,14 +28,9 @@ import numpy as np
 
 from coliworker.kernels import attention as att
 from coliworker.kernels import layout
-from coliworker.kernels.matmul import (
-    JOB_DTYPE,
-    WeightSpec,
-    counter_bytes,
-    prepare_gemv,
-    prepare_moe,
-)
+from coliworker.kernels.matmul import WeightSpec, gemv_launch, moe_launch
 from coliworker.kernels.qtensor import QTensor
+from coliworker.kernels.tables import GEMV_JOB, KV_DESC, counter_bytes, plan_group, write_group
 from coliworker.server.backend import DeviceInfo, ExpertTriple, Phases, Result
 from coliworker.server.errors import InvalidArgument, OutOfDeviceMemory
 
@@ -65,7 +66,7 @@ class CupyResident:
         self.s = s
         self.nbytes = int(w.nbytes + (s.nbytes if tensor.fmt else 0))
         # Made once: the per-call planning compares and hashes specs.
-        self.spec = WeightSpec(self.fmt, self.in_features, self.group_size, self.layout)
+        self.spec = WeightSpec.of(self.fmt, self.in_features, self.group_size)
         self.ptrs = (w.data.ptr, s.data.ptr)  # stable: replace() writes in place
 
     def row_ptrs(self, row: int) -> tuple[int, int]:
@@ -126,129 +127,166 @@ class CupyKVCache:
         self.cap = self.length = 0
 
 
+def _align(n: int) -> int:
+    return -(-n // 256) * 256
+
+
+# Arenas above this many bytes (device or pinned) are freed after their call rather than kept.
+ARENA_KEEP_BYTES = 64 << 20
+ARENAS_PER_THREAD = 4  # free arenas a thread keeps per device (one per call it has in flight)
+
+
+class _Arena:
+    """Reusable scratch of one call at a time: device bytes, a pinned host twin and four timing
+    events. A call takes one from its thread's pool and gives it back once its result is on
+    the host, so an issued call owns its buffers until ``result()``; calls beyond the pool's
+    size (several in flight) get fresh arenas."""
+
+    __slots__ = ("dev", "dptr", "host", "hptr", "events", "home")
+
+    def __init__(self, home: list[_Arena]) -> None:
+        self.dev: cupy.ndarray | None = None
+        self.host: np.ndarray | None = None
+        self.dptr = self.hptr = 0
+        self.events = [cupy.cuda.Event() for _ in range(4)]
+        self.home = home
+
+    def reserve(self, dev_bytes: int, host_bytes: int) -> None:
+        if self.dev is None or self.dev.nbytes < dev_bytes:
+            cap = max(_align(dev_bytes), 2 * (self.dev.nbytes if self.dev is not None else 0))
+            self.dev = None  # this arena's last call is finished: free before the new one
+            if cap > ARENA_KEEP_BYTES:
+                cap = _align(dev_bytes)
+            self.dev = cupy.empty((cap,), cupy.uint8)
+            self.dptr = self.dev.data.ptr
+        if self.host is None or self.host.nbytes < host_bytes:
+            cap = max(_align(host_bytes), 2 * (self.host.nbytes if self.host is not None else 0))
+            self.host = None
+            if cap > ARENA_KEEP_BYTES:
+                cap = _align(host_bytes)
+            self.host = cupyx.empty_pinned((cap,), np.uint8)
+            self.hptr = self.host.ctypes.data
+
+    def give_back(self) -> None:
+        big = (self.dev is not None and self.dev.nbytes > ARENA_KEEP_BYTES) or (
+            self.host is not None and self.host.nbytes > ARENA_KEEP_BYTES
+        )
+        if big:
+            self.dev = self.host = None
+        if len(self.home) < ARENAS_PER_THREAD:
+            self.home.append(self)
+
+
+_H2D, _D2H = 1, 2  # cudaMemcpyKind
+
+
 class _Call:
-    """One call's stream, events and buffers; the buffers live until the result is read."""
+    """One call: the device made current (only when it is not already), the thread's stream
+    and an arena. Layout of the arena: [inputs | outputs] mirrored on host and device (the
+    inputs go up in one copy, the outputs come back in one), then device-only scratch."""
+
+    __slots__ = ("backend", "device", "what", "stream", "arena", "_prev", "out")
 
     def __init__(self, backend: CupyBackend, device: int, what: str) -> None:
+        self.backend = backend
         self.device = device
         self.what = what
         self.stream = backend._stream(device)
-        self.keep: list[object] = []
-        self.events = [cupy.cuda.Event() for _ in range(4)]
-        self._dev = cupy.cuda.Device(device)
+        self.arena: _Arena | None = None
 
     def __enter__(self) -> _Call:
-        self._dev.__enter__()
+        self._prev = cupy.cuda.runtime.getDevice()
+        if self._prev != self.device:
+            cupy.cuda.runtime.setDevice(self.device)
         self.stream.__enter__()
-        self._guard = _oom_guard(self.device, self.what)
-        self._guard.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        try:
-            self._guard.__exit__(*exc)
-        finally:
-            self.stream.__exit__(*exc)
-            self._dev.__exit__(*exc)
+    def __exit__(self, et: type | None, ev: BaseException | None, tb: object) -> None:
+        self.stream.__exit__(et, ev, tb)
+        if self._prev != self.device:
+            cupy.cuda.runtime.setDevice(self._prev)
+        if ev is not None:
+            if self.arena is not None:  # the GPU may still read it: let it finish, then drop it
+                with contextlib.suppress(Exception):
+                    self.stream.synchronize()
+                self.arena = None
+            err = _oom_error(ev, self.device, self.what)
+            if err is not None:
+                raise err from None
 
-    def empty(self, shape: tuple[int, ...], dtype: object = cupy.float32) -> cupy.ndarray:
-        a = cupy.empty(shape, dtype)
-        self.keep.append(a)
+    def reserve(self, dev_bytes: int, host_bytes: int) -> _Arena:
+        pool = self.backend._arenas(self.device)
+        a = pool.pop() if pool else _Arena(pool)
+        a.reserve(dev_bytes, host_bytes)
+        self.arena = a
         return a
 
-    def packed(self, layout: Sequence[tuple[tuple[int, ...], object]]) -> _Packed:
-        """One device buffer and one pinned buffer for several arrays: one H2D copy."""
-        return _Packed(self, layout)
+    def send(self, nbytes: int) -> None:
+        """The inputs, bytes [0, nbytes) of the arena, host -> device."""
+        a = self.arena
+        cupy.cuda.runtime.memcpyAsync(a.dptr, a.hptr, nbytes, _H2D, self.stream.ptr)
 
-    def h2d(self, dst: cupy.ndarray, host: np.ndarray) -> None:
-        pinned = cupyx.empty_pinned(host.shape, host.dtype)
-        pinned[...] = host
-        dst.set(pinned, stream=self.stream)
-        self.keep.append(pinned)
-
-    def d2h(self, src: cupy.ndarray) -> np.ndarray:
-        out = cupyx.empty_pinned(src.shape, src.dtype)
-        src.get(stream=self.stream, out=out)
-        self.keep.append(out)
-        return out
+    def receive(self, off: int, shape: tuple[int, ...]) -> None:
+        """The output float32 ``shape`` at ``off`` device -> host (same offset)."""
+        a = self.arena
+        n = 4 * math.prod(shape)
+        cupy.cuda.runtime.memcpyAsync(a.hptr + off, a.dptr + off, n, _D2H, self.stream.ptr)
+        self.out = (off, n, shape)
 
     def mark(self, i: int) -> None:
-        self.events[i].record(self.stream)
+        self.arena.events[i].record(self.stream)
 
-    def finish(self, out: np.ndarray) -> Result:
-        ev = self.events
+    def finish(self) -> Result:
+        a = self.arena
+        ev = a.events
         ev[3].synchronize()
+        off, n, shape = self.out
+        out = a.host[off : off + n].view(np.float32).reshape(shape).copy()  # the arena is reused
+        phases = Phases(*(int(cupy.cuda.get_elapsed_time(ev[i], ev[i + 1]) * 1e6)
+                          for i in range(3)))  # fmt: skip
+        self.arena = None
+        a.give_back()
+        return Result(out, phases)
 
-        def ns(a: int, b: int) -> int:
-            return int(cupy.cuda.get_elapsed_time(ev[a], ev[b]) * 1e6)
 
-        result = Result(np.array(out, copy=True), Phases(ns(0, 1), ns(1, 2), ns(2, 3)))
-        self.keep.clear()
-        return result
-
-
-class _Packed:
-    """Arrays of one call packed into one device buffer (256-byte aligned parts) with a pinned
-    host twin, so the whole H2D phase is one copy; ``dev(i)`` is known before ``send()``, which
-    lets job tables hold pointers into the same buffer."""
-
-    def __init__(self, call: _Call, layout: Sequence[tuple[tuple[int, ...], object]]) -> None:
-        self._call = call
-        self._parts = []
-        off = 0
-        for shape, dtype in layout:
-            dt = np.dtype(dtype)
-            n = int(np.prod(shape)) * dt.itemsize
-            self._parts.append((off, n, tuple(shape), dt))
-            off += -(-max(n, 1) // 256) * 256
-        self._dev = call.empty((off,), cupy.uint8)
-        self._host = cupyx.empty_pinned((off,), np.uint8)
-        call.keep.append(self._host)
-
-    def dev(self, i: int) -> cupy.ndarray:
-        """Part i on the device; record (structured) parts as raw uint8 bytes."""
-        off, n, shape, dt = self._parts[i]
-        if dt.names is not None:
-            return self._dev[off : off + n]
-        return self._dev[off : off + n].view(dt).reshape(shape)
-
-    def ptr(self, i: int) -> int:
-        return self._dev.data.ptr + self._parts[i][0]
-
-    def put(self, i: int, a: np.ndarray) -> None:
-        """Fill part i (or, for byte parts, a prefix of it) from host array a."""
-        off, n, _, dt = self._parts[i]
-        b = np.ascontiguousarray(a, dt).view(np.uint8).reshape(-1)
-        if b.size > n:
-            raise ValueError(f"packed part {i}: {b.size} bytes do not fit {n}")
-        self._host[off : off + b.size] = b
-
-    def send(self) -> None:
-        self._dev.set(self._host, stream=self._call.stream)
+def _oom_error(exc: BaseException, device: int, what: str) -> OutOfDeviceMemory | None:
+    """CuPy's device / pinned out-of-memory errors as OutOfDeviceMemory (else None)."""
+    if isinstance(exc, cupy.cuda.memory.OutOfMemoryError):
+        return OutOfDeviceMemory(f"{what}: device {device} is out of memory ({exc})")
+    if isinstance(exc, cupy.cuda.runtime.CUDARuntimeError) and "MemoryAllocation" in str(exc):
+        return OutOfDeviceMemory(
+            f"{what}: device {device} (or pinned host memory) is out of memory ({exc})"
+        )
+    return None
 
 
 class CupyPending:
-    """An expert group in flight on its own stream and buffers."""
+    """An expert group in flight on its own stream and arena."""
 
-    def __init__(self, call: _Call, out: np.ndarray) -> None:
-        self._call, self._out = call, out
+    def __init__(self, call: _Call) -> None:
+        self._call = call
         self._result: Result | None = None
 
     def result(self) -> Result:
         if self._result is None:
-            with cupy.cuda.Device(self._call.device):
-                self._result = self._call.finish(self._out)
+            c = self._call
+            prev = cupy.cuda.runtime.getDevice()
+            if prev != c.device:
+                cupy.cuda.runtime.setDevice(c.device)
+            try:
+                self._result = c.finish()
+            finally:
+                if prev != c.device:
+                    cupy.cuda.runtime.setDevice(prev)
         return self._result
 
 
-def _pointer_table(n: int) -> np.ndarray:
-    return np.zeros(n, JOB_DTYPE)
-
-
-def _table_bound(n_experts: int) -> int:
-    """Bytes that hold any group's tables: per expert at most one moe record (88) and its share
-    of a counter block (4 + 15 padding + 4 for the queue slot), or three gemv records (192)."""
-    return 192 * n_experts + 64
+def _put(
+    host: np.ndarray, off: int, a: np.ndarray, nbytes: int, dtype: object = np.float32
+) -> None:
+    """Copy array ``a`` (as ``dtype``, C order, ``nbytes`` bytes) into pinned ``host`` at off."""
+    b = np.ascontiguousarray(a, dtype)
+    host[off : off + nbytes] = b.reshape(-1).view(np.uint8)
 
 
 _silu_mul = cupy.ElementwiseKernel(
@@ -271,6 +309,7 @@ class CupyBackend:
         self._sms = {
             d: cupy.cuda.Device(d).attributes["MultiProcessorCount"] for d in self._devices
         }
+        self._jobs_cache: dict[tuple, bytes] = {}
 
     # -- devices and streams ---------------------------------------------------------------
 
@@ -283,6 +322,18 @@ class CupyBackend:
             with cupy.cuda.Device(device):
                 s = streams[device] = cupy.cuda.Stream(non_blocking=True)
         return s
+
+    def _arenas(self, device: int) -> list[_Arena]:
+        """This thread's free arenas of ``device``."""
+        try:
+            return self._local.arenas[device]
+        except AttributeError:
+            self._local.arenas = {}
+        except KeyError:
+            pass
+        pool: list[_Arena] = []
+        self._local.arenas[device] = pool
+        return pool
 
     def devices(self) -> list[DeviceInfo]:
         out = []
@@ -325,24 +376,26 @@ class CupyBackend:
     # -- dense products ----------------------------------------------------------------------
 
     def matmul(self, w: CupyResident, x: np.ndarray) -> Result:
-        S = x.shape[0]
+        s, n_in = x.shape
+        n_out = w.out_features
+        xb = 4 * s * n_in
+        j_off = _align(xb)
+        y_off = _align(j_off + GEMV_JOB.size)
         with _Call(self, w.device, "matmul") as call:
-            pk = call.packed([((S, w.in_features), np.float32), ((1,), JOB_DTYPE)])
-            y_dev = call.empty((S, w.out_features))
-            jobs = np.zeros(1, JOB_DTYPE)
-            jobs[0] = (*w.row_ptrs(0), 0, 0, pk.ptr(0), y_dev.data.ptr, S,
-                       w.out_features, w.in_features, w.out_features)  # fmt: skip
-            pk.put(0, x)
-            pk.put(1, jobs)
-            go = prepare_gemv(w.spec, pk.dev(1), 1, S, w.out_features)
+            go = gemv_launch(w.spec, 1, s, n_out)
+            a = call.reserve(y_off + 4 * s * n_out, y_off + 4 * s * n_out)
+            _put(a.host, 0, x, xb)
+            GEMV_JOB.pack_into(a.host, j_off, *w.ptrs, 0, 0, a.dptr, a.dptr + y_off, s, n_out,
+                               n_in, n_out)  # fmt: skip
             call.mark(0)
-            pk.send()
+            call.send(j_off + GEMV_JOB.size)
             call.mark(1)
-            go()
+            if go is not None:
+                go(np.uint64(a.dptr + j_off))
             call.mark(2)
-            out = call.d2h(y_dev)
+            call.receive(y_off, (s, n_out))
             call.mark(3)
-            return call.finish(out)
+            return call.finish()
 
     def expert_mlp(
         self, gate: CupyResident, up: CupyResident, down: CupyResident, x: np.ndarray
@@ -355,156 +408,79 @@ class CupyBackend:
     # same format run in ONE persistent moe launch per (gate/up spec, down spec) combination:
     # one launch for a model's usual group. Any other expert (gate and up of different formats
     # or group sizes, say) runs unfused and still exact: gate and up as separate gemv jobs, silu
-    # times up elementwise, then down as a gemv job.
+    # times up elementwise, then down as a gemv job. Tables: ``kernels/tables.py``.
 
-    def _group_tables(
-        self, experts: Sequence[ExpertTriple], rows: Sequence[int], x_ptr: int, y_ptr: int,
-        h_ptr: int, hu_ptr: int,
-    ) -> tuple[np.ndarray, list[tuple]]:  # fmt: skip
-        """Host bytes of every table of a group and the launches that read them (at offsets).
-
-        x float32 [N, D] packed rows at x_ptr, y [N, dout] at y_ptr, hidden [sum rows*ie] at
-        h_ptr (and up's, for unfused experts, at hu_ptr). Launch tuples:
-        ("moe", gu, dn, offset, n, max_rows, max_ie, max_dout) or
-        ("gemv", spec, offset, n, max_rows, max_out) or ("silu_mul", floats): the unfused
-        experts' h = silu(h) * hu, over the whole hidden buffer (the fused experts' part of it
-        is dead by then: their moe launches come first and consume it).
-        """
-        D = experts[0][0].in_features
-        fused: dict[tuple, list[int]] = {}
-        unfused: list[int] = []
-        for c, (g, u, dn) in enumerate(experts):
-            if g.spec == u.spec and dn.fmt == g.fmt:
-                fused.setdefault((g.spec, dn.spec), []).append(c)
-            else:
-                unfused.append(c)
-        row_off = np.zeros(len(experts) + 1, np.int64)
-        row_off[1:] = np.cumsum([int(r) for r in rows])
-        hid = [int(r) * g.out_features for (g, _, _), r in zip(experts, rows, strict=True)]
-        hid_off = np.zeros(len(experts) + 1, np.int64)
-        hid_off[1:] = np.cumsum(hid)
-        dout = experts[0][2].out_features
-        chunks: list[np.ndarray] = []
-        launches: list[tuple] = []
-        pos = 0
-
-        def add(b: np.ndarray) -> int:
-            nonlocal pos
-            start = pos
-            chunks.append(b)
-            pad = -len(b) % 16
-            if pad:
-                chunks.append(np.zeros(pad, np.uint8))
-            pos += len(b) + pad
-            return start
-
-        for (gu, dn), cs in fused.items():
-            # MoeJob records as rows of 10 uint64 (the int32 pairs packed low word first).
-            recs = []
-            for c in cs:
-                g, u, d = experts[c]
-                r = int(rows[c])
-                recs.append((*g.ptrs, *u.ptrs, *d.ptrs, x_ptr + int(row_off[c]) * D * 4,
-                             h_ptr + int(hid_off[c]) * 4, y_ptr + int(row_off[c]) * dout * 4,
-                             r | (g.out_features << 32), d.out_features))  # fmt: skip
-            t = np.array(recs, np.uint64)
-            off = add(np.zeros(counter_bytes(len(cs)), np.uint8))
-            add(t.view(np.uint8).reshape(-1))
-            launches.append(("moe", gu, dn, off, len(cs), int(max(rows[c] for c in cs)),
-                             max(experts[c][0].out_features for c in cs),
-                             max(experts[c][2].out_features for c in cs)))  # fmt: skip
-        if unfused:
-            first: dict[WeightSpec, list[tuple]] = {}
-            second: dict[WeightSpec, list[tuple]] = {}
-            for c in unfused:
-                g, u, d = experts[c]
-                r, ie = int(rows[c]), g.out_features
-                xp = x_ptr + int(row_off[c]) * D * 4
-                hg = h_ptr + int(hid_off[c]) * 4
-                hu = hu_ptr + int(hid_off[c]) * 4
-                first.setdefault(g.spec, []).append((*g.ptrs, 0, 0, xp, hg, r, ie, D, ie))
-                first.setdefault(u.spec, []).append((*u.ptrs, 0, 0, xp, hu, r, ie, D, ie))
-                second.setdefault(d.spec, []).append(
-                    (
-                        *d.ptrs,
-                        0,
-                        0,
-                        hg,
-                        y_ptr + int(row_off[c]) * dout * 4,
-                        r,
-                        d.out_features,
-                        ie,
-                        dout,
-                    )  # fmt: skip
-                )
-            for phase in (first, second):
-                for spec, recs in phase.items():
-                    t = np.array(recs, JOB_DTYPE)
-                    off = add(t.view(np.uint8))
-                    launches.append(("gemv", spec, off, len(recs), int(t["rows"].max()),
-                                     int(t["out_rows"].max())))  # fmt: skip
-                if phase is first:
-                    launches.append(("silu_mul", int(hid_off[-1])))
-        table = np.concatenate(chunks) if chunks else np.zeros(16, np.uint8)
-        return table, launches
-
-    def _prepare_group(
-        self, call: _Call, table: cupy.ndarray, launches: list[tuple], h: cupy.ndarray,
-        hu: cupy.ndarray | None,
-    ) -> list:  # fmt: skip
-        """The calls that launch a group's kernels, in order (host work done here)."""
-        calls = []
+    def _group_launches(
+        self, call: _Call, launches: list[tuple], t_ptr: int, h_ptr: int, hu_ptr: int
+    ) -> list[tuple]:
+        """(launch, pointer args) of a group's kernels, in order (host work done here)."""
+        out: list[tuple] = []
         for ln in launches:
             if ln[0] == "moe":
                 _, gu, dn, off, n, max_rows, max_ie, max_dout = ln
-                calls.append(prepare_moe(gu, dn, table[off:], n, max_rows, max_ie, max_dout,
-                                         self._sms[call.device]))  # fmt: skip
+                go = moe_launch(gu, dn, n, max_rows, max_ie, max_dout, self._sms[call.device])
+                if go is not None:
+                    ptr = t_ptr + off
+                    out.append((go, (np.uint64(ptr + counter_bytes(n)), np.uint64(ptr))))
             elif ln[0] == "gemv":
                 _, spec, off, n, max_rows, max_out = ln
-                calls.append(prepare_gemv(spec, table[off:], n, max_rows, max_out))
+                go = gemv_launch(spec, n, max_rows, max_out)
+                if go is not None:
+                    out.append((go, (np.uint64(t_ptr + off),)))
             else:
                 k = ln[1]
-                calls.append(lambda k=k: _silu_mul(h[:k], hu[:k], h[:k]))
-        return calls
+                mem = cupy.cuda.UnownedMemory(h_ptr, hu_ptr - h_ptr + 4 * k, call.arena)
+                hh = cupy.ndarray((k,), cupy.float32, cupy.cuda.MemoryPointer(mem, 0))
+                hu = cupy.ndarray((k,), cupy.float32, cupy.cuda.MemoryPointer(mem, hu_ptr - h_ptr))
+                out.append((_silu_mul, (hh, hu, hh)))
+        return out
 
-    def _group_buffers(
-        self, call: _Call, experts: Sequence[ExpertTriple], rows: Sequence[int]
-    ) -> tuple[cupy.ndarray, cupy.ndarray | None, cupy.ndarray]:
-        n_hid = max(
-            sum(int(r) * g.out_features for (g, _, _), r in zip(experts, rows, strict=True)), 1
-        )
-        h = call.empty((n_hid,))
-        mixed = any(not (g.spec == u.spec and d.fmt == g.fmt) for g, u, d in experts)
-        hu = call.empty((n_hid,)) if mixed else None
-        n = max(int(sum(int(r) for r in rows)), 1)
-        y = call.empty((n, experts[0][2].out_features))
-        return h, hu, y
+    def _group(
+        self, call: _Call, experts: Sequence[ExpertTriple], rows: Sequence[int], x: np.ndarray,
+        extra_in: int = 0,
+    ) -> tuple[_Arena, list[tuple], dict[str, int]]:  # fmt: skip
+        """Plan a group, reserve its arena and write its inputs; returns the arena, the launches
+        and the offsets. Inputs: x float32 [T, D] at 0, the tables, ``extra_in`` more bytes at
+        "extra", up to "in_end". Output: y float32 [N, dout] at "y". Device scratch: hidden
+        (and up's, for unfused experts), then, for routed calls (``extra_in``), the packed
+        x float32 [N, D] at "xp" that the tables read."""
+        plan = plan_group(experts, rows)
+        T, D = x.shape
+        N, dout = max(plan.n_rows, 1), experts[0][2].out_features
+        t_off = _align(4 * T * D)
+        e_off = _align(t_off + plan.table_bytes)
+        in_end = e_off + extra_in
+        y_off = _align(in_end)
+        h_off = _align(y_off + 4 * N * dout)
+        n_hid = max(plan.n_hid, 1)
+        hu_off = _align(h_off + 4 * n_hid)
+        xp_off = _align(hu_off + (4 * n_hid if plan.unfused else 0))
+        end = xp_off + (4 * N * D if extra_in else 0)
+        a = call.reserve(end, y_off + 4 * N * dout)
+        _put(a.host, 0, x, 4 * T * D)
+        base = a.dptr
+        launches = write_group(a.host, t_off, plan, experts, D, dout,
+                               base + (xp_off if extra_in else 0), base + y_off, base + h_off,
+                               base + hu_off)  # fmt: skip
+        calls = self._group_launches(call, launches, base + t_off, base + h_off, base + hu_off)
+        return a, calls, {"extra": e_off, "in_end": in_end, "y": y_off, "xp": xp_off}
 
     def expert_group_issue(
         self, experts: Sequence[ExpertTriple], rows: Sequence[int], x: np.ndarray
     ) -> CupyPending:
-        device = experts[0][0].device
-        N, D = x.shape
-        with _Call(self, device, "expert_group") as call:
-            h, hu, y_dev = self._group_buffers(call, experts, rows)
-            size = _table_bound(len(experts))
-            pk = call.packed([((N, D), np.float32), ((size,), np.uint8)])
-            table, launches = self._group_tables(
-                experts, rows, pk.ptr(0), y_dev.data.ptr, h.data.ptr,
-                hu.data.ptr if hu is not None else 0,
-            )  # fmt: skip
-            pk.put(0, x)
-            pk.put(1, table)
-            calls = self._prepare_group(call, pk.dev(1), launches, h, hu)
+        N = x.shape[0]
+        dout = experts[0][2].out_features
+        with _Call(self, experts[0][0].device, "expert_group") as call:
+            _, calls, off = self._group(call, experts, rows, x)
             call.mark(0)
-            pk.send()
+            call.send(off["in_end"])
             call.mark(1)
-            for go in calls:
-                go()
+            for go, args in calls:
+                go(*args)
             call.mark(2)
-            out = call.d2h(y_dev[:N])
+            call.receive(off["y"], (N, dout))
             call.mark(3)
-        return CupyPending(call, out)
+        return CupyPending(call)
 
     def expert_group(
         self, experts: Sequence[ExpertTriple], rows: Sequence[int], x: np.ndarray
@@ -518,7 +494,6 @@ class CupyBackend:
         routes: np.ndarray,
         weights: np.ndarray,
     ) -> Result:
-        device = experts[0][0].device
         T, K = routes.shape
         D = x.shape[1]
         flat = np.ascontiguousarray(routes, np.int64).reshape(-1)
@@ -530,39 +505,62 @@ class CupyBackend:
         sel = [experts[e] for e in used]
         rows = [int(counts[e]) for e in used]
         d_out = experts[0][2].out_features
-        with _Call(self, device, "expert_group_routed") as call:
-            xp_dev = call.empty((T * K, D))
-            h, hu, yp_dev = self._group_buffers(call, sel, rows)
-            size = _table_bound(len(sel))
-            pk = call.packed([((T, D), np.float32), ((size,), np.uint8), ((T * K,), np.int64),
-                              ((T * K,), np.int64), ((T, K), np.float32)])  # fmt: skip
-            table, launches = self._group_tables(
-                sel, rows, xp_dev.data.ptr, yp_dev.data.ptr, h.data.ptr,
-                hu.data.ptr if hu is not None else 0,
-            )  # fmt: skip
-            pk.put(0, x)
-            pk.put(1, table)
-            pk.put(2, order // K)
-            pk.put(3, pos)
-            pk.put(4, weights)
-            calls = self._prepare_group(call, pk.dev(1), launches, h, hu)
+        n = T * K
+        extra = _align(8 * n) * 2 + 4 * n  # src rows, packed positions, weights
+        with _Call(self, experts[0][0].device, "expert_group_routed") as call:
+            a, calls, off = self._group(call, sel, rows, x, extra)
+            o0 = off["extra"]
+            o1, o2 = o0 + _align(8 * n), o0 + 2 * _align(8 * n)
+            _put(a.host, o0, order // K, 8 * n, np.int64)
+            _put(a.host, o1, pos, 8 * n, np.int64)
+            _put(a.host, o2, weights, 4 * n)
+            dev, y_off, xp_off = a.dev, off["y"], off["xp"]
+            xv = dev[: 4 * T * D].view(cupy.float32).reshape(T, D)
+            src = dev[o0 : o0 + 8 * n].view(cupy.int64)
+            pk = dev[o1 : o1 + 8 * n].view(cupy.int64)
+            wt = dev[o2 : o2 + 4 * n].view(cupy.float32).reshape(T, K)
+            xp = dev[xp_off : xp_off + 4 * n * D].view(cupy.float32).reshape(n, D)
+            yp = dev[y_off : y_off + 4 * n * d_out].view(cupy.float32).reshape(n, d_out)
             call.mark(0)
-            pk.send()
+            call.send(off["in_end"])
             call.mark(1)
-            cupy.take(pk.dev(0), pk.dev(2), axis=0, out=xp_dev)
-            for go in calls:
-                go()
-            y_dev = (yp_dev[pk.dev(3)].reshape(T, K, d_out) * pk.dev(4)[:, :, None]).sum(axis=1)
-            call.keep.append(y_dev)
+            cupy.take(xv, src, axis=0, out=xp)
+            for go, args in calls:
+                go(*args)
+            y = (yp[pk].reshape(T, K, d_out) * wt[:, :, None]).sum(axis=1)
+            # into the output slot (the packed y there is consumed above, in stream order)
+            dev[y_off : y_off + 4 * T * d_out].view(cupy.float32).reshape(T, d_out)[...] = y
             call.mark(2)
-            out = call.d2h(y_dev)
+            call.receive(y_off, (T, d_out))
             call.mark(3)
-            return call.finish(out)
+            return call.finish()
 
     # -- MLA attention -----------------------------------------------------------------------
 
     def new_kv(self, device: int, k: int, r: int) -> CupyKVCache:
         return CupyKVCache(self, device, k, r)
+
+    def _head_jobs(self, kv_b: CupyResident, q_dim: int, v_dim: int, s: int, heads: int,
+                   cl: int, ctx: int) -> bytes:  # fmt: skip
+        """The value projection's GemvJob records, one per head (cached: with a reused arena
+        the same call shape gives the same bytes)."""
+        w0, s0 = kv_b.row_ptrs(q_dim)
+        k = kv_b.in_features
+        key = (w0, s0, q_dim, v_dim, s, heads, cl, ctx)
+        b = self._jobs_cache.get(key)
+        if b is None:
+            h = np.arange(heads, dtype=np.int64)
+            t = np.zeros((heads, 8), np.int64)
+            t[:, 0] = w0 + h * ((q_dim + v_dim) * kv_b.layout.ld)
+            t[:, 1] = s0 + h * ((q_dim + v_dim) * kv_b.layout.ngp * 4 if kv_b.fmt else 0)
+            t[:, 4] = cl + h * (4 * s * k)
+            t[:, 5] = ctx + h * (4 * v_dim)
+            t[:, 6] = s | (v_dim << 32)  # rows, out_rows
+            t[:, 7] = k | ((heads * v_dim) << 32)  # x_stride, y_stride
+            if len(self._jobs_cache) > 256:
+                self._jobs_cache.clear()
+            b = self._jobs_cache[key] = t.tobytes()
+        return b
 
     def _attention(
         self,
@@ -570,7 +568,7 @@ class CupyBackend:
         kv_b: CupyResident,
         o_proj: CupyResident | None,
         q: np.ndarray,
-        descs: np.ndarray,
+        caches: Sequence[CupyKVCache] | None,
         t_max: int,
         q_dim: int,
         rope_dim: int,
@@ -578,63 +576,76 @@ class CupyBackend:
         scale: float,
         uploads: list[np.ndarray],
     ) -> Result:
+        """Absorb, attend (+ merge), value projection (+ o_proj). Arena inputs: q, the KvDescs,
+        the gemv jobs, the uploaded cache rows (batch attention); output: ctx float32
+        [S, H*V] or o_proj's [S, D_out]; scratch: qfull, cl, ctx (with o_proj), pm, pl, pacc."""
         S, H = q.shape[0], q.shape[1]
         K, R, V = kv_b.in_features, rope_dim, v_dim
         n_jobs = H + (o_proj is not None)
-        parts = [((S, H, q_dim + R), np.float32), ((len(descs),), att.KV_DTYPE),
-                 ((n_jobs,), JOB_DTYPE)]  # fmt: skip
-        pk = call.packed(parts + [(a.shape, np.float32) for a in uploads])
-        if uploads:  # batch attention: its cache rows travel in the same upload
-            descs = descs.copy()
-            descs["latent"], descs["rope"] = pk.ptr(3), pk.ptr(4)
-            pk.put(3, uploads[0])
-            pk.put(4, uploads[1])
-        qfull = call.empty((S, H, K + R))
-        cl = call.empty((H, S, K))
-        ctx = call.empty((S, H * V))
-        jobs = _pointer_table(n_jobs)
-        w0, s0 = kv_b.row_ptrs(q_dim)
-        h_idx = np.arange(H, dtype=np.uint64)
-        w_stride = np.uint64((q_dim + V) * kv_b.layout.ld)
-        s_stride = np.uint64((q_dim + V) * kv_b.layout.ngp * 4 if kv_b.fmt else 0)
-        jobs["w0"][:H] = np.uint64(w0) + h_idx * w_stride
-        jobs["s0"][:H] = np.uint64(s0) + h_idx * s_stride
-        jobs["x"][:H] = np.uint64(cl.data.ptr) + h_idx * np.uint64(S * K * 4)
-        jobs["y"][:H] = np.uint64(ctx.data.ptr) + h_idx * np.uint64(V * 4)
-        jobs["rows"][:H], jobs["out_rows"][:H] = S, V
-        jobs["x_stride"][:H], jobs["y_stride"][:H] = K, H * V
-        if o_proj is not None:
-            out_dev = call.empty((S, o_proj.out_features))
-            jobs[H] = (*o_proj.row_ptrs(0), 0, 0, ctx.data.ptr, out_dev.data.ptr, S,
-                       o_proj.out_features, H * V, o_proj.out_features)  # fmt: skip
-        else:
-            out_dev = ctx
-        pk.put(0, q)
-        pk.put(1, descs)
-        pk.put(2, jobs)
-        value = prepare_gemv(kv_b.spec, pk.dev(2), H, S, V)
-        proj = (
-            prepare_gemv(
-                o_proj.spec, pk.dev(2)[H * JOB_DTYPE.itemsize :], 1, S, o_proj.out_features
-            )  # fmt: skip
-            if o_proj is not None
-            else None
-        )
-        call.mark(0)
-        pk.send()
-        call.mark(1)
-        att.absorb(qfull, pk.dev(0), kv_b.w, kv_b.s, kv_b.spec, H, q_dim, R, V)
-        att.attend(cl, qfull, pk.dev(1), H, K, R, scale, t_max, self._sms[call.device])
-        value()
-        if proj is not None:
-            proj()
-        call.mark(2)
-        out = call.d2h(out_dev)
-        call.mark(3)
-        res = call.finish(out)
+        n_sm = self._sms[call.device]
+        nsplit = att.attend_splits(S, H, K, R, t_max, n_sm)
+        absorb = att.absorb_launch(kv_b.spec, S, H, q_dim, R, V)
+        attend, merge = att.attend_launch(S, H, K, R, scale, nsplit)
+        value = gemv_launch(kv_b.spec, H, S, V)
+        proj = gemv_launch(o_proj.spec, 1, S, o_proj.out_features) if o_proj else None
+        dout = o_proj.out_features if o_proj is not None else H * V
+        qb = 4 * q.size
+        d_off = _align(qb)
+        j_off = _align(d_off + KV_DESC.size * S)
+        u_off = j_off + 64 * n_jobs
+        offs = []
+        for u in uploads:
+            u_off = _align(u_off)
+            offs.append(u_off)
+            u_off += 4 * u.size
+        in_end = u_off
+        out_off = _align(in_end)
+        sizes = [4 * S * H * (K + R), 4 * H * S * K, 4 * S * H * V if o_proj else 0,
+                 4 * S * H * nsplit, 4 * S * H * nsplit, 4 * S * H * nsplit * K]  # fmt: skip
+        scratch = [_align(out_off + 4 * S * dout)]
+        for n in sizes[:-1]:
+            scratch.append(_align(scratch[-1] + n))
+        a = call.reserve(scratch[-1] + sizes[-1], out_off + 4 * S * dout)
+        base, host = a.dptr, a.host
+        qfull, cl, ctx, pm, pl, pacc = (base + o for o in scratch)
         if o_proj is None:
-            res.out = res.out.reshape(S, H, V)
-        return res
+            ctx = base + out_off
+        _put(host, 0, q, qb)
+        if caches is not None:
+            p = d_off
+            for c in caches:
+                if c.latent is not None and c.length:
+                    KV_DESC.pack_into(host, p, c.latent.data.ptr, c.rope.data.ptr, c.length, 0)
+                else:
+                    KV_DESC.pack_into(host, p, 0, 0, 0, 0)
+                p += KV_DESC.size
+        else:  # batch attention: its cache rows travel in the same upload
+            T = uploads[0].shape[0]
+            for s in range(S):
+                KV_DESC.pack_into(host, d_off + KV_DESC.size * s, base + offs[0], base + offs[1],
+                                  T - S + 1 + s, 0)  # fmt: skip
+            for u, o in zip(uploads, offs, strict=True):
+                _put(host, o, u, 4 * u.size)
+        jobs = self._head_jobs(kv_b, q_dim, V, S, H, cl, ctx)
+        host[j_off : j_off + len(jobs)] = np.frombuffer(jobs, np.uint8)
+        if o_proj is not None:
+            GEMV_JOB.pack_into(host, j_off + 64 * H, *o_proj.ptrs, 0, 0, ctx, base + out_off, S,
+                               o_proj.out_features, H * V, o_proj.out_features)  # fmt: skip
+        u64 = np.uint64
+        call.mark(0)
+        call.send(in_end)
+        call.mark(1)
+        absorb(u64(qfull), u64(base), u64(kv_b.ptrs[0]), u64(kv_b.ptrs[1]))
+        attend(u64(pm), u64(pl), u64(pacc), u64(qfull), u64(base + d_off))
+        merge(u64(cl), u64(pm), u64(pl), u64(pacc))
+        if value is not None:
+            value(u64(base + j_off))
+        if proj is not None:
+            proj(u64(base + j_off + 64 * H))
+        call.mark(2)
+        call.receive(out_off, (S, dout) if o_proj is not None else (S, H, V))
+        call.mark(3)
+        return call.finish()
 
     def _check_kr(self, k: int, r: int) -> None:
         if k + r > att.MAX_KR:
@@ -655,16 +666,10 @@ class CupyBackend:
         scale: float,
     ) -> Result:
         self._check_kr(kv_b.in_features, rope_dim)
-        S, T = q.shape[0], latent.shape[0]
+        uploads = [np.ascontiguousarray(latent, np.float32), np.ascontiguousarray(rope, np.float32)]
         with _Call(self, kv_b.device, "attention") as call:
-            descs = np.zeros(S, att.KV_DTYPE)
-            descs["len"] = T - S + 1 + np.arange(S)
-            uploads = [
-                np.ascontiguousarray(latent, np.float32),
-                np.ascontiguousarray(rope, np.float32),
-            ]
-            return self._attention(call, kv_b, o_proj, q, descs, T, q_dim, rope_dim, v_dim,
-                                   scale, uploads)  # fmt: skip
+            return self._attention(call, kv_b, o_proj, q, None, max(latent.shape[0], 1), q_dim,
+                                   rope_dim, v_dim, scale, uploads)  # fmt: skip
 
     def attention_ragged(
         self,
@@ -678,17 +683,13 @@ class CupyBackend:
         scale: float,
     ) -> Result:
         self._check_kr(kv_b.in_features, rope_dim)
-        S = q.shape[0]
-        descs = np.zeros(S, att.KV_DTYPE)
-        for s, c in enumerate(caches):
-            if c.latent is not None and c.length:
-                descs[s] = (c.latent.data.ptr, c.rope.data.ptr, c.length, 0)
         t_max = max((c.length for c in caches), default=0)
         with _Call(self, kv_b.device, "attention_ragged") as call:
-            return self._attention(call, kv_b, o_proj, q, descs, max(t_max, 1), q_dim,
+            return self._attention(call, kv_b, o_proj, q, caches, max(t_max, 1), q_dim,
                                    rope_dim, v_dim, scale, [])  # fmt: skip
 
     def close(self) -> None:
+        self._local = threading.local()  # this thread's arenas go with it
         for d in self._devices:
             with cupy.cuda.Device(d):
                 cupy.cuda.Device(d).synchronize()

@@ -1,0 +1,142 @@
+"""Host side of the kernels' job tables: records packed straight into a caller's (pinned)
+buffer with ``struct``, and the plan of an expert group's launches.
+
+No CuPy here: the per-call host work of a GPU call is mostly this, so it is written to be
+timed and tested on any machine. Residents are duck-typed: ``spec`` (an interned
+``WeightSpec``: specs compare by identity), ``fmt``, ``out_features`` and ``ptrs`` (device
+addresses of weights and scales).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# ``struct GemvJob`` (gemv.cu): w0 s0 w1 s1 x y (u64), rows out_rows x_stride y_stride (i32).
+GEMV_JOB = struct.Struct("<6Q4i")
+# ``struct MoeJob`` (gemv.cu): wg sg wu su wd sd x h y (u64), rows ie dout pad (i32).
+MOE_JOB = struct.Struct("<9Q4i")
+# ``struct KvDesc`` (attention.cu): latent rope (u64), len pad (i32).
+KV_DESC = struct.Struct("<2Q2i")
+assert GEMV_JOB.size == 64 and MOE_JOB.size == 88 and KV_DESC.size == 24
+
+
+def counter_bytes(n_jobs: int) -> int:
+    """Bytes of moe's int32 counters [1 + n_jobs] before its job table (16-byte aligned)."""
+    return -(-4 * (1 + n_jobs) // 16) * 16
+
+
+def _pad16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+@dataclass
+class GroupPlan:
+    """How an expert group runs: fused launches (gate/up spec, down spec, expert indices), the
+    unfused experts, packed row and hidden offsets per expert (plus the totals) and the bytes
+    of every table together."""
+
+    fused: list[tuple[Any, Any, list[int]]]
+    unfused: list[int]
+    rows: list[int]
+    row_off: list[int]
+    hid_off: list[int]
+    table_bytes: int
+
+    @property
+    def n_rows(self) -> int:
+        return self.row_off[-1]
+
+    @property
+    def n_hid(self) -> int:
+        return self.hid_off[-1]
+
+
+def plan_group(experts: Sequence[tuple[Any, Any, Any]], rows: Sequence[int]) -> GroupPlan:
+    """Experts whose gate and up share one spec and whose down has the same format are fused,
+    one moe launch per (gate/up spec, down spec); the others run unfused (see backend_cupy)."""
+    rows = [int(r) for r in rows]
+    row_off = [0]
+    hid_off = [0]
+    for (g, _, _), r in zip(experts, rows, strict=True):
+        row_off.append(row_off[-1] + r)
+        hid_off.append(hid_off[-1] + r * g.out_features)
+    g0, _, d0 = experts[0]
+    gs, ds = g0.spec, d0.spec
+    if ds.fmt == gs.fmt and all(
+        g.spec is gs and u.spec is gs and d.spec is ds for g, u, d in experts
+    ):  # the usual group: one launch
+        n = len(experts)
+        return GroupPlan([(gs, ds, list(range(n)))], [], rows, row_off, hid_off,
+                         _pad16(counter_bytes(n) + MOE_JOB.size * n))  # fmt: skip
+    fused: dict[tuple[int, int], tuple[Any, Any, list[int]]] = {}
+    unfused: list[int] = []
+    for c, (g, u, d) in enumerate(experts):
+        if g.spec is u.spec and d.fmt == g.fmt:
+            fused.setdefault((id(g.spec), id(d.spec)), (g.spec, d.spec, []))[2].append(c)
+        else:
+            unfused.append(c)
+    size = sum(_pad16(counter_bytes(len(cs)) + MOE_JOB.size * len(cs)) for *_, cs in fused.values())
+    size += 3 * GEMV_JOB.size * len(unfused)
+    return GroupPlan(list(fused.values()), unfused, rows, row_off, hid_off, size)
+
+
+def write_group(
+    buf: Any, off: int, plan: GroupPlan, experts: Sequence[tuple[Any, Any, Any]], d: int,
+    dout: int, x_ptr: int, y_ptr: int, h_ptr: int, hu_ptr: int,
+) -> list[tuple]:  # fmt: skip
+    """Pack every table of a group into ``buf`` (writable bytes, uint8 NumPy array) at ``off``
+    and return the launches that read them, with offsets relative to ``off``.
+
+    x float32 [N, d] packed rows at x_ptr, y [N, dout] at y_ptr, hidden [sum rows*ie] at h_ptr
+    (and up's, for unfused experts, at hu_ptr). Launches: ("moe", gu, dn, offset, n, max_rows,
+    max_ie, max_dout), ("gemv", spec, offset, n, max_rows, max_out) or ("silu_mul", floats):
+    the unfused experts' h = silu(h) * hu over the whole hidden buffer (the fused experts' part
+    is dead by then: their moe launches come first and consume it).
+    """
+    rows, row_off, hid_off = plan.rows, plan.row_off, plan.hid_off
+    d4, o4 = 4 * d, 4 * dout
+    launches: list[tuple] = []
+    pos = off
+    pack = MOE_JOB.pack_into
+    for gu, dn, cs in plan.fused:
+        cb = counter_bytes(len(cs))
+        buf[pos : pos + cb] = 0  # the moe counters start at zero
+        p = pos + cb
+        max_rows = max_ie = max_dout = 0
+        for c in cs:
+            g, u, dd = experts[c]
+            r, ie, do = rows[c], g.out_features, dd.out_features
+            pack(buf, p, *g.ptrs, *u.ptrs, *dd.ptrs, x_ptr + row_off[c] * d4,
+                 h_ptr + 4 * hid_off[c], y_ptr + row_off[c] * o4, r, ie, do, 0)  # fmt: skip
+            p += MOE_JOB.size
+            max_rows, max_ie, max_dout = max(max_rows, r), max(max_ie, ie), max(max_dout, do)
+        launches.append(("moe", gu, dn, pos - off, len(cs), max_rows, max_ie, max_dout))
+        pos += _pad16(p - pos)
+    if not plan.unfused:
+        return launches
+    first: dict[int, tuple[Any, list[tuple]]] = {}
+    second: dict[int, tuple[Any, list[tuple]]] = {}
+    for c in plan.unfused:
+        g, u, dd = experts[c]
+        r, ie = rows[c], g.out_features
+        xp = x_ptr + row_off[c] * d4
+        hg, hu = h_ptr + 4 * hid_off[c], hu_ptr + 4 * hid_off[c]
+        first.setdefault(id(g.spec), (g.spec, []))[1].append((*g.ptrs, 0, 0, xp, hg, r, ie, d, ie))
+        first.setdefault(id(u.spec), (u.spec, []))[1].append((*u.ptrs, 0, 0, xp, hu, r, ie, d, ie))
+        second.setdefault(id(dd.spec), (dd.spec, []))[1].append(
+            (*dd.ptrs, 0, 0, hg, y_ptr + row_off[c] * o4, r, dd.out_features, ie, dout)
+        )
+    for phase in (first, second):
+        for spec, recs in phase.values():
+            start = pos
+            for rec in recs:
+                GEMV_JOB.pack_into(buf, pos, *rec)
+                pos += GEMV_JOB.size
+            launches.append(("gemv", spec, start - off, len(recs), max(r[6] for r in recs),
+                             max(r[7] for r in recs)))  # fmt: skip
+        if phase is first:
+            launches.append(("silu_mul", plan.n_hid))
+    return launches
