@@ -9,8 +9,11 @@ binary32 rounded to nearest even (NumPy has no bfloat16, so it travels as uint16
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -41,6 +44,20 @@ FLOAT_WIRE_TYPES = (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16)
 
 class CodecError(ValueError):
     """A malformed Array; the message names the field and both values."""
+
+
+# Session streams keep large array bytes out of protobuf messages (each read of a bytes
+# field copies it, and each assignment copies it again). While a session call runs on a
+# thread, ``decode`` takes the bytes of an Array whose contents live outside the message
+# (a ``shm`` or ``staged`` slice) from that thread's *source*, and ``encode`` may leave the
+# NumPy array in that thread's *sink* instead of copying it into ``data``
+# (``coliworker.client.staging`` places it afterwards). Unary calls set neither.
+_local = threading.local()
+
+
+def bind(source: Callable[[pb.Array], object] | None, sink: list | None) -> None:
+    """Set (or, with None, None, clear) this thread's array source and sink."""
+    _local.source, _local.sink = source, sink
 
 
 def wire_dtype(name: str | int) -> int:
@@ -76,7 +93,14 @@ def encode(a: np.ndarray, dtype: int = pb.DTYPE_FLOAT32) -> pb.Array:
         raw = float32_to_bfloat16_bits(arr.astype(np.float32, copy=False))
     else:
         raw = np.ascontiguousarray(arr, dtype=_NUMPY_OF[dtype])
-    return pb.Array(dtype=dtype, shape=list(arr.shape), data=raw.tobytes())
+    sink = getattr(_local, "sink", None)
+    if sink is not None:
+        # placed later by staging.place: ``staged.offset`` indexes the sink until then
+        sink.append(raw)
+        return pb.Array(
+            dtype=dtype, shape=arr.shape, staged=pb.Slice(offset=len(sink) - 1, length=raw.nbytes)
+        )
+    return pb.Array(dtype=dtype, shape=arr.shape, data=raw.tobytes())
 
 
 def decode(
@@ -87,35 +111,38 @@ def decode(
     Raises CodecError naming ``field`` when the dtype is unknown, a dimension is < 1, the
     rank is not ``ndim``, or the byte length disagrees with the shape.
     """
-    if msg.dtype not in _NUMPY_OF:
-        raise CodecError(f"{field}.dtype: expected one of {sorted(DTYPE_NAMES)}, got {msg.dtype}")
-    if float_only and msg.dtype not in FLOAT_WIRE_TYPES:
+    dtype = msg.dtype
+    np_dtype = _NUMPY_OF.get(dtype)
+    if np_dtype is None:
+        raise CodecError(f"{field}.dtype: expected one of {sorted(DTYPE_NAMES)}, got {dtype}")
+    if float_only and dtype not in FLOAT_WIRE_TYPES:
         raise CodecError(
-            f"{field}.dtype: expected float32, float16 or bfloat16, got {DTYPE_NAMES[msg.dtype]}"
+            f"{field}.dtype: expected float32, float16 or bfloat16, got {DTYPE_NAMES[dtype]}"
         )
-    shape = tuple(int(d) for d in msg.shape)
+    shape = tuple(msg.shape)
     if ndim is not None and len(shape) != ndim:
         raise CodecError(
             f"{field}.shape: expected {ndim} dimensions, got {len(shape)} {list(shape)}"
         )
-    for i, d in enumerate(shape):
-        if d < 1:
-            raise CodecError(f"{field}.shape[{i}]: expected >= 1, got {d}")
-    np_dtype = _NUMPY_OF[msg.dtype]
-    count = 1
-    for d in shape:
-        count *= d
-    expected = count * np_dtype.itemsize
+    if shape and min(shape) < 1:
+        for i, d in enumerate(shape):
+            if d < 1:
+                raise CodecError(f"{field}.shape[{i}]: expected >= 1, got {d}")
+    expected = math.prod(shape) * np_dtype.itemsize
     data = msg.data  # each read of a bytes field copies it: read once
+    if not data:
+        source = getattr(_local, "source", None)
+        if source is not None:
+            data = source(msg)  # shared memory or staged chunks, without a copy into msg
     if len(data) != expected:
         raise CodecError(
             f"{field}.data: expected {expected} bytes ({list(shape)} x {np_dtype.itemsize}), "
             f"got {len(data)}"
         )
     raw = np.frombuffer(data, dtype=np_dtype).reshape(shape)
-    if msg.dtype == pb.DTYPE_FLOAT16:
+    if dtype == pb.DTYPE_FLOAT16:
         return raw.astype(np.float32)
-    if msg.dtype == pb.DTYPE_BFLOAT16:
+    if dtype == pb.DTYPE_BFLOAT16:
         return bfloat16_bits_to_float32(raw)
     return raw
 
@@ -133,6 +160,14 @@ def _bytes(buf: bytes | memoryview | np.ndarray) -> bytes | memoryview:
     return buf
 
 
+def content_hasher(fmt: int, in_features: int, out_features: int, group_size: int) -> Any:
+    """The SHA-256 state ``content_hash`` starts from; feed it weights || scales in order
+    (in any number of pieces) to hash a tensor as its bytes arrive."""
+    h = hashlib.sha256(b"coliworker.tensor.v1\0")
+    h.update(struct.pack("<4i", fmt, in_features, out_features, group_size))
+    return h
+
+
 def content_hash(
     fmt: int,
     in_features: int,
@@ -142,8 +177,7 @@ def content_hash(
     scales: bytes | memoryview | np.ndarray,
 ) -> bytes:
     """SHA-256 identifying a tensor's content (the device is not hashed: dedup is per device)."""
-    h = hashlib.sha256(b"coliworker.tensor.v1\0")
-    h.update(struct.pack("<4i", fmt, in_features, out_features, group_size))
+    h = content_hasher(fmt, in_features, out_features, group_size)
     h.update(_bytes(weights))
     h.update(_bytes(scales))
     return h.digest()

@@ -19,6 +19,7 @@ that do not go through shared memory travel as chunks.
 from __future__ import annotations
 
 import itertools
+import math
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -28,7 +29,6 @@ import grpc
 import numpy as np
 
 from coliworker.client import codec, errors, staging
-from coliworker.client.codec import CHUNK_BYTES
 from coliworker.client.shm import Allocator, Segment
 from coliworker.v1 import worker_pb2 as pb
 
@@ -81,6 +81,12 @@ class SessionFuture:
     def _set(self, value: Any = None, error: BaseException | None = None) -> None:
         self._value, self._error = value, error
         self._done.release()
+
+
+def _chunks(rid: int, pieces: list[memoryview]) -> Iterator[pb.SessionRequest]:
+    """Chunk messages built as the stream sends them (one chunk's copy alive at a time)."""
+    for p in pieces:
+        yield pb.SessionRequest(request_id=rid, chunk=p.tobytes())
 
 
 def _hid(t: Any) -> int:
@@ -207,8 +213,15 @@ class Session:
                 raise _error(resp.error)
             body = getattr(resp, kind)
             seg = self.segment
-            staging.resolve(body, staged, seg.read if seg is not None else None, "result")
-            value = decode(body)
+            if staging.check(body, staged, seg.check if seg is not None else None, "result"):
+                # decode reads the bytes straight from the chunks / one copy out of the segment
+                codec.bind(staging.source(staged, seg.read if seg else None, "result"), None)
+                try:
+                    value = decode(body)
+                finally:
+                    codec.bind(None, None)
+            else:
+                value = decode(body)
         except BaseException as exc:
             self._free_regions(fut)
             fut._set(error=exc)
@@ -240,8 +253,9 @@ class Session:
             if off is not None:
                 fut._regions.append((off, out_bytes))
                 req.output_shm.offset, req.output_shm.length = off, out_bytes
-        msgs = [pb.SessionRequest(request_id=rid, chunk=bytes(p)) for p in pieces]
-        msgs.append(req)
+        msgs: Iterable[pb.SessionRequest] = (
+            itertools.chain(_chunks(rid, pieces), (req,)) if pieces else (req,)
+        )
         with self._lock:
             if self._closed or self._broken is not None:
                 err = errors.Cancelled("session is closed") if self._closed else self._broken
@@ -272,7 +286,7 @@ class Session:
                     a.shm.offset, a.shm.length = off, n
                     continue
             if n > staging.STAGE_ABOVE:
-                pieces += [view[i : i + CHUNK_BYTES] for i in range(0, n, CHUNK_BYTES)]
+                pieces += staging.pieces(view)
                 a.staged.offset, a.staged.length = staged, n
                 staged += n
             else:
@@ -337,7 +351,7 @@ class Session:
         """x float32 [S, D] -> future of down(silu(gate x) * up x) float32 [S, D]."""
         xa = self._enc(x, "x", 2)
         body = pb.ExpertMlpRequest(gate=_hid(gate), up=_hid(up), down=_hid(down), x=xa)
-        return self._go("expert_mlp", body, "y", int(np.prod(xa.shape)) * 4)
+        return self._go("expert_mlp", body, "y", math.prod(xa.shape) * 4)
 
     def expert_group(
         self, experts: Iterable[Sequence[Any]], rows: Sequence[int], x: np.ndarray
@@ -348,7 +362,7 @@ class Session:
         body = pb.ExpertGroupRequest(
             experts=self._experts(experts), rows=[int(r) for r in rows], x=xa
         )
-        return self._go("expert_group", body, "y", int(np.prod(xa.shape)) * 4)
+        return self._go("expert_group", body, "y", math.prod(xa.shape) * 4)
 
     def expert_group_routed(
         self,
@@ -366,7 +380,7 @@ class Session:
             routes=codec.encode(np.asarray(routes, np.int32), pb.DTYPE_INT32),
             weights=codec.encode(np.asarray(weights, np.float32), pb.DTYPE_FLOAT32),
         )
-        return self._go("expert_group_routed", body, "y", int(np.prod(xa.shape)) * 4)
+        return self._go("expert_group_routed", body, "y", math.prod(xa.shape) * 4)
 
     def attention(
         self,

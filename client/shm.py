@@ -193,6 +193,10 @@ class Segment:
                 raise ShmError("invalid", "output_shm: the segment is detached")
             self.mm[offset : offset + len(data)] = data
 
+    def check(self, offset: int, length: int, field: str) -> None:
+        """ShmError("invalid") naming ``field`` when the slice is outside the segment."""
+        self._check(offset, length, field)
+
     def _check(self, offset: int, length: int, field: str) -> None:
         if offset < HEADER_BYTES or offset + length > self.size:
             raise ShmError(

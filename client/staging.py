@@ -2,14 +2,17 @@
 
 An ``Array`` may hold its bytes inline (``data``), in the chunks streamed ahead of its
 message (``staged``) or in the session's shared-memory segment (``shm``). This module finds
-the arrays of a message, moves large ones into chunks, and puts chunked or shared-memory
-bytes back inline.
+the arrays of a message, moves large ones into chunks, checks the slices of chunked or
+shared-memory arrays, and hands their bytes to ``codec.decode`` without copying them into
+the message (``source``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
+from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import Message
 
 from coliworker.client.codec import CHUNK_BYTES
@@ -20,37 +23,117 @@ STAGE_ABOVE = CHUNK_BYTES
 
 _ARRAY = pb.Array.DESCRIPTOR.full_name
 
+# message full name -> ((field name, is an Array, repeated), ...) for the fields that are
+# or contain Arrays: walking only those skips the experts lists and scalars of a call.
+_PLANS: dict[str, tuple[tuple[str, bool, bool], ...]] = {}
+
+
+def _plan(desc: Descriptor) -> tuple[tuple[str, bool, bool], ...]:
+    plan = _PLANS.get(desc.full_name)
+    if plan is None:
+        _PLANS[desc.full_name] = ()  # a message type that contains itself
+        out = []
+        for fd in desc.fields:
+            sub = fd.message_type
+            if sub is None:
+                continue
+            rep = fd.is_repeated
+            if sub.full_name == _ARRAY:
+                out.append((fd.name, True, rep))
+            elif _plan(sub):
+                out.append((fd.name, False, rep))
+        plan = _PLANS[desc.full_name] = tuple(out)
+    return plan
+
 
 def iter_arrays(msg: Message) -> Iterator[pb.Array]:
     """Every ``Array`` set in ``msg``, at any depth (repeated fields included)."""
-    for fd, value in msg.ListFields():
-        sub = fd.message_type
-        if sub is None:
+    for name, is_array, rep in _plan(msg.DESCRIPTOR):
+        if rep:
+            items = getattr(msg, name)
+        elif msg.HasField(name):
+            items = (getattr(msg, name),)
+        else:
             continue
-        items = (value,) if isinstance(value, Message) else value
-        if sub.full_name == _ARRAY:
+        if is_array:
             yield from items
         else:
             for item in items:
                 yield from iter_arrays(item)
 
 
+def pieces(view: memoryview) -> list[memoryview]:
+    """``view`` cut into chunks of CHUNK_BYTES (views, not copies)."""
+    return [view[i : i + CHUNK_BYTES] for i in range(0, len(view), CHUNK_BYTES)]
+
+
 def stage(msg: Message, limit: int = STAGE_ABOVE) -> list[bytes | memoryview]:
     """Move every array of ``msg`` with more than ``limit`` bytes out of it; returns the
     pieces to send as chunks, in order (their concatenation is what ``staged`` points into)."""
-    pieces: list[bytes | memoryview] = []
+    out: list[bytes | memoryview] = []
     offset = 0
     for a in iter_arrays(msg):
         data = a.data  # each read of a bytes field copies it: read once
         n = len(data)
         if n <= limit:
             continue
-        view = memoryview(data)
-        pieces += [view[i : i + CHUNK_BYTES] for i in range(0, n, CHUNK_BYTES)]
+        out += pieces(memoryview(data))
         a.staged.offset, a.staged.length = offset, n
         a.ClearField("data")
         offset += n
-    return pieces
+    return out
+
+
+def check(
+    msg: Message,
+    staged: bytes | bytearray | None,
+    shm_check: Callable[[int, int, str], None] | None,
+    field: str,
+) -> bool:
+    """Check the slices of ``msg``'s chunked / shared-memory arrays; returns whether it has
+    any (then decode it with ``source`` bound).
+
+    Raises ValueError naming ``field`` when a slice points outside its buffer or at a
+    buffer this stream does not have (``shm_check`` raises for shared memory).
+    """
+    external = False
+    for a in iter_arrays(msg):
+        if a.HasField("staged"):
+            off, n = a.staged.offset, a.staged.length
+            have = 0 if staged is None else len(staged)
+            if off + n > have:
+                raise ValueError(
+                    f"{field}: staged slice {off}..{off + n} is past the {have} bytes "
+                    f"of chunks received for this request"
+                )
+            external = True
+        elif a.HasField("shm"):
+            if shm_check is None:
+                raise ValueError(f"{field}: refers to shared memory, but none is attached")
+            shm_check(a.shm.offset, a.shm.length, field)
+            external = True
+    return external
+
+
+def source(
+    staged: bytes | bytearray | None,
+    shm_read: Callable[[int, int, str], Any] | None,
+    field: str,
+) -> Callable[[pb.Array], Any]:
+    """What ``codec.decode`` reads an outside array's bytes from (slices already checked):
+    a view of the staged chunks, or one copy out of shared memory (the client reuses the
+    region once the call is answered, so the worker never keeps a view of it)."""
+    view = memoryview(staged) if staged is not None else None
+
+    def get(a: pb.Array) -> Any:
+        if a.HasField("staged") and view is not None:
+            off = a.staged.offset
+            return view[off : off + a.staged.length]
+        if a.HasField("shm") and shm_read is not None:
+            return shm_read(a.shm.offset, a.shm.length, field)
+        return b""
+
+    return get
 
 
 def resolve(
@@ -82,4 +165,4 @@ def resolve(
             a.ClearField("shm")
 
 
-__all__ = ["STAGE_ABOVE", "iter_arrays", "resolve", "stage"]
+__all__ = ["STAGE_ABOVE", "check", "iter_arrays", "pieces", "resolve", "source", "stage"]

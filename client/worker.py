@@ -113,6 +113,22 @@ def _hid(t: Handle | None) -> int:
     return t.handle if isinstance(t, TensorRef) else int(t)
 
 
+_DATA_TAG = bytes([2 << 3 | 2])  # UploadChunk.data: field 2, length-delimited
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _serialize(m: Any) -> bytes:
+    return m if isinstance(m, bytes) else m.SerializeToString()
+
+
 class _Progress:
     """A one-line progress bar on stderr when it is a terminal (or when forced)."""
 
@@ -192,6 +208,7 @@ class WorkerClient:
         self._channel = channel or make_channel(address, options, tls=tls, token=token)
         self._stub = pb_grpc.WorkerStub(self._channel)
         self._local = threading.local()
+        self._raw: dict[str, Any] = {}
         self.instance_id: str | None = None
 
     # -- plumbing -----------------------------------------------------------------------
@@ -344,12 +361,27 @@ class WorkerClient:
                 )
             )
             for piece in codec.chunks(w, s):
-                yield pb.UploadChunk(data=bytes(piece))
+                # UploadChunk{data} serialized by hand: one copy of the bytes, not three
+                # (bytes(), the message, its serialization)
+                yield b"".join((_DATA_TAG, _varint(len(piece)), piece))
                 bar.advance(len(piece))
 
         # Large uploads take as long as they take: the deadline scales with the size.
         timeout = None if self.timeout is None else self.timeout + total / 50e6
-        return self._call(method, messages(), timeout=timeout)
+        return self._call(self._raw_method(method), messages(), timeout=timeout)
+
+    def _raw_method(self, method: Any) -> Any:
+        """Upload / Update taking pre-serialized chunks (``method`` is the stub's)."""
+        name = "Upload" if method is self._stub.Upload else "Update"
+        raw = self._raw.get(name)
+        if raw is None:
+            response = pb.UploadResponse if name == "Upload" else pb.UpdateResponse
+            raw = self._raw[name] = self._channel.stream_unary(
+                f"/coliworker.v1.Worker/{name}",
+                request_serializer=_serialize,
+                response_deserializer=response.FromString,
+            )
+        return raw
 
     def free(self, t: Handle) -> int:
         """Drop this reference; returns the bytes the worker released (0 if still shared)."""

@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,28 @@ from coliworker.v1 import worker_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 INSTANCE_METADATA_KEY = "coliworker-instance"
+#: Validated expert lists kept per servicer (cleared when full).
+_EXPERT_CACHE = 4096
+
+
+#: Upload bytes hashed per step on the hashing thread.
+_HASH_BLOCK = 16 << 20
+_hash_executor: ThreadPoolExecutor | None = None
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    global _hash_executor
+    if _hash_executor is None:
+        _hash_executor = ThreadPoolExecutor(4, thread_name_prefix="upload-hash")
+    return _hash_executor
+
+
+def _bounds(a: np.ndarray) -> tuple[int, int]:
+    """(min, max) of a small integer array (one pass for decode sizes)."""
+    if a.size <= 64:
+        flat = a.ravel().tolist()
+        return min(flat), max(flat)
+    return int(a.min()), int(a.max())
 
 
 class Hooks:
@@ -124,6 +147,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._ticket_ids = itertools.count(1)
         self._lock = threading.Lock()
         self._compute_calls = 0
+        # (owner, (gate, up, down) handles...) -> (store generation, triples, device, D):
+        # a decode step resolves and checks the same experts' 3N handles on every call.
+        self._expert_cache: dict[tuple, tuple[int, list[tuple], int, int]] = {}
         self.sessions = SessionManager(self)
 
     # -- plumbing -----------------------------------------------------------------------
@@ -283,6 +309,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         buf = bytearray(total)
         view = memoryview(buf)
         got = 0
+        # Hash as the bytes arrive, on another thread (hashlib drops the GIL on large
+        # blocks): a 1 GB upload then costs about max(receive, hash), not their sum.
+        hasher = codec.content_hasher(
+            spec.fmt, spec.in_features, spec.out_features, spec.group_size
+        )
+        hashed, hashing = 0, None
         for i, msg in enumerate(chunks, start=1):
             if msg.WhichOneof("part") != "data":
                 raise InvalidArgument(f"{op}: message {i}: expected a data chunk, got a header")
@@ -294,16 +326,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 )
             view[got : got + n] = msg.data
             got += n
+            if got - hashed >= _HASH_BLOCK:
+                if hashing is not None:
+                    hashing.result()  # one block at a time, in order
+                hashing = _hash_pool().submit(hasher.update, view[hashed:got])
+                hashed = got
         if got != total:
             raise InvalidArgument(f"{op}: data: expected {total} bytes, stream ended after {got}")
-        digest = codec.content_hash(
-            spec.fmt,
-            spec.in_features,
-            spec.out_features,
-            spec.group_size,
-            view[:wbytes],
-            view[wbytes:],
-        )
+        if hashing is not None:
+            hashing.result()
+        hasher.update(view[hashed:])
+        digest = hasher.digest()
         if digest != header.content_hash:
             raise InvalidArgument(
                 f"{op}.header.content_hash: expected {digest.hex()} (SHA-256 of "
@@ -439,6 +472,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             raise (InvalidArgument if n == 0 else ResourceExhausted)(
                 f"{op}.experts: expected 1..{self.config.max_experts} experts, got {n}"
             )
+        key = (owner, *[(e.gate, e.up, e.down) for e in experts])
+        gen = self.store.generation
+        hit = self._expert_cache.get(key)
+        if hit is not None and hit[0] == gen:
+            return hit[1], hit[2], hit[3]
         triples, named, dim = [], [], None
         for c, e in enumerate(experts):
             f = f"{op}.experts[{c}]"
@@ -456,6 +494,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             triples.append((g.data.resident, u.data.resident, d.data.resident))
         device = validate.same_device(named, op)
         assert dim is not None
+        if len(self._expert_cache) >= _EXPERT_CACHE:
+            self._expert_cache.clear()
+        # generation read before the lookups: a free racing with them invalidates the entry
+        self._expert_cache[key] = (gen, triples, device, dim)
         return triples, device, dim
 
     def _group_args(self, request: pb.ExpertGroupRequest, op: str, owner: str):
@@ -530,8 +572,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 f"{op}.weights: expected shape {list(routes.shape)} (routes), "
                 f"got {list(weights.shape)}"
             )
-        bad = np.argwhere((routes < 0) | (routes >= len(triples)))
-        if len(bad):
+        lo, hi = _bounds(routes)
+        if lo < 0 or hi >= len(triples):
+            bad = np.argwhere((routes < 0) | (routes >= len(triples)))
             t, j = (int(v) for v in bad[0])
             raise InvalidArgument(
                 f"{op}.routes[{t}, {j}]: expected 0..{len(triples) - 1} "

@@ -25,11 +25,12 @@ written to it. The segment is unmapped when the stream ends for any reason.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import queue
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,13 @@ _SHM_STATUS = {
 }
 
 
+def _chunks(rid: int, views: list[memoryview]) -> Iterator[pb.SessionResponse]:
+    """Chunk messages built as they are sent (one chunk's bytes in memory at a time)."""
+    for view in views:
+        for piece in staging.pieces(view):
+            yield pb.SessionResponse(request_id=rid, chunk=piece.tobytes())
+
+
 def _status(code: grpc.StatusCode, message: str) -> pb.Status:
     return pb.Status(code=code.value[0], message=message)
 
@@ -76,6 +84,7 @@ class _Job:
     call: Any
     output: tuple[int, int] | None
     key: Any = None
+    source: Any = None  # staging.source of the request's outside arrays, if any
     done: bool = field(default=False)
 
 
@@ -188,9 +197,9 @@ class SessionStream:
                 ]
             )
             return
+        seg = self.segment
         try:
-            seg = self.segment
-            staging.resolve(call, staged, seg.read if seg is not None else None, kind)
+            external = staging.check(call, staged, seg.check if seg is not None else None, kind)
         except (ValueError, ShmError) as exc:
             msg = exc.message if isinstance(exc, ShmError) else str(exc)
             self.out.put([self._error(rid, grpc.StatusCode.INVALID_ARGUMENT, msg)])
@@ -199,6 +208,8 @@ class SessionStream:
         if req.HasField("output_shm"):
             output = (req.output_shm.offset, req.output_shm.length)
         job = _Job(rid, kind, call, output)
+        if external:  # the handler's decode reads the bytes straight from chunks / segment
+            job.source = staging.source(staged, seg.read if seg is not None else None, kind)
         if kind == "attention_ragged":
             job.key = call.kv_b
         self.slots.acquire()
@@ -234,10 +245,15 @@ class SessionStream:
 
     # -- running one request --------------------------------------------------------------
 
-    def _run(self, job: _Job) -> list[pb.SessionResponse]:
+    def _run(self, job: _Job) -> Iterable[pb.SessionResponse]:
+        side: list = []  # result arrays codec.encode leaves for _place
         try:
-            result = self.handlers[job.kind](job.call, self.owner)
-            out = self._place(result, job)
+            codec.bind(job.source, side)
+            try:
+                result = self.handlers[job.kind](job.call, self.owner)
+            finally:
+                codec.bind(None, None)
+            out = self._place(result, job, side)
         except WorkerError as exc:
             if type(exc) is WorkerError:
                 out = [self._internal(job, exc)]
@@ -253,28 +269,41 @@ class SessionStream:
             self._finish(job)
         return out
 
-    def _place(self, body: Any, job: _Job) -> list[pb.SessionResponse]:
-        """Move result arrays into the offered shared memory, or into chunks when large
-        (before the result is copied into its SessionResponse, so big bytes are not)."""
+    def _place(self, body: Any, job: _Job, side: list) -> Iterable[pb.SessionResponse]:
+        """Move result arrays into the offered shared memory, or into chunks when large,
+        straight from the NumPy results ``codec.encode`` left in ``side`` (their bytes never
+        enter a protobuf message, except small ones inline)."""
         seg = self.segment
-        if job.output is not None and seg is not None:
-            off, room = job.output
-            for a in staging.iter_arrays(body):
-                data = a.data
-                n = len(data)
-                if n and n <= room:
-                    seg.write(off, data)
-                    a.shm.offset, a.shm.length = off, n
-                    a.ClearField("data")
-                    off += (n + 63) // 64 * 64
-                    room -= min(room, (n + 63) // 64 * 64)
-        pieces = staging.stage(body)
-        resp = pb.SessionResponse(request_id=job.request_id)
-        getattr(resp, job.kind).CopyFrom(body)
-        if not pieces:
-            return [resp]
+        off, room = job.output if job.output is not None and seg is not None else (0, 0)
+        views: list[memoryview] = []
+        staged = 0
+        for a in staging.iter_arrays(body):
+            inline = not a.HasField("staged")
+            if inline:
+                view = memoryview(a.data)
+            else:  # an index into side
+                view = memoryview(side[a.staged.offset]).cast("B")
+                a.ClearField("staged")
+            n = len(view)
+            if n and n <= room:
+                seg.write(off, view)  # type: ignore[union-attr]
+                a.ClearField("data")
+                a.shm.offset, a.shm.length = off, n
+                step = (n + 63) // 64 * 64
+                off += step
+                room -= min(room, step)
+            elif n > staging.STAGE_ABOVE:
+                views.append(view)
+                a.ClearField("data")
+                a.staged.offset, a.staged.length = staged, n
+                staged += n
+            elif not inline:
+                a.data = view.tobytes()
         rid = job.request_id
-        return [pb.SessionResponse(request_id=rid, chunk=bytes(p)) for p in pieces] + [resp]
+        resp = pb.SessionResponse(request_id=rid, **{job.kind: body})
+        if not views:
+            return [resp]
+        return itertools.chain(_chunks(rid, views), (resp,))
 
     def _finish(self, job: _Job) -> None:
         nxt = None

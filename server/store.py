@@ -127,6 +127,9 @@ class TensorStore:
         # before a restart is reported as unknown instead of hitting another tensor.
         self._prefix = secrets.randbits(20) << 40
         self._counter = 0
+        # Bumped whenever a handle goes or changes what it points at: validation results
+        # cached against handles (the servicer's expert triples) are stale once it moves.
+        self.generation = 0
         self.group = {d: GroupTotals() for d in devices}
 
     # -- handles ------------------------------------------------------------------------
@@ -205,6 +208,7 @@ class TensorStore:
         spec = handle.spec
         key = (spec.device, content_hash)
         with self._lock:
+            self.generation += 1
             old = handle.data
             if old.content_hash == content_hash:
                 return Phases()
@@ -240,6 +244,7 @@ class TensorStore:
             self.quota.unreserve(handle.owner, tensor.nbytes)
             raise
         with self._lock:
+            self.generation += 1
             data = TensorData(spec, content_hash, resident, tensor.nbytes, refs=1)
             self._by_key[key] = data
             self.quota.bind(handle.owner, data)
@@ -254,6 +259,7 @@ class TensorStore:
         with self._lock:
             if self._handles.pop(handle.id, None) is None:
                 raise NotFound(f"free.handle: freed tensor handle {handle.id}")
+            self.generation += 1
             self._freed[handle.id] = None
             while len(self._freed) > 65536:
                 self._freed.popitem(last=False)
