@@ -51,11 +51,38 @@ ECHO_STREAM = "/coliworker.bench.Echo/Stream"
 # -- worker process -----------------------------------------------------------------------
 
 
+# The busy echo's work: memory-bound passes over 32 MB, in 1 MB steps, so that like a
+# backend call it leaves the caches full of other data (that, more than the CPU time
+# itself, is what slows the transport code that runs next).
+_WORK = np.random.default_rng(1).random(4 << 20)
+_STEP = 1 << 17
+
+
 def _echo_handlers() -> grpc.GenericRpcHandler:
-    """Raw echo: the first 8 bytes of a request give the response size; no protobuf."""
+    """Raw echo: the first 8 bytes of a request give the response size; no protobuf.
+
+    Bytes 8..16, when present, ask the echo to work that many microseconds before it
+    answers (NumPy passes over 32 MB, like a busy backend) and byte 16 = 1 asks it to sleep instead
+    (like a backend waiting on its device); the first 8 bytes of the answer then hold the
+    ns it spent, which the client subtracts as it subtracts backend time.
+    """
 
     def reply(req: bytes) -> bytes:
-        return bytes(int.from_bytes(req[:8], "little"))
+        size = int.from_bytes(req[:8], "little")
+        work_us = int.from_bytes(req[8:16], "little") if len(req) >= 17 else 0
+        if not work_us:
+            return bytes(size)
+        t0 = time.perf_counter_ns()
+        if req[16] == 1:
+            time.sleep(work_us / 1e6)
+        else:
+            i = 0
+            while time.perf_counter_ns() - t0 < work_us * 1000:
+                part = _WORK[i : i + _STEP]
+                np.multiply(part, 1.0000001, out=part)
+                i = (i + _STEP) % _WORK.size
+        spent = time.perf_counter_ns() - t0
+        return spent.to_bytes(8, "little") + bytes(max(size - 8, 0))
 
     def unary(req: bytes, context) -> bytes:
         return reply(req)
@@ -106,14 +133,28 @@ class Echo:
         self.unary = channel.unary_unary(ECHO_UNARY)
         self.stream = channel.stream_stream(ECHO_STREAM)
 
-    def measure(self, kind: str, req_bytes: int, resp_bytes: int, n: int) -> dict[str, float]:
-        payload = resp_bytes.to_bytes(8, "little") + bytes(max(req_bytes - 8, 0))
+    def measure(
+        self,
+        kind: str,
+        req_bytes: int,
+        resp_bytes: int,
+        n: int,
+        work_us: int = 0,
+        sleep: bool = False,
+    ) -> dict[str, float]:
+        """p50/p99 of echo round trips; with ``work_us`` the echo first works (or sleeps)
+        that long and the time it spent is subtracted, as backend time is from a call."""
+        head = resp_bytes.to_bytes(8, "little")
+        if work_us:
+            head += work_us.to_bytes(8, "little") + bytes([1 if sleep else 0])
+        payload = head + bytes(max(req_bytes - len(head), 0))
+        spent = (lambda r: int.from_bytes(r[:8], "little")) if work_us else (lambda r: 0)
         times = []
         if kind == "unary":
             for _ in range(n):
                 t0 = time.perf_counter_ns()
-                self.unary(payload)
-                times.append(time.perf_counter_ns() - t0)
+                r = self.unary(payload)
+                times.append(time.perf_counter_ns() - t0 - spent(r))
         else:
             import queue
 
@@ -127,8 +168,8 @@ class Echo:
             for _ in range(n):
                 t0 = time.perf_counter_ns()
                 q.put(payload)
-                next(it)
-                times.append(time.perf_counter_ns() - t0)
+                r = next(it)
+                times.append(time.perf_counter_ns() - t0 - spent(r))
             q.put(None)
             for _ in it:
                 pass
@@ -148,9 +189,15 @@ def timed(call, n: int, warmup: int) -> tuple[list[int], list[int]]:
     return e2e, backend
 
 
-def row(name, transport, e2e, backend, echo, req_bytes, resp_bytes) -> dict:
+def row(name, transport, e2e, backend, echo, req_bytes, resp_bytes, busy=None) -> dict:
     over = [a - b for a, b in zip(e2e, backend, strict=True)]
     s, b, o = stats(e2e), stats(backend), stats(over)
+    extra = {}
+    if busy is not None:
+        extra = {
+            "echo_busy_p50_ms": busy["p50_ms"],
+            "overhead_vs_busy_echo": o["p50_ms"] / busy["p50_ms"],
+        }
     return {
         "path": name,
         "transport": transport,
@@ -164,6 +211,7 @@ def row(name, transport, e2e, backend, echo, req_bytes, resp_bytes) -> dict:
         "echo_p50_ms": echo["p50_ms"],
         "echo_p99_ms": echo["p99_ms"],
         "overhead_vs_echo": o["p50_ms"] / echo["p50_ms"],
+        **extra,
     }
 
 
@@ -284,8 +332,10 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
         )
     for name, tr, ekind, _, _, call, rq, rs in group_paths:
         e2e, backend = timed(call, n, warm)
-        ech = (echo_uds if tr == "uds" else echo).measure(ekind, rq, rs, n)
-        r = row(f"expert_group/{name}", tr, e2e, backend, ech, rq, rs)
+        ec = echo_uds if tr == "uds" else echo
+        ech = ec.measure(ekind, rq, rs, n)
+        busy = ec.measure(ekind, rq, rs, n, _work_us(backend), args.echo_sleep)
+        r = row(f"expert_group/{name}", tr, e2e, backend, ech, rq, rs, busy)
         results.append(r)
         print(_fmt(r), flush=True)
 
@@ -340,8 +390,10 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
     na = args.att_iters
     for name, tr, ekind, call, rq, rs in att_paths:
         e2e, backend = timed(call, na, 2)
-        ech = (echo_uds if tr == "uds" else echo).measure(ekind, rq, rs, max(na, 100))
-        r = row(f"attention_ragged/{name}", tr, e2e, backend, ech, rq, rs)
+        ec = echo_uds if tr == "uds" else echo
+        ech = ec.measure(ekind, rq, rs, max(na, 100))
+        busy = ec.measure(ekind, rq, rs, na, _work_us(backend), args.echo_sleep)
+        r = row(f"attention_ragged/{name}", tr, e2e, backend, ech, rq, rs, busy)
         results.append(r)
         print(_fmt(r), flush=True)
 
@@ -388,6 +440,7 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
         t0 = time.perf_counter()
         ref = w.upload(wq, sc, fmt=1, in_features=cols, out_features=o)
         t_up = time.perf_counter() - t0
+        place_s = w.last_call.backend_ns / 1e9  # the backend's copy onto the device
         t0 = time.perf_counter()
         again = w.upload(wq, sc, fmt=1, in_features=cols, out_features=o)
         t_re = time.perf_counter() - t0
@@ -399,6 +452,8 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
             "bytes": int(wq.nbytes + sc.nbytes),
             "upload_s": t_up,
             "upload_GBps": wq.nbytes / t_up / 1e9,
+            "backend_place_s": place_s,
+            "upload_GBps_transport": wq.nbytes / (t_up - place_s) / 1e9,
             "reupload_s": t_re,
             "reupload_deduplicated": again.deduplicated,
             "client_hash_s": t_hash,
@@ -414,6 +469,11 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
             "latency": results, "throughput": thr}  # fmt: skip
 
 
+def _work_us(backend_ns: list[int]) -> int:
+    """The busy echo works as long as the path's median backend call."""
+    return max(1, int(np.median(backend_ns) / 1e3))
+
+
 def _int4(w, rng, i, o):
     q = rng.integers(0, 256, size=(o, (i + 1) // 2), dtype=np.uint8)
     s = (rng.random(o) * 0.02 + 0.005).astype(np.float32)
@@ -425,6 +485,7 @@ def _fmt(r: dict) -> str:
         f"{r['path']:<28} {r['transport']:<4} p50 {r['p50_ms']:7.3f} ms  p99 {r['p99_ms']:7.3f}"
         f"  backend {r['backend_p50_ms']:7.3f}  overhead {r['overhead_p50_ms']:6.3f}"
         f"  echo {r['echo_p50_ms']:6.3f}  ratio {r['overhead_vs_echo']:5.2f}"
+        f"  busy echo {r['echo_busy_p50_ms']:6.3f}  ratio {r['overhead_vs_busy_echo']:5.2f}"
     )
 
 
@@ -471,6 +532,7 @@ def write(result: dict, args: argparse.Namespace) -> None:
     result["date"] = date.isoformat(timespec="seconds")
     result["command"] = "python " + shlex.join(["bench/rpc.py", *sys.argv[1:]])
     result["settings"] = {
+        "echo_sleep": args.echo_sleep,
         "iters": args.iters,
         "att_iters": args.att_iters,
         "expert_inter": args.expert_inter,
@@ -492,17 +554,23 @@ def write(result: dict, args: argparse.Namespace) -> None:
         "",
         "Per call, ms. overhead = end to end - backend; echo = raw gRPC echo of the same",
         "request/response bytes on the same transport; ratio = overhead p50 / echo p50.",
+        "busy echo = the same echo, but the echo server first "
+        + ("sleeps" if args.echo_sleep else "computes (NumPy)")
+        + " for the path's backend p50 and that time",
+        "is subtracted (what a backend call does to the transport around it);",
+        "busy ratio = overhead p50 / busy echo p50.",
         "",
         "| path | transport | req B | resp B | p50 | p99 | backend p50 | overhead p50 "
-        "| echo p50 | ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| echo p50 | ratio | busy echo p50 | busy ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["latency"]:
         lines.append(
             f"| {r['path']} | {r['transport']} | {r['request_bytes']} | {r['response_bytes']} "
             f"| {r['p50_ms']:.3f} | {r['p99_ms']:.3f} | {r['backend_p50_ms']:.3f} "
             f"| {r['overhead_p50_ms']:.3f} | {r['echo_p50_ms']:.3f} "
-            f"| {r['overhead_vs_echo']:.2f} |"
+            f"| {r['overhead_vs_echo']:.2f} | {r['echo_busy_p50_ms']:.3f} "
+            f"| {r['overhead_vs_busy_echo']:.2f} |"
         )
     lines += ["", "Throughput:", ""]
     for r in result["throughput"]:
@@ -524,6 +592,11 @@ def main() -> None:
     p.add_argument("--big-iters", type=int, default=3, help="50 MB batches per path")
     p.add_argument("--expert-inter", type=int, default=None, help="expert I (default: 16 numpy)")
     p.add_argument("--upload-gb", type=float, default=1.0, help="0 skips the upload test")
+    p.add_argument(
+        "--echo-sleep",
+        action="store_true",
+        help="the busy echo sleeps instead of computing (a backend that waits on a device)",
+    )
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--unix-socket", default="", help=argparse.SUPPRESS)

@@ -186,6 +186,15 @@ class Segment:
                 raise ShmError("invalid", f"{field}: the segment is detached")
             return self.mm[offset : offset + length]
 
+    def view(self, offset: int, length: int, field: str) -> memoryview:
+        """A read-only view of ``length`` bytes at ``offset`` (no copy; valid while mapped:
+        an unmap waits for the last view, see ``close``)."""
+        self._check(offset, length, field)
+        with self._lock:
+            if self.mm is None:
+                raise ShmError("invalid", f"{field}: the segment is detached")
+            return memoryview(self.mm)[offset : offset + length].toreadonly()
+
     def write(self, offset: int, data: bytes | memoryview) -> None:
         self._check(offset, len(data), "output_shm")
         with self._lock:

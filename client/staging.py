@@ -119,18 +119,25 @@ def source(
     staged: bytes | bytearray | None,
     shm_read: Callable[[int, int, str], Any] | None,
     field: str,
+    shm_view: Callable[[int, int, str], Any] | None = None,
 ) -> Callable[[pb.Array], Any]:
     """What ``codec.decode`` reads an outside array's bytes from (slices already checked):
-    a view of the staged chunks, or one copy out of shared memory (the client reuses the
-    region once the call is answered, so the worker never keeps a view of it)."""
+    a view of the staged chunks; for shared memory, a read-only view of the segment for
+    float32 arrays when ``shm_view`` is given (the worker: the region is the client's
+    until the call is answered), else one copy (``shm_read``). Integer arrays (routes) are
+    always copied: they index memory once checked, so they must not change after the check.
+    """
     view = memoryview(staged) if staged is not None else None
 
     def get(a: pb.Array) -> Any:
         if a.HasField("staged") and view is not None:
             off = a.staged.offset
             return view[off : off + a.staged.length]
-        if a.HasField("shm") and shm_read is not None:
-            return shm_read(a.shm.offset, a.shm.length, field)
+        if a.HasField("shm"):
+            if shm_view is not None and a.dtype == pb.DTYPE_FLOAT32:
+                return shm_view(a.shm.offset, a.shm.length, field)
+            if shm_read is not None:
+                return shm_read(a.shm.offset, a.shm.length, field)
         return b""
 
     return get

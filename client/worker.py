@@ -306,6 +306,7 @@ class WorkerClient:
         if hit.found:
             return TensorRef._from(hit.tensor, deduplicated=True)
         r = self._stream(self._stub.Upload, spec, digest, w, s, 0, progress, "upload")
+        self.last_call.backend_ns = r.backend_ns  # placing the bytes on the device
         return TensorRef._from(r.tensor, r.deduplicated)
 
     def update(

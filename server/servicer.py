@@ -318,13 +318,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         for i, msg in enumerate(chunks, start=1):
             if msg.WhichOneof("part") != "data":
                 raise InvalidArgument(f"{op}: message {i}: expected a data chunk, got a header")
-            n = len(msg.data)
+            data = msg.data  # each read of a bytes field copies it: read once
+            n = len(data)
             if got + n > total:
                 raise InvalidArgument(
                     f"{op}: data: expected {total} bytes in all, got more "
                     f"({got + n} after message {i})"
                 )
-            view[got : got + n] = msg.data
+            view[got : got + n] = data
             got += n
             if got - hashed >= _HASH_BLOCK:
                 if hashing is not None:

@@ -1,15 +1,18 @@
 """The Session stream: hot calls multiplexed on one bidirectional RPC.
 
-One stream per client. A reader thread takes requests off the stream and dispatches them;
-results go back as soon as they are ready, each tagged with its request id:
+One stream per client. Requests are taken off the stream and dispatched; results go back
+as soon as they are ready, each tagged with its request id:
 
+    client ──► handler thread (nothing in flight: reads, runs and answers the call itself)
     client ──► reader thread ──► (idle stream) the handler thread runs it itself
                              └─► (busy stream) a bounded pool of this stream's threads
     handler thread ◄── results ◄── pool            handler thread ──► client
 
-Running the lone in-flight call on the thread that writes the stream saves one thread
-handoff per call at decode, where calls come one at a time; a second call that arrives
-meanwhile goes to the pool, so pipelined calls still overlap.
+At decode calls come one at a time: the thread that writes the stream then also reads it
+and runs the call, with no thread handoff at all. When a request turns out to be queued
+already (the client pipelines), a reader thread takes over reading, so a second call that
+arrives meanwhile goes to the pool and pipelined calls overlap; after a few calls in a row
+that find nothing in flight, reading returns to the handler thread.
 
 Per-request semantics: errors become a ``Status`` result of that request only (mapped like
 the unary handlers map them); ragged attention calls on one kv_b run one at a time in
@@ -29,6 +32,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -47,6 +51,11 @@ log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 256
 #: Pool threads per stream (started on first use).
 POOL_THREADS = 4
+#: A request that next() returns within this many ns was already queued: the client
+#: pipelines, so a reader thread takes over reading.
+QUEUED_NS = 30_000
+#: Consecutive calls arriving with nothing in flight before the handler thread reads again.
+HAND_BACK_AFTER = 4
 #: Staged bytes one request may send ahead of its call.
 MAX_STAGED_BYTES = 4 << 30
 
@@ -109,17 +118,31 @@ class SessionStream:
         self.staged: dict[int, bytearray] = {}
         self.overflow: set[int] = set()  # request ids whose chunks exceeded the limit
         self.segment: Segment | None = None
+        self.requests: Iterator[pb.SessionRequest] = iter(())
+        # True: the handler thread reads requests itself whenever nothing is in flight;
+        # False: a reader thread reads (pipelined calls), until calls come one at a time.
+        self.self_reading = True
 
     # -- the handler thread ---------------------------------------------------------------
 
     def responses(self, request_iterator: Iterator[pb.SessionRequest]) -> Iterator[Any]:
-        reader = threading.Thread(
-            target=self._read, args=(request_iterator,), name="session-reader", daemon=True
-        )
-        reader.start()
+        self.requests = request_iterator
         try:
             while True:
-                item = self.out.get()
+                if self.self_reading:
+                    # Read the next request on this thread when nothing runs (no handoff
+                    # from a reader thread: one thread switch less per call at decode).
+                    try:
+                        item = self.out.get_nowait()
+                    except queue.Empty:
+                        if self.in_flight:
+                            item = self.out.get()
+                        elif not self._read_here():
+                            return
+                        else:
+                            continue
+                else:
+                    item = self.out.get()
                 if item is _END:
                     return
                 if isinstance(item, _Job):
@@ -127,6 +150,31 @@ class SessionStream:
                 yield from item
         finally:
             self.close()
+
+    def _read_here(self) -> bool:
+        """Read and accept one request on the handler thread (only while nothing is in
+        flight); hands reading to the reader thread when requests arrive back to back.
+        Returns False when the stream is over."""
+        t0 = time.perf_counter_ns()
+        try:
+            req = next(self.requests)
+        except StopIteration:
+            req = None
+        except Exception as exc:  # the client went away mid-stream
+            log.debug("session stream read ended: %s", exc)
+            req = None
+        if req is None or self.ended:
+            with self.lock:
+                self.reading = False
+            return False
+        queued = time.perf_counter_ns() - t0 < QUEUED_NS
+        self._accept(req)
+        if queued and req.WhichOneof("call") != "chunk":
+            # the client pipelines: a reader thread takes the next requests while this
+            # thread runs the one just accepted (accepted first: arrival order is kept)
+            self.self_reading = False
+            threading.Thread(target=self._read, name="session-reader", daemon=True).start()
+        return True
 
     def end(self) -> None:
         """The RPC is over (done callback): wake the handler thread so it cleans up."""
@@ -148,11 +196,24 @@ class SessionStream:
 
     # -- the reader thread ----------------------------------------------------------------
 
-    def _read(self, request_iterator: Iterator[pb.SessionRequest]) -> None:
+    def _read(self) -> None:
+        idle_calls = 0
         try:
-            for req in request_iterator:
+            for req in self.requests:
                 if self.ended:
                     break
+                kind = req.WhichOneof("call")
+                if kind != "chunk":
+                    with self.lock:
+                        idle = self.in_flight == 0
+                        idle_calls = idle_calls + 1 if idle else 0
+                        if idle_calls >= HAND_BACK_AFTER:
+                            # one call at a time again: the handler thread reads from now
+                            # on (set before the call is dispatched, so it sees it after)
+                            self.self_reading = True
+                    if self.self_reading:
+                        self._accept(req)
+                        return
                 self._accept(req)
         except Exception as exc:  # the client went away mid-stream
             log.debug("session stream read ended: %s", exc)
@@ -171,11 +232,12 @@ class SessionStream:
             buf = self.staged.get(rid)
             if buf is None:
                 buf = self.staged[rid] = bytearray()
-            if len(buf) + len(req.chunk) > MAX_STAGED_BYTES:
+            data = req.chunk  # each read of a bytes field copies it: read once
+            if len(buf) + len(data) > MAX_STAGED_BYTES:
                 del self.staged[rid]  # the call is answered with the error
                 self.overflow.add(rid)
                 return
-            buf.extend(req.chunk)
+            buf.extend(data)
             return
         staged = self.staged.pop(rid, None)
         if kind == "attach_shm":
@@ -209,7 +271,12 @@ class SessionStream:
             output = (req.output_shm.offset, req.output_shm.length)
         job = _Job(rid, kind, call, output)
         if external:  # the handler's decode reads the bytes straight from chunks / segment
-            job.source = staging.source(staged, seg.read if seg is not None else None, kind)
+            job.source = staging.source(
+                staged,
+                seg.read if seg is not None else None,
+                kind,
+                seg.view if seg is not None else None,
+            )
         if kind == "attention_ragged":
             job.key = call.kv_b
         self.slots.acquire()

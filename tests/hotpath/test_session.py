@@ -120,3 +120,23 @@ def test_closed_session_refuses(model, client, rng):
     s.close()
     with pytest.raises(Exception, match="closed"):
         s.matmul(model.mat, rng.standard_normal((1, D)).astype(np.float32))
+
+
+def test_reading_moves_between_threads(model, session, rng):
+    """Bursts (a reader thread reads) and one-at-a-time calls (the handler thread reads)
+    alternate without losing, reordering or stalling a call."""
+    for burst in (1, 12, 1, 1, 1, 1, 1, 1, 20, 1, 1):
+        xs = [rng.standard_normal((2, D)).astype(np.float32) for _ in range(burst)]
+        futs = [session.matmul(model.mat, x) for x in xs]
+        for x, f in zip(xs, futs, strict=True):
+            np.testing.assert_allclose(
+                f.result(10), ref.matmul(model.mat_t, x), rtol=1e-5, atol=1e-5
+            )
+
+
+def test_chunked_arrays_both_ways(client, model, rng):
+    """Arrays over the staging limit travel as chunks in both directions."""
+    x = rng.standard_normal((3 * (1 << 20) // (4 * D) + 5, D)).astype(np.float32)
+    with client.session() as s:
+        y = s.matmul_sync(model.mat, x)
+    np.testing.assert_array_equal(y, client.matmul(model.mat, x))
