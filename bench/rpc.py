@@ -532,7 +532,7 @@ def write(result: dict, args: argparse.Namespace) -> None:
     result["date"] = date.isoformat(timespec="seconds")
     result["command"] = "python " + shlex.join(["bench/rpc.py", *sys.argv[1:]])
     result["settings"] = {
-        "echo_sleep": args.echo_sleep,
+        "echo_work": args.echo_work,
         "iters": args.iters,
         "att_iters": args.att_iters,
         "expert_inter": args.expert_inter,
@@ -593,9 +593,11 @@ def main() -> None:
     p.add_argument("--expert-inter", type=int, default=None, help="expert I (default: 16 numpy)")
     p.add_argument("--upload-gb", type=float, default=1.0, help="0 skips the upload test")
     p.add_argument(
-        "--echo-sleep",
-        action="store_true",
-        help="the busy echo sleeps instead of computing (a backend that waits on a device)",
+        "--echo-work",
+        default="auto",
+        choices=("auto", "compute", "sleep"),
+        help="what the busy echo does for the backend time: compute (like the NumPy "
+        "backend), sleep (like a backend waiting on its GPU); auto: by backend",
     )
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
@@ -606,6 +608,9 @@ def main() -> None:
         return
     if args.expert_inter is None:
         args.expert_inter = 16 if args.backend == "numpy" else 2048
+    if args.echo_work == "auto":
+        args.echo_work = "sleep" if args.backend == "cupy" else "compute"
+    args.echo_sleep = args.echo_work == "sleep"
     if args.att_iters is None:
         args.att_iters = 30 if args.backend == "numpy" else args.iters
     write(bench(args), args)

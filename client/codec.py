@@ -60,6 +60,35 @@ def bind(source: Callable[[pb.Array], object] | None, sink: list | None) -> None
     _local.source, _local.sink = source, sink
 
 
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_tuned = False
+
+
+def tune_allocator() -> None:
+    """Keep glibc from handing message-sized memory back to the kernel after every call.
+
+    Each call allocates and frees a few 25 KB..200 KB buffers (protobuf arenas, arrays,
+    gRPC slices). With glibc's defaults the heap top is trimmed and the pages faulted in
+    again on the next call: measured 0.4-0.7 ms per decode call on a 2-core VM (about half
+    the per-call overhead). Keeping 64 MB of padding at the heap top, trimming only above
+    128 MB free, and serving blocks below 32 MB from the heap removes that. Process-wide,
+    once; a no-op where the C library is not glibc.
+    """
+    global _tuned
+    if _tuned:
+        return
+    _tuned = True
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_TOP_PAD, 64 << 20)
+        libc.mallopt(_M_TRIM_THRESHOLD, 128 << 20)
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+    except (OSError, AttributeError):
+        pass
+
+
 def wire_dtype(name: str | int) -> int:
     """``"float32"``/``"float16"``/``"bfloat16"`` (or the enum value) -> DType enum value."""
     if isinstance(name, int):

@@ -196,6 +196,7 @@ class WorkerClient:
         token: str | None = None,
         tls: TLS | bool | None = None,
     ) -> None:
+        codec.tune_allocator()
         self.address = address
         self.timeout = timeout
         self.progress = sys.stderr.isatty() if progress is None else progress

@@ -127,6 +127,7 @@ def _guard(method: Callable) -> Callable:
 
 class WorkerServicer(pb_grpc.WorkerServicer):
     def __init__(self, config: Config, backend: Backend, hooks: Hooks | None = None) -> None:
+        codec.tune_allocator()
         self.config = config
         self.backend = backend
         self.hooks = hooks or Hooks()
