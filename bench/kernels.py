@@ -226,7 +226,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--seed-dir", type=Path, default=None, help="folder with the seed sources")
-    p.add_argument("--only", default="", help="substring filter on row names")
+    p.add_argument(
+        "--only", default="", help="comma-separated substrings: run only rows naming one"
+    )
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     from coliworker.server.backends import create_backend
@@ -246,7 +248,7 @@ def main() -> int:
     ]
     rows = []
     for (name, seed_name, t_call, t_kern), fn in zip(ROWS, fns, strict=True):
-        if a.only and a.only not in name:
+        if a.only and not any(w in name for w in a.only.split(",")):
             continue
         try:
             r = fn()

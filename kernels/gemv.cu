@@ -11,8 +11,7 @@
 // Accumulation is fp32, and the order of every sum depends only on the shapes (no atomics in
 // any sum): the same call gives the same bits every time, which the async issue path relies on.
 #include "common.cuh"
-
-#define GEMV_WARPS 8
+#include "jobs.cuh"
 #ifndef COLI_LOADS
 #define COLI_LOADS 8  // 16-byte weight loads a lane keeps in flight (halved for grouped scales)
 #endif
@@ -52,10 +51,6 @@ __device__ __forceinline__ void stage_x(float *xs, int kt, const float *__restri
     }
 }
 
-// Per-launch geometry of one weight tensor in the resident layout.
-struct WGeom {
-    int in_features, in_padded, ld, ngp, gs, gs_shift;
-};
 
 // One warp: acc{0,1}[s][r] += x[s, k0 : k0 + ktile] . W{0,1}[rows[r], same] (unscaled for the
 // per-row formats; grouped scales applied per quad). DUAL reads a second matrix (up) beside w0.
@@ -207,14 +202,6 @@ __device__ __forceinline__ void block_rows(float *xs, int kt, const float *__res
 
 // ---- gemv: a table of independent jobs sharing one weight geometry ---------------------------
 
-struct GemvJob {
-    unsigned long long w0, s0;  // weights (resident layout) and scales of the matrix
-    unsigned long long w1, s1;  // unused (kept for the 64-byte record)
-    unsigned long long x, y;    // float32 activations in [rows, x_stride], out [rows, y_stride]
-    int rows;                   // activation rows of this job
-    int out_rows;               // O of this job (rows of W it uses)
-    int x_stride, y_stride;     // in elements
-};
 
 // grid (ceil(max_out / (GEMV_WARPS * R)), n_jobs, ceil(max_rows / SB)), block GEMV_WARPS * 32,
 // dynamic shared 4 * SB * kt bytes.
@@ -253,11 +240,6 @@ template <int FMT, int SB> struct MoeRB {
     static constexpr int value = SB == 1 && FMT != 4 ? 8 : 4;
 };
 
-struct MoeJob {
-    unsigned long long wg, sg, wu, su, wd, sd;  // gate, up, down: resident weights and scales
-    unsigned long long x, h, y;  // float32 x [rows, D], hidden h [rows, ie], out y [rows, dout]
-    int rows, ie, dout, pad;     // activation rows, hidden size (gate rows), output size
-};
 
 // ctr: int32 [1 + n_jobs], zero at launch: [0] the tile queue, [1 + e] expert e's A tiles done.
 // a_*: geometry of gate and up (identical), b_*: of down (struct WGeom's fields). grid: resident blocks only (persistent).

@@ -82,6 +82,36 @@ VARIANTS = tuple(_gemv_name(f, sb) for f in range(5) for sb in SB_CHOICES) + tup
     _moe_name(f, sb) for f in range(5) for sb in SB_CHOICES
 )
 
+# ---- tensor-core decode path (gemv_tc.cu): int4 weights, up to TC_MAX_ROWS activation rows ----
+#
+# Taken for fmt 2, and fmt 4 with group sizes that are multiples of 16, whenever every job has
+# at most TC_MAX_ROWS rows; every other case keeps gemv / moe. ``TENSOR_CORES`` switches it off
+# (tests run both paths); launches are cached per setting.
+TENSOR_CORES = True
+TC_MAX_ROWS = 4
+TC_RG = 2  # 16-row groups per block tile (gemv_tc.cu)
+TC_STAGE_BUDGET = 48 * 1024  # bytes of staged bf16 activations per block; more K tiles beyond
+TC_VARIANTS = tuple(
+    f"{k}<{f}, {sb}>" for k in ("gemv_tc", "moe_tc") for f in (2, 4) for sb in (1, 4)
+)
+
+
+def tc_eligible(spec: WeightSpec, max_rows: int) -> bool:
+    """Whether the tensor-core path serves this weight spec at ``max_rows`` rows per job."""
+    if not TENSOR_CORES or max_rows > TC_MAX_ROWS:
+        return False
+    return spec.fmt == 2 or (spec.fmt == 4 and spec.group_size % 16 == 0)
+
+
+def _tc_geometry(max_rows: int, in_padded: int) -> tuple[int, int, int]:
+    """(SB, kt, dynamic shared bytes) of a tensor-core launch."""
+    sb = 1 if max_rows == 1 else 4
+    nt = (3 * sb + 7) // 8
+    kt = max(1024, TC_STAGE_BUDGET // (6 * sb) // 1024 * 1024)
+    kt = min(kt, in_padded)
+    red = 4 * WARPS * 2 * 16 * 8 * nt  # k-slice partials (tc_red_floats)
+    return sb, kt, red + 2 * 3 * sb * (kt + 16)
+
 
 @dataclass(frozen=True)
 class WeightSpec:
@@ -169,6 +199,11 @@ def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int) -> L
 
     def make() -> Launch:
         lay = spec.layout
+        if tc_eligible(spec, max_rows):
+            sb, kt, smem = _tc_geometry(max_rows, lay.in_padded)
+            fn = get_function("gemv_tc.cu", f"gemv_tc<{spec.fmt}, {sb}>", TC_VARIANTS)
+            grid = (-(-max_out // (TC_RG * 16)), n_jobs, -(-max_rows // sb))
+            return Launch(fn, grid, (WARPS * 32,), (*spec.geom(), np.int32(kt)), smem)
         sb = pick_sb(max_rows)
         r = _rows_per_warp(sb)
         kt = _kt(sb, lay.block_elems, lay.in_padded)
@@ -176,7 +211,7 @@ def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int) -> L
         grid = (-(-max_out // (WARPS * r)), n_jobs, -(-max_rows // sb))
         return Launch(fn, grid, (WARPS * 32,), (*spec.geom(), np.int32(kt)), 4 * sb * kt)
 
-    return _cached((dev, "gemv", id(spec), n_jobs, max_rows, max_out), make)
+    return _cached((dev, "gemv", id(spec), n_jobs, max_rows, max_out, TENSOR_CORES), make)
 
 
 def launch_gemv(
@@ -217,6 +252,8 @@ def moe_launch(
     dev = cupy.cuda.runtime.getDevice()
 
     def make() -> Launch | None:
+        if tc_eligible(gu, max_rows) and tc_eligible(dn, max_rows) and gu.fmt == dn.fmt:
+            return _moe_tc(gu, dn, n_jobs, max_rows, max_ie, max_dout, n_sm)
         sb = pick_sb(max_rows)
         kt = max(_kt(sb, gu.layout.block_elems, gu.layout.in_padded),
                  _kt(sb, dn.layout.block_elems, dn.layout.in_padded))  # fmt: skip
@@ -234,5 +271,27 @@ def moe_launch(
                 *dn.geom(), np.int32(kt))  # fmt: skip
         return Launch(fn, (blocks,), (WARPS * 32,), tail, smem)
 
-    key = (dev, "moe", id(gu), id(dn), n_jobs, max_rows, max_ie, max_dout, n_sm)
+    key = (dev, "moe", id(gu), id(dn), n_jobs, max_rows, max_ie, max_dout, n_sm, TENSOR_CORES)
     return _cached(key, make)
+
+
+def _moe_tc(
+    gu: WeightSpec, dn: WeightSpec, n_jobs: int, max_rows: int, max_ie: int, max_dout: int,
+    n_sm: int,
+) -> Launch | None:  # fmt: skip
+    """moe_launch's launch on the tensor-core path (same arguments, same pointers)."""
+    sb, kt_a, smem_a = _tc_geometry(max_rows, gu.layout.in_padded)
+    _, kt_b, smem_b = _tc_geometry(max_rows, dn.layout.in_padded)
+    kt, smem = (kt_a, smem_a) if kt_a >= kt_b else (kt_b, smem_b)
+    name = f"moe_tc<{gu.fmt}, {sb}>"
+    fn = get_function("gemv_tc.cu", name, TC_VARIANTS)
+    nz = -(-max_rows // sb)
+    ta = -(-max_ie // (TC_RG * 16))
+    tb = -(-max_dout // (TC_RG * 16))
+    total = (ta + tb) * nz * n_jobs
+    if total <= 0:
+        return None
+    blocks = min(total, _resident_blocks(fn, name, smem, n_sm))
+    tail = (np.int32(n_jobs), np.int32(ta), np.int32(tb), np.int32(nz), *gu.geom(), *dn.geom(),
+            np.int32(kt))  # fmt: skip
+    return Launch(fn, (blocks,), (WARPS * 32,), tail, smem)

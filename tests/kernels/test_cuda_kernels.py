@@ -288,3 +288,64 @@ def test_expert_group_fused_rows(cupy_backend, rng, fmt, gs, rows):
     x = rng.standard_normal((sum(rows), 1024)).astype(np.float32)
     res = b.expert_group(dev, rows, x)
     assert rel_err(res.out, reference.expert_group(host, rows, x)) < REL_TOL
+
+
+@pytest.fixture
+def no_tensor_cores():
+    from coliworker.kernels import matmul
+
+    matmul.TENSOR_CORES = False
+    yield
+    matmul.TENSOR_CORES = True
+
+
+TC_TOL = 1e-5  # the tensor-core path keeps fp32 activations (3-way bf16 split): ~1e-7 seen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64), (4, 128), (4, 48)])
+@pytest.mark.parametrize("s", [1, 2, 4])
+def test_tensor_core_gemv_exact_over_wide_range(cupy_backend, rng, fmt, gs, s):
+    # Activations spanning 1e-30 .. 1e30 (no per-row scaling needed), a GLM-5.2 width, rows
+    # that are not a multiple of the 32-row tile, and in_features not a multiple of 1024.
+    t = make_tensor(rng, fmt, 6144 + 40, 6144, gs)
+    x = rng.standard_normal((s, 6144)) * 10.0 ** rng.uniform(-30, 30, (s, 1))
+    x = x.astype(np.float32)
+    res = cupy_backend.matmul(cupy_backend.place(t, 0), x)
+    ref = reference.matmul(t, x)
+    for k in range(s):
+        assert rel_err(res.out[k], ref[k]) < TC_TOL
+    t2 = make_tensor(rng, fmt, 33, 2100, gs)
+    x2 = rng.standard_normal((s, 2100)).astype(np.float32)
+    assert rel_err(cupy_backend.matmul(cupy_backend.place(t2, 0), x2).out,
+                   reference.matmul(t2, x2)) < TC_TOL  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64)])
+@pytest.mark.parametrize("rows", [[1] * 8, [4] * 8, [2, 1, 4, 3]])
+def test_tensor_core_expert_group_matches_both_paths(cupy_backend, rng, fmt, gs, rows):
+    b = cupy_backend
+    host, dev = _experts(b, rng, len(rows), 2048 + 64, 640, fmt, gs)
+    x = rng.standard_normal((sum(rows), 2048 + 64)).astype(np.float32)
+    ref = reference.expert_group(host, rows, x)
+    tc = b.expert_group(dev, rows, x).out
+    assert rel_err(tc, ref) < TC_TOL
+    assert np.array_equal(tc, b.expert_group(dev, rows, x).out)  # same bits every call
+    from coliworker.kernels import matmul
+
+    matmul.TENSOR_CORES = False
+    try:
+        fp32 = b.expert_group(dev, rows, x).out
+    finally:
+        matmul.TENSOR_CORES = True
+    assert rel_err(fp32, ref) < TC_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64)])
+def test_fp32_gemv_path_still_exact(cupy_backend, rng, no_tensor_cores, fmt, gs):
+    t = make_tensor(rng, fmt, 70, 1025, gs)
+    x = rng.standard_normal((3, 1025)).astype(np.float32)
+    res = cupy_backend.matmul(cupy_backend.place(t, 0), x)
+    assert rel_err(res.out, reference.matmul(t, x)) < REL_TOL

@@ -1,0 +1,364 @@
+// gemv_tc / moe_tc: the int4 decode products (fmt 2, and fmt 4 with group sizes that are
+// multiples of 16) on tensor cores, with fp32-exact activations. Same jobs, same results
+// (to ~2^-24 relative per term) as gemv / moe in gemv.cu, which keep every other case.
+//
+// Why: with fp32 FMA the decode GEMV spends ~4 ALU ops per int4 weight (unpack, int->float,
+// fma, scale) and is issue bound at ~1.3 TB/s. Here one mma.m16n8k16 takes 256 weights per warp
+// and the unpack costs 12 ops per 8 weights (prmt, shift, 2 x lop3 magic, bf16x2 fma), so the
+// loop is bound by the 16-byte weight loads again.
+//
+// Numerics. A (16 weight rows x 16 k) holds the codes as bf16: (nibble | 0x4300) is exactly
+// 128 + nibble, and one bf16x2 fma with (1, -136) gives nibble - 8 exactly. B (16 k x 8
+// columns) holds each activation row s split three ways, x = hi + mid + lo with hi = bf16(x),
+// mid = bf16(x - hi), lo = bf16(x - hi - mid) (both differences exact in fp32), in columns
+// 3s, 3s+1, 3s+2: 24 significant bits over bf16's full exponent range, so no per-row scaling.
+// Every product (4-bit integer x 8-bit mantissa) is exact and the tensor core sums in fp32; the
+// three columns are added in fp32 at the end. Up to 2 activation rows fit one n=8 tile; SB = 4
+// uses two (NT = 2). Per-row scales (fmt 2) multiply the final sums; grouped scales (fmt 4)
+// multiply each mma's 16-k partial, which lies in one group because gs % 16 == 0.
+//
+// Fragment mapping. The order of k inside one mma is free as long as A and B agree. Lane
+// (gid = lane / 4, t = lane % 4) of a warp loads the 16-byte chunk t of the 64-byte step st of
+// weight rows gid and gid + 8 (4 lanes read 64 contiguous bytes of a row; see common.cuh): 8
+// quads, one mma each. For quad q, prmt puts the quad's bytes at bits 0 and 16, so the magic
+// lop3 yields (n0, n2) and, after >> 4, (n1, n3): a0/a1 = (k0, k2) and a2/a3 = (k1, k3) of rows
+// gid / gid + 8. The staged activations hold, per (step, quad, t), the 4 bf16 values
+// (x[k0], x[k2], x[k1], x[k3]) of each column: one 8-byte shared load gives b0 and b1.
+//
+// Work: a block tile is TC_RG * 16 rows (of gate and up for DUAL) x all K. Its 8 warps split
+// into TC_RG row groups x KS = 8 / TC_RG k slices (steps st = ks, ks + KS, ...: the slices of
+// a row are read side by side); the slices meet in shared memory at the end (fixed order: the
+// same bits on every call).
+#include "common.cuh"
+#include "jobs.cuh"
+
+#define TC_RG 2
+#define TC_KS (GEMV_WARPS / TC_RG)
+
+template <int SB> struct TcNT {
+    static constexpr int value = (3 * SB + 7) / 8;  // n=8 tiles of the 3 * SB columns
+};
+
+__device__ __forceinline__ unsigned short tc_bf16(float v) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
+    return h;
+}
+
+__device__ __forceinline__ float tc_f32(unsigned short h) {
+    return __uint_as_float(static_cast<unsigned int>(h) << 16);
+}
+
+// (x & 0x000F000F) | 0x43004300 -> bf16x2 (128 + nibble), then * 1 - 136 -> nibble - 8.
+__device__ __forceinline__ unsigned int tc_nib2(unsigned int x) {
+    unsigned int r, d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(x), "r"(0x000F000Fu), "r"(0x43004300u));
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(r), "r"(0x3F803F80u), "r"(0xC308C308u));
+    return d;
+}
+
+// Quad q of a chunk (words w) -> (k0, k2) in lo, (k1, k3) in hi, as bf16x2 values nibble - 8.
+__device__ __forceinline__ void tc_quad(const uint4 &c, int q, unsigned int &lo, unsigned int &hi) {
+    const unsigned int w[4] = {c.x, c.y, c.z, c.w};
+    unsigned int x;
+    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(x) : "r"(w[q >> 1]), "r"((q & 1) ? 0x3322u : 0x1100u));
+    lo = tc_nib2(x);
+    hi = tc_nib2(x >> 4);
+}
+
+__device__ __forceinline__ void tc_mma(float (&d)[4], unsigned int a0, unsigned int a1,
+                                       unsigned int a2, unsigned int a3, uint2 b,
+                                       const float (&c)[4]) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%10,%11,%12,%13};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y), "f"(c[0]), "f"(c[1]),
+          "f"(c[2]), "f"(c[3]));
+}
+
+// Staged index (in bf16 values, within one column) of tile element e: step e / 128 in memory
+// order, then quad, then t, then (k0, k2, k1, k3). Columns are cstride values apart.
+__device__ __forceinline__ int tc_stage_index(int e) {
+    return ((e >> 10) * 8 + ((e >> 4) & 7)) * 128 + ((e >> 7) & 7) * 16 + ((e >> 2) & 3) * 4 +
+           (((e & 1) << 1) | ((e >> 1) & 1));
+}
+
+// Rows [srow0, srow0 + SB) x columns [k0, k0 + ktile) of x (float32 [rows, x_stride]) ->
+// xb (bf16 bits [3 * SB][cstride]), zero past in_features and past `rows`. ld.cg: moe's hidden
+// activations were written earlier in the same launch by other blocks.
+template <int SB>
+__device__ __forceinline__ void tc_stage(unsigned short *xb, int cstride,
+                                         const float *__restrict__ x, int x_stride, int rows,
+                                         int srow0, int in_features, int k0, int ktile) {
+#pragma unroll
+    for (int s = 0; s < SB; ++s) {
+        const bool ok = srow0 + s < rows;
+        const float *xr = x + (size_t)(srow0 + s) * x_stride;
+        unsigned short *d = xb + 3 * s * cstride;
+        for (int e = threadIdx.x; e < ktile; e += blockDim.x) {
+            const int gi = k0 + e;
+            const float v = (ok && gi < in_features) ? __ldcg(xr + gi) : 0.f;
+            const unsigned short hi = tc_bf16(v);
+            const float r = v - tc_f32(hi);
+            const unsigned short mid = tc_bf16(r);
+            const unsigned short lo = tc_bf16(r - tc_f32(mid));
+            const int i = tc_stage_index(e);
+            d[i] = hi;
+            d[cstride + i] = mid;
+            d[2 * cstride + i] = lo;
+        }
+    }
+}
+
+// One warp, steps ks, ks + TC_KS, ... < nsteps of the staged tile starting at element k0:
+// acc[m][nt] += W_m[rows ra / rb, tile] x B. pa/pb: rows ra/rb of each matrix at chunk (k0/32 + t).
+template <int FMT, int SB, int M>
+__device__ __forceinline__ void tc_warp(float (&acc)[M][TcNT<SB>::value][4],
+                                        const unsigned short *xb, int cstride,
+                                        const unsigned char *const *pa,
+                                        const unsigned char *const *pb, const float *const *sa,
+                                        const float *const *sbr,
+                                        const WGeom &g, int k0, int nsteps, int ks, int lane) {
+    constexpr int NT = TcNT<SB>::value, NC = 3 * SB;
+    // Steps in flight per lane: U * M * 2 16-byte loads (grouped scales: 16 floats per step
+    // per matrix beside them, so fewer steps).
+    constexpr int U = FMT == 4 ? (M == 2 ? 1 : 2) : (M == 2 ? 2 : 4);
+    constexpr int QS = FMT == 4 ? 8 : 1;
+    const int gid = lane >> 2, t = lane & 3;
+    const unsigned short *xcol[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) xcol[nt] = xb + min(nt * 8 + gid, NC - 1) * cstride + t * 4;
+    const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int st0 = ks; st0 < nsteps; st0 += TC_KS * U) {
+        uint4 wa[U][M], wb[U][M];
+        float qa[U][M][QS], qb[U][M][QS];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int st = st0 + TC_KS * u;
+            if (st < nsteps) {
+                const size_t off = (size_t)((st >> 3) * 32 + (st & 7) * 4) * 16;
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    wa[u][m] = __ldg(reinterpret_cast<const uint4 *>(pa[m] + off));
+                    wb[u][m] = __ldg(reinterpret_cast<const uint4 *>(pb[m] + off));
+                }
+                if (FMT == 4) {
+                    const int e0 = k0 + (st >> 3) * 1024 + (st & 7) * 16;
+#pragma unroll
+                    for (int q = 0; q < QS; ++q) {
+                        const int gi = coli_group(e0 + q * 128, g.gs, g.gs_shift);
+#pragma unroll
+                        for (int m = 0; m < M; ++m) {
+                            qa[u][m][q] = __ldg(sa[m] + gi);
+                            qb[u][m][q] = __ldg(sbr[m] + gi);
+                        }
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int st = st0 + TC_KS * u;
+            if (st >= nsteps) break;
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+                uint2 bv[NT];
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+                    bv[nt] = *reinterpret_cast<const uint2 *>(xcol[nt] + st * 128 + q * 16);
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    unsigned int a0, a1, a2, a3;
+                    tc_quad(wa[u][m], q, a0, a2);
+                    tc_quad(wb[u][m], q, a1, a3);
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        if (FMT == 4) {
+                            float d[4];
+                            tc_mma(d, a0, a1, a2, a3, bv[nt], zero);
+                            const float s0 = qa[u][m][q & (QS - 1)], s1 = qb[u][m][q & (QS - 1)];
+                            acc[m][nt][0] = fmaf(s0, d[0], acc[m][nt][0]);
+                            acc[m][nt][1] = fmaf(s0, d[1], acc[m][nt][1]);
+                            acc[m][nt][2] = fmaf(s1, d[2], acc[m][nt][2]);
+                            acc[m][nt][3] = fmaf(s1, d[3], acc[m][nt][3]);
+                        } else {
+                            tc_mma(acc[m][nt], a0, a1, a2, a3, bv[nt], acc[m][nt]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Shared memory of one block: the k-slice partials, then the staged activations.
+template <int SB> __host__ __device__ constexpr int tc_red_floats() {
+    return GEMV_WARPS * 2 * 16 * 8 * TcNT<SB>::value;  // TC_KS * TC_RG warps x M <= 2
+}
+
+// Rows [row0, row0 + TC_RG * 16) of one job over all K tiles, activation rows [srow0, +SB):
+// y[srow, row] = f(sum) (per-row scale; DUAL: silu(gate) * up). All threads of the block call
+// it (it has barriers).
+template <int FMT, int SB, bool DUAL>
+__device__ __forceinline__ void tc_block(float *red, unsigned short *xb, int kt,
+                                         const float *__restrict__ x, int x_stride,
+                                         float *__restrict__ y, int y_stride, int rows_s,
+                                         int srow0, int out_rows, int row0,
+                                         const unsigned char *w0, const float *sc0,
+                                         const unsigned char *w1, const float *sc1,
+                                         const WGeom &g) {
+    constexpr int M = DUAL ? 2 : 1, NT = TcNT<SB>::value, NCOL = 8 * NT;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int rg = warp % TC_RG, ks = warp / TC_RG;
+    const int gid = lane >> 2, t = lane & 3;
+    // Rows past out_rows load row out_rows - 1 (in bounds) and are never written.
+    const int ra = min(row0 + rg * 16 + gid, out_rows - 1);
+    const int rb = min(row0 + rg * 16 + gid + 8, out_rows - 1);
+    const int cstride = kt + 16;  // bf16 values: columns 32 bytes apart mod 128 (banks)
+    const unsigned char *pa[M], *pb[M];
+    const float *sa[M], *sbr[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        const unsigned char *w = m ? w1 : w0;
+        const float *sc = m ? sc1 : sc0;
+        pa[m] = w + (size_t)ra * g.ld + t * 16;
+        pb[m] = w + (size_t)rb * g.ld + t * 16;
+        sa[m] = sc + (size_t)ra * g.ngp;
+        sbr[m] = sc + (size_t)rb * g.ngp;
+    }
+    float acc[M][NT][4];
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[m][nt][j] = 0.f;
+
+    for (int k0 = 0; k0 < g.in_padded; k0 += kt) {
+        const int ktile = min(kt, g.in_padded - k0);
+        __syncthreads();  // the previous tile is consumed
+        tc_stage<SB>(xb, cstride, x, x_stride, rows_s, srow0, g.in_features, k0, ktile);
+        __syncthreads();
+        const unsigned char *qa[M], *qb[M];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            qa[m] = pa[m] + (size_t)(k0 >> 5) * 16;
+            qb[m] = pb[m] + (size_t)(k0 >> 5) * 16;
+        }
+        tc_warp<FMT, SB, M>(acc, xb, cstride, qa, qb, sa, sbr, g, k0, ktile >> 7, ks, lane);
+    }
+    // Partials [ks][rg][m][16 rows][NCOL columns] (c0, c1: row gid; c2, c3: row gid + 8).
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            float *p = red + ((ks * TC_RG + rg) * M + m) * 16 * NCOL + nt * 8 + 2 * t;
+            p[gid * NCOL] = acc[m][nt][0];
+            p[gid * NCOL + 1] = acc[m][nt][1];
+            p[(gid + 8) * NCOL] = acc[m][nt][2];
+            p[(gid + 8) * NCOL + 1] = acc[m][nt][3];
+        }
+    __syncthreads();
+    for (int o = threadIdx.x; o < TC_RG * 16 * SB; o += blockDim.x) {
+        const int s = o / (TC_RG * 16), rr = o - s * (TC_RG * 16);
+        const int row = row0 + rr, srow = srow0 + s;
+        if (row >= out_rows || srow >= rows_s) continue;
+        const int rgo = rr >> 4, r = rr & 15;
+        float v[M];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float sum = 0.f;
+#pragma unroll
+            for (int k = 0; k < TC_KS; ++k) {
+                const float *p = red + ((k * TC_RG + rgo) * M + m) * 16 * NCOL + r * NCOL + 3 * s;
+                sum += (p[0] + p[1]) + p[2];
+            }
+            if (FMT == 2) sum *= (m ? sc1 : sc0)[row];
+            v[m] = sum;
+        }
+        float out = v[0];
+        if (DUAL) out = v[0] / (1.f + expf(-v[0])) * v[M - 1];  // silu(gate) * up
+        y[(size_t)srow * y_stride + row] = out;
+    }
+}
+
+// grid (ceil(max_out / (TC_RG * 16)), n_jobs, ceil(max_rows / SB)), block GEMV_WARPS * 32,
+// dynamic shared 4 * tc_red_floats<SB>() + 2 * 3 * SB * (kt + 16) bytes.
+template <int FMT, int SB>
+__global__ void __launch_bounds__(GEMV_WARPS * 32, 2)
+gemv_tc(const GemvJob *__restrict__ jobs, int in_features, int in_padded, int ld, int ngp,
+        int gs, int gs_shift, int kt) {
+    const WGeom g{in_features, in_padded, ld, ngp, gs, gs_shift};
+    const GemvJob job = jobs[blockIdx.y];
+    const int row0 = blockIdx.x * (TC_RG * 16);
+    const int srow0 = blockIdx.z * SB;
+    if (row0 >= job.out_rows || srow0 >= job.rows) return;  // whole block: no barrier skipped
+    extern __shared__ float4 smem4[];
+    float *red = reinterpret_cast<float *>(smem4);
+    unsigned short *xb = reinterpret_cast<unsigned short *>(red + tc_red_floats<SB>());
+    tc_block<FMT, SB, false>(red, xb, kt, reinterpret_cast<const float *>(job.x), job.x_stride,
+                             reinterpret_cast<float *>(job.y), job.y_stride, job.rows, srow0,
+                             job.out_rows, row0, reinterpret_cast<const unsigned char *>(job.w0),
+                             reinterpret_cast<const float *>(job.s0), nullptr, nullptr, g);
+}
+
+// A whole expert group in one persistent launch: moe in gemv.cu (the same queue of tiles, done
+// counters and arguments), with TC_RG * 16-row tiles in both phases.
+template <int FMT, int SB>
+__global__ void __launch_bounds__(GEMV_WARPS * 32, 2)
+moe_tc(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ntiles_a_row,
+       int ntiles_b_row, int nz, int a_in, int a_in_padded, int a_ld, int a_ngp, int a_gs,
+       int a_gs_shift, int b_in, int b_in_padded, int b_ld, int b_ngp, int b_gs,
+       int b_gs_shift, int kt) {
+    const WGeom ga{a_in, a_in_padded, a_ld, a_ngp, a_gs, a_gs_shift};
+    const WGeom gb{b_in, b_in_padded, b_ld, b_ngp, b_gs, b_gs_shift};
+    extern __shared__ float4 smem4[];
+    float *red = reinterpret_cast<float *>(smem4);
+    unsigned short *xb = reinterpret_cast<unsigned short *>(red + tc_red_floats<SB>());
+    __shared__ int s_tile;
+    const int per_a = ntiles_a_row * nz, per_b = ntiles_b_row * nz;
+    const int total_a = per_a * n_jobs, total = total_a + per_b * n_jobs;
+    for (;;) {
+        if (threadIdx.x == 0) s_tile = atomicAdd(ctr, 1);
+        __syncthreads();
+        const int tile = s_tile;
+        if (tile >= total) break;
+        if (tile < total_a) {
+            const int e = tile / per_a, rem = tile - e * per_a;
+            const int z = rem / ntiles_a_row, rt = rem - z * ntiles_a_row;
+            const MoeJob &j = jobs[e];
+            const int row0 = rt * (TC_RG * 16), srow0 = z * SB;
+            if (row0 < j.ie && srow0 < j.rows)
+                tc_block<FMT, SB, true>(
+                    red, xb, kt, reinterpret_cast<const float *>(j.x), ga.in_features,
+                    reinterpret_cast<float *>(j.h), j.ie, j.rows, srow0, j.ie, row0,
+                    reinterpret_cast<const unsigned char *>(j.wg),
+                    reinterpret_cast<const float *>(j.sg),
+                    reinterpret_cast<const unsigned char *>(j.wu),
+                    reinterpret_cast<const float *>(j.su), ga);
+            __threadfence();  // this thread's h stores are visible device-wide ...
+            __syncthreads();  // ... before thread 0 publishes the whole tile
+            if (threadIdx.x == 0) atomicAdd(ctr + 1 + e, 1);
+        } else {
+            const int tb = tile - total_a;
+            const int e = tb / per_b, rem = tb - e * per_b;
+            const int z = rem / ntiles_b_row, rt = rem - z * ntiles_b_row;
+            const MoeJob &j = jobs[e];
+            const int row0 = rt * (TC_RG * 16), srow0 = z * SB;
+            if (row0 < j.dout && srow0 < j.rows) {
+                if (threadIdx.x == 0) {
+                    const volatile int *done = ctr + 1 + e;
+                    while (*done < per_a) __nanosleep(128);
+                    __threadfence();
+                }
+                // tc_block begins with a barrier: every thread waits for thread 0's spin.
+                tc_block<FMT, SB, false>(
+                    red, xb, kt, reinterpret_cast<const float *>(j.h), j.ie,
+                    reinterpret_cast<float *>(j.y), j.dout, j.rows, srow0, j.dout, row0,
+                    reinterpret_cast<const unsigned char *>(j.wd),
+                    reinterpret_cast<const float *>(j.sd), nullptr, nullptr, gb);
+            }
+        }
+        __syncthreads();  // s_tile and shared memory are free for the next tile
+    }
+}
