@@ -68,6 +68,7 @@ _CALLS = (
     "expert_mlp",
 )
 _END = object()
+_WAKE = object()  # re-check who reads (the reader thread handed reading back)
 _SHM_STATUS = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
     "not_found": grpc.StatusCode.FAILED_PRECONDITION,
@@ -145,6 +146,8 @@ class SessionStream:
                     item = self.out.get()
                 if item is _END:
                     return
+                if item is _WAKE:
+                    continue
                 if isinstance(item, _Job):
                     item = self._run(item)
                 yield from item
@@ -205,14 +208,14 @@ class SessionStream:
                 kind = req.WhichOneof("call")
                 if kind != "chunk":
                     with self.lock:
-                        idle = self.in_flight == 0
-                        idle_calls = idle_calls + 1 if idle else 0
-                        if idle_calls >= HAND_BACK_AFTER:
-                            # one call at a time again: the handler thread reads from now
-                            # on (set before the call is dispatched, so it sees it after)
-                            self.self_reading = True
-                    if self.self_reading:
+                        idle_calls = idle_calls + 1 if self.in_flight == 0 else 0
+                    if idle_calls >= HAND_BACK_AFTER:
+                        # One call at a time again: the handler thread reads from now on.
+                        # The call goes out first, then the switch, then a wake-up, so the
+                        # handler neither reads before it has the call nor sleeps after it.
                         self._accept(req)
+                        self.self_reading = True
+                        self.out.put(_WAKE)
                         return
                 self._accept(req)
         except Exception as exc:  # the client went away mid-stream
