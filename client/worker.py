@@ -181,7 +181,10 @@ class WorkerClient:
     ``timeout`` is the deadline of every call in seconds (None: none). ``progress``: show a
     progress bar on uploads (None: when stderr is a terminal). ``wire_dtype``: activation
     type on the wire, "float32" (exact), "float16" or "bfloat16" (halves traffic; adds
-    rounding of inputs and outputs, see the README).
+    rounding of inputs and outputs, see the README). ``tune_malloc``: keep glibc from
+    returning message-sized memory to the kernel after every call (process-wide mallopt;
+    about half the per-call overhead of a decode call on small VMs); pass False to leave the
+    host process's allocator settings alone.
     """
 
     def __init__(
@@ -195,8 +198,10 @@ class WorkerClient:
         channel: grpc.Channel | None = None,
         token: str | None = None,
         tls: TLS | bool | None = None,
+        tune_malloc: bool = True,
     ) -> None:
-        codec.tune_allocator()
+        if tune_malloc:
+            codec.tune_allocator()
         self.address = address
         self.timeout = timeout
         self.progress = sys.stderr.isatty() if progress is None else progress
