@@ -85,28 +85,70 @@ __device__ __forceinline__ int tc_stage_index(int e) {
 
 // Rows [srow0, srow0 + SB) x columns [k0, k0 + ktile) of x (float32 [rows, x_stride]) ->
 // xb (bf16 bits [3 * SB][cstride]), zero past in_features and past `rows`. ld.cg: moe's hidden
-// activations were written earlier in the same launch by other blocks.
+// activations were written earlier in the same launch by other blocks. Each thread issues all
+// its loads (up to TC_STAGE_LOADS float4) before converting any: the staging costs one L2
+// round trip, not one per element. The 4 values of a float4 (k0..k3 of one quad and lane)
+// are one 8-byte slot of each column, stored as (k0, k2, k1, k3).
+#define TC_STAGE_LOADS 4
 template <int SB>
 __device__ __forceinline__ void tc_stage(unsigned short *xb, int cstride,
                                          const float *__restrict__ x, int x_stride, int rows,
                                          int srow0, int in_features, int k0, int ktile) {
+    const bool vec = ((x_stride & 3) == 0) && ((reinterpret_cast<size_t>(x) & 15) == 0);
 #pragma unroll
     for (int s = 0; s < SB; ++s) {
         const bool ok = srow0 + s < rows;
         const float *xr = x + (size_t)(srow0 + s) * x_stride;
         unsigned short *d = xb + 3 * s * cstride;
-        for (int e = threadIdx.x; e < ktile; e += blockDim.x) {
-            const int gi = k0 + e;
-            const float v = (ok && gi < in_features) ? __ldcg(xr + gi) : 0.f;
-            const unsigned short hi = tc_bf16(v);
-            const float r = v - tc_f32(hi);
-            const unsigned short mid = tc_bf16(r);
-            const unsigned short lo = tc_bf16(r - tc_f32(mid));
-            const int i = tc_stage_index(e);
-            d[i] = hi;
-            d[cstride + i] = mid;
-            d[2 * cstride + i] = lo;
+        for (int e0 = threadIdx.x * 4; e0 < ktile; e0 += blockDim.x * 4 * TC_STAGE_LOADS) {
+            float4 v[TC_STAGE_LOADS];
+#pragma unroll
+            for (int j = 0; j < TC_STAGE_LOADS; ++j) {
+                const int gi = k0 + e0 + j * blockDim.x * 4;
+                v[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (!ok || e0 + j * (int)blockDim.x * 4 >= ktile) continue;
+                if (vec && gi + 4 <= in_features) {
+                    v[j] = __ldcg(reinterpret_cast<const float4 *>(xr + gi));
+                } else {
+                    if (gi < in_features) v[j].x = __ldcg(xr + gi);
+                    if (gi + 1 < in_features) v[j].y = __ldcg(xr + gi + 1);
+                    if (gi + 2 < in_features) v[j].z = __ldcg(xr + gi + 2);
+                    if (gi + 3 < in_features) v[j].w = __ldcg(xr + gi + 3);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < TC_STAGE_LOADS; ++j) {
+                const int e = e0 + j * blockDim.x * 4;
+                if (e >= ktile) break;
+                const float f[4] = {v[j].x, v[j].z, v[j].y, v[j].w};  // (k0, k2, k1, k3)
+                unsigned short p[3][4];
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    p[0][k] = tc_bf16(f[k]);
+                    const float r = f[k] - tc_f32(p[0][k]);
+                    p[1][k] = tc_bf16(r);
+                    p[2][k] = tc_bf16(r - tc_f32(p[1][k]));
+                }
+                const int i = tc_stage_index(e);  // a multiple of 4: 8-byte aligned
+#pragma unroll
+                for (int c = 0; c < 3; ++c)
+                    *reinterpret_cast<uint2 *>(d + c * cstride + i) =
+                        make_uint2(p[c][0] | (unsigned int)p[c][1] << 16,
+                                   p[c][2] | (unsigned int)p[c][3] << 16);
+            }
         }
+    }
+}
+
+// Ask L2 for the weight bytes [0, nbytes) of rows [r0, r0 + nrows) (clamped) of w: issued
+// before the staging of a tile so that HBM streams while the activations are converted.
+__device__ __forceinline__ void tc_prefetch(const unsigned char *w, int ld, int r0, int nrows,
+                                            int out_rows, int nbytes) {
+    const int lines = nbytes >> 7;
+    for (int j = threadIdx.x; j < nrows * lines; j += blockDim.x) {
+        const int r = min(r0 + j / lines, out_rows - 1);
+        const unsigned char *p = w + (size_t)r * ld + (size_t)(j % lines) * 128;
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
     }
 }
 
@@ -234,6 +276,8 @@ __device__ __forceinline__ void tc_block(float *red, unsigned short *xb, int kt,
 #pragma unroll
             for (int j = 0; j < 4; ++j) acc[m][nt][j] = 0.f;
 
+    tc_prefetch(w0, g.ld, row0, TC_RG * 16, out_rows, min(kt, g.in_padded) >> 1);
+    if (DUAL) tc_prefetch(w1, g.ld, row0, TC_RG * 16, out_rows, min(kt, g.in_padded) >> 1);
     for (int k0 = 0; k0 < g.in_padded; k0 += kt) {
         const int ktile = min(kt, g.in_padded - k0);
         __syncthreads();  // the previous tile is consumed
