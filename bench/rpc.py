@@ -509,7 +509,7 @@ def machine() -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     commit = subprocess.run(
         ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip()
+    ).stdout.strip() or os.environ.get("COLIWORKER_COMMIT", "")  # the GPU machine has no .git
     dirty = subprocess.run(
         ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
         capture_output=True,
