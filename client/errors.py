@@ -100,12 +100,16 @@ _BY_CODE: dict[grpc.StatusCode, type[WorkerError]] = {
 }
 
 
+def from_status(code: grpc.StatusCode, message: str) -> WorkerError:
+    """The WorkerError subclass for a status code and the worker's message."""
+    return _BY_CODE.get(code, WorkerError)(message or code.name, code)
+
+
 def from_rpc_error(err: grpc.RpcError) -> WorkerError:
     """The WorkerError subclass for a failed call."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
-    cls = _BY_CODE.get(code, WorkerError)
-    return cls(details or code.name, code)
+    return from_status(code, details)
 
 
 __all__ = [
@@ -122,4 +126,5 @@ __all__ = [
     "WorkerError",
     "WorkerRestarted",
     "from_rpc_error",
+    "from_status",
 ]

@@ -478,12 +478,12 @@ class RecoveringClient(_Base):
         self, experts: Iterable[Sequence[Any]], rows: Sequence[int], x: np.ndarray
     ) -> ExpertGroupFuture:
         """Like WorkerClient's; the future recomputes the group if its worker restarted."""
-        experts = [tuple(e) for e in experts]
+        triples: list[tuple[Any, ...]] = [tuple(e) for e in experts]
         rows = [int(r) for r in rows]
         x = np.array(x, np.float32, copy=True)
         generation = self._generation
-        f = self._retrying(lambda: _Base.expert_group_async(self, experts, rows, x), False)
-        return _RecoveringFuture(self, f.ticket, generation, experts, rows, x)
+        f = self._retrying(lambda: _Base.expert_group_async(self, triples, rows, x), False)
+        return _RecoveringFuture(self, f.ticket, generation, triples, rows, x)
 
 
 class _RecoveringFuture(ExpertGroupFuture):

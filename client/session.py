@@ -28,23 +28,16 @@ from typing import Any
 import grpc
 import numpy as np
 
-from coliworker.client import codec, errors, staging
+from coliworker.client import codec, errors, requests, staging
 from coliworker.client.shm import Allocator, Segment
 from coliworker.v1 import worker_pb2 as pb
 
 _STATUS_OF = {c.value[0]: c for c in grpc.StatusCode}
-_ERROR_OF = {
-    cls.code: cls
-    for cls in (getattr(errors, n) for n in errors.__all__)
-    if isinstance(cls, type)
-    and issubclass(cls, errors.WorkerError)
-    and cls is not errors.WorkerError
-}
 
 
 def _error(status: pb.Status) -> errors.WorkerError:
     code = _STATUS_OF.get(status.code, grpc.StatusCode.UNKNOWN)
-    return _ERROR_OF.get(code, errors.WorkerError)(status.message or code.name, code)
+    return errors.from_status(code, status.message)
 
 
 class SessionFuture:
@@ -87,12 +80,6 @@ def _chunks(rid: int, pieces: list[memoryview]) -> Iterator[pb.SessionRequest]:
     """Chunk messages built as the stream sends them (one chunk's copy alive at a time)."""
     for p in pieces:
         yield pb.SessionRequest(request_id=rid, chunk=p.tobytes())
-
-
-def _hid(t: Any) -> int:
-    if t is None:
-        return 0
-    return int(getattr(t, "handle", t))
 
 
 class Session:
@@ -258,7 +245,9 @@ class Session:
         )
         with self._lock:
             if self._closed or self._broken is not None:
-                err = errors.Cancelled("session is closed") if self._closed else self._broken
+                err = self._broken
+                if self._closed or err is None:
+                    err = errors.Cancelled("session is closed")
                 self._free_regions(fut)
                 raise err
             self._pending[rid] = (fut, decode or (lambda b: b))
@@ -319,10 +308,6 @@ class Session:
         )
 
     @staticmethod
-    def _experts(experts: Iterable[Sequence[Any]]) -> list[pb.Expert]:
-        return [pb.Expert(gate=_hid(g), up=_hid(u), down=_hid(d)) for g, u, d in experts]
-
-    @staticmethod
     def _decoder(field: str, fut_box: list[SessionFuture]) -> Callable[[Any], np.ndarray]:
         def decode(body: Any) -> np.ndarray:
             f = fut_box[0]
@@ -343,26 +328,22 @@ class Session:
 
     def matmul(self, t: Any, x: np.ndarray) -> SessionFuture:
         """x float32 [S, I] -> future of y float32 [S, O]."""
-        xa = self._enc(x, "x", 2)
-        out = xa.shape[0] * int(getattr(t, "out_features", xa.shape[1])) * 4
-        return self._go("matmul", pb.MatmulRequest(handle=_hid(t), x=xa), "y", out)
+        body = requests.matmul(self._enc, t, x)
+        out = body.x.shape[0] * int(getattr(t, "out_features", body.x.shape[1])) * 4
+        return self._go("matmul", body, "y", out)
 
     def expert_mlp(self, gate: Any, up: Any, down: Any, x: np.ndarray) -> SessionFuture:
         """x float32 [S, D] -> future of down(silu(gate x) * up x) float32 [S, D]."""
-        xa = self._enc(x, "x", 2)
-        body = pb.ExpertMlpRequest(gate=_hid(gate), up=_hid(up), down=_hid(down), x=xa)
-        return self._go("expert_mlp", body, "y", math.prod(xa.shape) * 4)
+        body = requests.expert_mlp(self._enc, gate, up, down, x)
+        return self._go("expert_mlp", body, "y", math.prod(body.x.shape) * 4)
 
     def expert_group(
         self, experts: Iterable[Sequence[Any]], rows: Sequence[int], x: np.ndarray
     ) -> SessionFuture:
         """The packed form: x float32 [sum(rows), D], rows[c] rows for expert c -> future
         of y float32 packed the same way."""
-        xa = self._enc(x, "x", 2)
-        body = pb.ExpertGroupRequest(
-            experts=self._experts(experts), rows=[int(r) for r in rows], x=xa
-        )
-        return self._go("expert_group", body, "y", math.prod(xa.shape) * 4)
+        body = requests.expert_group(self._enc, experts, rows, x)
+        return self._go("expert_group", body, "y", math.prod(body.x.shape) * 4)
 
     def expert_group_routed(
         self,
@@ -373,14 +354,8 @@ class Session:
     ) -> SessionFuture:
         """x float32 [T, D] (each token once); routes int [T, K] into experts; weights
         float32 [T, K] -> future of y[t] = sum_j weights[t, j] * expert_{routes[t, j]}(x[t])."""
-        xa = self._enc(x, "x", 2)
-        body = pb.ExpertGroupRoutedRequest(
-            experts=self._experts(experts),
-            x=xa,
-            routes=codec.encode(np.asarray(routes, np.int32), pb.DTYPE_INT32),
-            weights=codec.encode(np.asarray(weights, np.float32), pb.DTYPE_FLOAT32),
-        )
-        return self._go("expert_group_routed", body, "y", math.prod(xa.shape) * 4)
+        body = requests.expert_group_routed(self._enc, experts, x, routes, weights)
+        return self._go("expert_group_routed", body, "y", math.prod(body.x.shape) * 4)
 
     def attention(
         self,
@@ -396,19 +371,19 @@ class Session:
         o_proj: Any = None,
     ) -> SessionFuture:
         """Causal MLA over one sequence (as ``WorkerClient.attention``), as a future."""
-        qa = self._enc(q, "q", 3)
-        body = pb.AttentionRequest(
-            kv_b=_hid(kv_b),
-            o_proj=_hid(o_proj),
-            q=qa,
-            latent=self._enc(latent, "latent", 2),
-            rope=self._enc(rope, "rope", 2),
+        body = requests.attention(
+            self._enc,
+            kv_b,
+            q,
+            latent,
+            rope,
             q_dim=q_dim,
             rope_dim=rope_dim,
             v_dim=v_dim,
             scale=scale,
+            o_proj=o_proj,
         )
-        return self._go("attention", body, "out", self._att_out(qa, v_dim, o_proj))
+        return self._go("attention", body, "out", self._att_out(body.q, v_dim, o_proj))
 
     def attention_ragged(
         self,
@@ -425,30 +400,18 @@ class Session:
         """Ragged MLA over resident KV (as ``WorkerClient.attention_ragged``), as a future;
         ``future.lengths`` holds the resident lengths once done. Calls on one kv_b run in
         the order submitted."""
-        seqs = []
-        for sid, start, lat, rop in sequences:
-            lat = np.asarray(lat, np.float32)
-            rop = np.asarray(rop, np.float32)
-            seqs.append(
-                pb.SequenceRows(
-                    sequence_id=int(sid),
-                    start=int(start),
-                    latent=self._enc(lat, "latent", 2) if lat.size else pb.Array(),
-                    rope=self._enc(rop, "rope", 2) if rop.size else pb.Array(),
-                )
-            )
-        qa = self._enc(q, "q", 3)
-        body = pb.AttentionRaggedRequest(
-            kv_b=_hid(kv_b),
-            o_proj=_hid(o_proj),
-            q=qa,
-            sequences=seqs,
+        body = requests.attention_ragged(
+            self._enc,
+            kv_b,
+            o_proj,
+            q,
+            sequences=sequences,
             q_dim=q_dim,
             rope_dim=rope_dim,
             v_dim=v_dim,
             scale=scale,
         )
-        return self._go("attention_ragged", body, "out", self._att_out(qa, v_dim, o_proj))
+        return self._go("attention_ragged", body, "out", self._att_out(body.q, v_dim, o_proj))
 
     @staticmethod
     def _att_out(qa: pb.Array, v_dim: int, o_proj: Any) -> int:

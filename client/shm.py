@@ -63,7 +63,7 @@ def _pid_alive(pid: int) -> bool:
 def sweep_stale(directory: str | None = None) -> list[str]:
     """Remove this uid's segments whose creating process is gone; returns the names."""
     directory = directory or shm_dir()
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:
@@ -218,7 +218,7 @@ class Segment:
         """Unmap (and unlink, if still named); idempotent."""
         self.unlink()
         with self._lock:
-            mm, self.mm = self.mm, None
+            mm, self.mm = self.mm, None  # type: ignore[assignment]
             self.buf = None  # type: ignore[assignment]
             if mm is not None:
                 try:

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from coliworker.client import codec
+from coliworker.client import codec, requests
 from coliworker.client.errors import WorkerError, from_rpc_error
 from coliworker.client.security import TLS, make_channel
 from coliworker.kernels.qtensor import row_bytes, scale_count
@@ -107,10 +107,7 @@ class CallInfo:
 Handle = TensorRef | int
 
 
-def _hid(t: Handle | None) -> int:
-    if t is None:
-        return 0
-    return t.handle if isinstance(t, TensorRef) else int(t)
+_hid = requests.handle_id
 
 
 _DATA_TAG = bytes([2 << 3 | 2])  # UploadChunk.data: field 2, length-delimited
@@ -157,6 +154,8 @@ class _Progress:
 
 class ExpertGroupFuture:
     """An expert group running on the worker; ``result()`` fetches its output."""
+
+    _result: np.ndarray | None
 
     def __init__(self, client: WorkerClient, ticket: int) -> None:
         self._client, self.ticket = client, ticket
@@ -420,41 +419,29 @@ class WorkerClient:
 
     def matmul(self, t: Handle, x: np.ndarray) -> np.ndarray:
         """x float32 [S, I] -> y float32 [S, O]."""
-        r = self._call(self._stub.Matmul, pb.MatmulRequest(handle=_hid(t), x=self._enc(x, "x", 2)))
+        r = self._call(self._stub.Matmul, requests.matmul(self._enc, t, x))
         return self._dec(r.y, r.backend_ns)
 
     def expert_mlp(self, gate: Handle, up: Handle, down: Handle, x: np.ndarray) -> np.ndarray:
         """x float32 [S, D] -> down(silu(gate x) * up x) float32 [S, D]."""
-        req = pb.ExpertMlpRequest(
-            gate=_hid(gate), up=_hid(up), down=_hid(down), x=self._enc(x, "x", 2)
-        )
-        r = self._call(self._stub.ExpertMlp, req)
+        r = self._call(self._stub.ExpertMlp, requests.expert_mlp(self._enc, gate, up, down, x))
         return self._dec(r.y, r.backend_ns)
-
-    @staticmethod
-    def _experts(experts: Iterable[Sequence[Handle]]) -> list[pb.Expert]:
-        return [pb.Expert(gate=_hid(g), up=_hid(u), down=_hid(d)) for g, u, d in experts]
-
-    def _group_request(
-        self, experts: Iterable[Sequence[Handle]], rows: Sequence[int], x: np.ndarray
-    ) -> pb.ExpertGroupRequest:
-        return pb.ExpertGroupRequest(
-            experts=self._experts(experts), rows=[int(r) for r in rows], x=self._enc(x, "x", 2)
-        )
 
     def expert_group(
         self, experts: Iterable[Sequence[Handle]], rows: Sequence[int], x: np.ndarray
     ) -> np.ndarray:
         """experts: (gate, up, down) per expert; x float32 [sum(rows), D] packed by expert
         (rows[c] rows for expert c) -> y float32 packed the same way."""
-        r = self._call(self._stub.ExpertGroup, self._group_request(experts, rows, x))
+        req = requests.expert_group(self._enc, experts, rows, x)
+        r = self._call(self._stub.ExpertGroup, req)
         return self._dec(r.y, r.backend_ns)
 
     def expert_group_async(
         self, experts: Iterable[Sequence[Handle]], rows: Sequence[int], x: np.ndarray
     ) -> ExpertGroupFuture:
         """Start an expert group; ``.result()`` returns what ``expert_group`` would."""
-        t = self._call(self._stub.ExpertGroupIssue, self._group_request(experts, rows, x))
+        req = requests.expert_group(self._enc, experts, rows, x)
+        t = self._call(self._stub.ExpertGroupIssue, req)
         return ExpertGroupFuture(self, t.ticket)
 
     def expert_group_routed(
@@ -466,12 +453,7 @@ class WorkerClient:
     ) -> np.ndarray:
         """x float32 [T, D]; routes int [T, K] into experts; weights float32 [T, K]
         -> y[t] = sum_j weights[t, j] * expert_{routes[t, j]}(x[t]), float32 [T, D]."""
-        req = pb.ExpertGroupRoutedRequest(
-            experts=self._experts(experts),
-            x=self._enc(x, "x", 2),
-            routes=codec.encode(np.asarray(routes, np.int32), pb.DTYPE_INT32),
-            weights=codec.encode(np.asarray(weights, np.float32), pb.DTYPE_FLOAT32),
-        )
+        req = requests.expert_group_routed(self._enc, experts, x, routes, weights)
         r = self._call(self._stub.ExpertGroupRouted, req)
         return self._dec(r.y, r.backend_ns)
 
@@ -490,16 +472,17 @@ class WorkerClient:
     ) -> np.ndarray:
         """Causal MLA over one sequence: q [S, H, Q+R], latent [T, K], rope [T, R]
         -> context [S, H, V], or [S, D_out] with o_proj."""
-        req = pb.AttentionRequest(
-            kv_b=_hid(kv_b),
-            o_proj=_hid(o_proj),
-            q=self._enc(q, "q", 3),
-            latent=self._enc(latent, "latent", 2),
-            rope=self._enc(rope, "rope", 2),
+        req = requests.attention(
+            self._enc,
+            kv_b,
+            q,
+            latent,
+            rope,
             q_dim=q_dim,
             rope_dim=rope_dim,
             v_dim=v_dim,
             scale=scale,
+            o_proj=o_proj,
         )
         r = self._call(self._stub.Attention, req)
         return self._dec(r.out, r.backend_ns)
@@ -520,23 +503,12 @@ class WorkerClient:
         (sequence_id, start, latent rows [n, K], rope rows [n, R]): rows from ``start`` on;
         a start below the resident length rolls back first. -> [S, D_out] (or [S, H, V]
         without o_proj). The resident lengths after the call are in ``last_call.lengths``."""
-        seqs = []
-        for sid, start, lat, rop in sequences:
-            lat = np.asarray(lat, np.float32)
-            rop = np.asarray(rop, np.float32)
-            seqs.append(
-                pb.SequenceRows(
-                    sequence_id=int(sid),
-                    start=int(start),
-                    latent=self._enc(lat, "latent", 2) if lat.size else pb.Array(),
-                    rope=self._enc(rop, "rope", 2) if rop.size else pb.Array(),
-                )
-            )
-        req = pb.AttentionRaggedRequest(
-            kv_b=_hid(kv_b),
-            o_proj=_hid(o_proj),
-            q=self._enc(q, "q", 3),
-            sequences=seqs,
+        req = requests.attention_ragged(
+            self._enc,
+            kv_b,
+            o_proj,
+            q,
+            sequences=sequences,
             q_dim=q_dim,
             rope_dim=rope_dim,
             v_dim=v_dim,

@@ -1,0 +1,125 @@
+"""Request messages of the compute calls, built once for every way of sending them.
+
+The unary client and the Session stream send the same requests; they differ only in how an
+activation array becomes an ``Array`` (inline bytes, or staged for chunks / shared memory),
+which is the ``enc`` argument: ``enc(array, field name, ndim) -> pb.Array``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from coliworker.client import codec
+from coliworker.v1 import worker_pb2 as pb
+
+Encoder = Callable[[np.ndarray, str, int], pb.Array]
+
+
+def handle_id(t: Any) -> int:
+    """A TensorRef (anything with ``.handle``), a raw handle, or None (0: absent)."""
+    if t is None:
+        return 0
+    return int(getattr(t, "handle", t))
+
+
+def experts_of(experts: Iterable[Sequence[Any]]) -> list[pb.Expert]:
+    return [pb.Expert(gate=handle_id(g), up=handle_id(u), down=handle_id(d)) for g, u, d in experts]
+
+
+def matmul(enc: Encoder, t: Any, x: np.ndarray) -> pb.MatmulRequest:
+    return pb.MatmulRequest(handle=handle_id(t), x=enc(x, "x", 2))
+
+
+def expert_mlp(enc: Encoder, gate: Any, up: Any, down: Any, x: np.ndarray) -> pb.ExpertMlpRequest:
+    return pb.ExpertMlpRequest(
+        gate=handle_id(gate), up=handle_id(up), down=handle_id(down), x=enc(x, "x", 2)
+    )
+
+
+def expert_group(
+    enc: Encoder, experts: Iterable[Sequence[Any]], rows: Sequence[int], x: np.ndarray
+) -> pb.ExpertGroupRequest:
+    return pb.ExpertGroupRequest(
+        experts=experts_of(experts), rows=[int(r) for r in rows], x=enc(x, "x", 2)
+    )
+
+
+def expert_group_routed(
+    enc: Encoder,
+    experts: Iterable[Sequence[Any]],
+    x: np.ndarray,
+    routes: np.ndarray,
+    weights: np.ndarray,
+) -> pb.ExpertGroupRoutedRequest:
+    return pb.ExpertGroupRoutedRequest(
+        experts=experts_of(experts),
+        x=enc(x, "x", 2),
+        routes=codec.encode(np.asarray(routes, np.int32), pb.DTYPE_INT32),
+        weights=codec.encode(np.asarray(weights, np.float32), pb.DTYPE_FLOAT32),
+    )
+
+
+def attention(
+    enc: Encoder,
+    kv_b: Any,
+    q: np.ndarray,
+    latent: np.ndarray,
+    rope: np.ndarray,
+    *,
+    q_dim: int,
+    rope_dim: int,
+    v_dim: int,
+    scale: float,
+    o_proj: Any = None,
+) -> pb.AttentionRequest:
+    return pb.AttentionRequest(
+        kv_b=handle_id(kv_b),
+        o_proj=handle_id(o_proj),
+        q=enc(q, "q", 3),
+        latent=enc(latent, "latent", 2),
+        rope=enc(rope, "rope", 2),
+        q_dim=q_dim,
+        rope_dim=rope_dim,
+        v_dim=v_dim,
+        scale=scale,
+    )
+
+
+def attention_ragged(
+    enc: Encoder,
+    kv_b: Any,
+    o_proj: Any,
+    q: np.ndarray,
+    *,
+    sequences: Sequence[tuple[int, int, np.ndarray, np.ndarray]],
+    q_dim: int,
+    rope_dim: int,
+    v_dim: int,
+    scale: float,
+) -> pb.AttentionRaggedRequest:
+    """sequences[s] = (sequence id, start, latent rows [n, K], rope rows [n, R]); n may be 0."""
+    seqs = []
+    for sid, start, lat, rop in sequences:
+        lat = np.asarray(lat, np.float32)
+        rop = np.asarray(rop, np.float32)
+        seqs.append(
+            pb.SequenceRows(
+                sequence_id=int(sid),
+                start=int(start),
+                latent=enc(lat, "latent", 2) if lat.size else pb.Array(),
+                rope=enc(rop, "rope", 2) if rop.size else pb.Array(),
+            )
+        )
+    return pb.AttentionRaggedRequest(
+        kv_b=handle_id(kv_b),
+        o_proj=handle_id(o_proj),
+        q=enc(q, "q", 3),
+        sequences=seqs,
+        q_dim=q_dim,
+        rope_dim=rope_dim,
+        v_dim=v_dim,
+        scale=scale,
+    )
