@@ -520,9 +520,10 @@ class _RecoveringFuture(ExpertGroupFuture):
                 break
         # The ticket died with the old worker: compute the group again.
         with self._lock:
-            if self._result is None:
-                self._result = c.expert_group(*self._args)
-            return self._result
+            result: np.ndarray | None = self._result
+            if result is None:
+                result = self._result = c.expert_group(*self._args)
+            return result
 
 
 __all__ = ["Loader", "RecoveringClient"]

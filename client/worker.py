@@ -159,7 +159,7 @@ class ExpertGroupFuture:
 
     def __init__(self, client: WorkerClient, ticket: int) -> None:
         self._client, self.ticket = client, ticket
-        self._result: np.ndarray | None = None
+        self._result = None
         self._lock = threading.Lock()
 
     def result(self, timeout: float | None = None) -> np.ndarray:
