@@ -520,7 +520,7 @@ class _RecoveringFuture(ExpertGroupFuture):
                 break
         # The ticket died with the old worker: compute the group again.
         with self._lock:
-            result: np.ndarray | None = self._result
+            result: np.ndarray | None = self._result  # type: ignore[has-type]
             if result is None:
                 result = self._result = c.expert_group(*self._args)
             return result
