@@ -22,8 +22,9 @@ struct KvDesc {
 // q float32 [S, H, Q + R]; qfull float32 [S, H, K + R]; w = kv_b [H * (Q + V), K] resident.
 // Each thread walks one column k down the Q rows of head h; the rows come in batches of
 // ABS_U independent element loads so a thread has that many in flight (the loop is latency
-// bound otherwise: 6 MB of kv_b at GLM-5.2 shapes, spread over only H * K threads).
-#define ABS_U 8
+// bound otherwise: 6 MB of kv_b at GLM-5.2 shapes, spread over only H * K threads; 24 loads
+// in flight make 8 round trips for Q = 192).
+#define ABS_U 24
 template <int FMT>
 __global__ void __launch_bounds__(128)
 mla_absorb(float *__restrict__ qfull, const float *__restrict__ q,
@@ -191,7 +192,7 @@ mla_attend(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ p
     }
 }
 
-// grid (H, S), block 128, dynamic shared nsplit floats.
+// grid (H, S, ceil(K / 128)), block 128, dynamic shared nsplit floats.
 // cl float32 [H, S, K] (head-major: each head's rows are one gemv job's x).
 __global__ void __launch_bounds__(128)
 mla_merge(float *__restrict__ cl, const float *__restrict__ pm, const float *__restrict__ pl,
@@ -209,9 +210,222 @@ mla_merge(float *__restrict__ cl, const float *__restrict__ pm, const float *__r
     for (int z = threadIdx.x; z < nsplit; z += blockDim.x)
         wz[z] = M != -COLI_INF ? expf(pm[base + z] - M) * inv : 0.f;
     __syncthreads();
-    for (int k = threadIdx.x; k < K; k += blockDim.x) {
+    const int k = blockIdx.z * 128 + threadIdx.x;
+    if (k < K) {
         float v = 0.f;
+#pragma unroll 8
         for (int z = 0; z < nsplit; ++z) v = fmaf(pacc[(base + z) * K + k], wz[z], v);
         cl[((size_t)h * S + s) * K + k] = v;
+    }
+}
+
+// ---- mla_flash: all heads of a block share each KV tile, scores and context on tensor cores --
+//
+// grid (nsplit, S, ceil(H / 64)), block 256 (8 warps), dynamic shared ``flash_smem`` bytes:
+//   Qs  [64][QST]      qfull of the block's 64 heads (zero beyond H and beyond K + R)
+//   KVs [FL_TT][KST]   one tile of FL_TT cache rows [latent | rope | zeros], cp.async-filled
+//   Ss  [2][64][FL_TT] partial scores of the two k halves
+// Warp w owns heads 16 * (w & 3) .. + 16 of the block. Scores: warp (w & 3, kh = w >> 2) takes
+// the k-steps of half kh for both 8-row n-tiles; the halves meet in Ss. Context: the same warp
+// takes columns [ch * 8 * NTC, (ch + 1) * 8 * NTC) of the latent (ch = w >> 2) for all FL_TT
+// rows; both halves compute the same softmax from Ss, so they agree on m and l exactly.
+//
+// Numerics: mma.m16n8k8 tf32 with split operands. x = hi + lo, hi = x with the low 13 mantissa
+// bits cleared (exactly a tf32), lo = x - hi (exact in fp32, |lo| < 2^-10 |x|, truncated to tf32
+// by the tensor core: error < 2^-20 |x|). a * b ~ ah*bh + ah*bl + al*bh: per-product error
+// ~2^-20, fp32 accumulation -- the same order as the fp32 FMA kernel (mla_attend).
+//
+// Fragments (PTX m16n8k8 .tf32, gid = lane / 4, t = lane % 4): A a0 (gid, t), a1 (gid + 8, t),
+// a2 (gid, t + 4), a3 (gid + 8, t + 4); B b0 (k t, n gid), b1 (k t + 4, n gid); C c0, c1 (gid,
+// 2t, 2t + 1), c2, c3 (gid + 8, 2t, 2t + 1). QST and KST are 4 mod 8 (so 4, 12, 20 or 28 mod
+// 32): the A loads and the score B loads hit 32 distinct banks.
+#define FL_WARPS 8
+#define FL_TT 16
+#define FL_HB 64
+
+__device__ __forceinline__ void fl_split(float x, unsigned &hi, unsigned &lo) {
+    const unsigned h = __float_as_uint(x) & 0xffffe000u;
+    hi = h;
+    lo = __float_as_uint(x - __uint_as_float(h));
+}
+
+__device__ __forceinline__ void fl_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
+                                       unsigned a3, unsigned b0, unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// d += a * b with split operands (small terms first).
+__device__ __forceinline__ void fl_mma3(float (&d)[4], const unsigned (&ah)[4],
+                                        const unsigned (&al)[4], float b0, float b1) {
+    unsigned bh0, bl0, bh1, bl1;
+    fl_split(b0, bh0, bl0);
+    fl_split(b1, bh1, bl1);
+    fl_mma(d, al[0], al[1], al[2], al[3], bh0, bh1);
+    fl_mma(d, ah[0], ah[1], ah[2], ah[3], bl0, bl1);
+    fl_mma(d, ah[0], ah[1], ah[2], ah[3], bh0, bh1);
+}
+
+__device__ __forceinline__ void fl_cp4(float *dst, const float *src, int n) {
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(src), "r"(n));
+}
+
+// NTC: 8-column n-tiles of the latent per warp (2 * 8 * NTC >= K). QST, KST: row strides of Qs
+// and KVs (>= the padded K + R, >= 16 * NTC, 4 mod 8). Outputs as mla_attend's.
+template <int NTC>
+__global__ void __launch_bounds__(FL_WARPS * 32, 1)
+mla_flash(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc,
+          const float *__restrict__ qfull, const KvDesc *__restrict__ kv, int S, int H, int K,
+          int R, float scale, int nsplit, int QST, int KST) {
+    extern __shared__ float4 smem4[];
+    float *Qs = reinterpret_cast<float *>(smem4);
+    float *KVs = Qs + FL_HB * QST;
+    float *Ss = KVs + FL_TT * KST;
+    const int z = blockIdx.x, s = blockIdx.y, hb = blockIdx.z * FL_HB;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int gid = lane >> 2, t4 = lane & 3;
+    const int hg = warp & 3, half = warp >> 2;
+    const KvDesc d = kv[s];
+    const float *__restrict__ lat = reinterpret_cast<const float *>(d.latent);
+    const float *__restrict__ rop = reinterpret_cast<const float *>(d.rope);
+    const int chunk = ((d.len + nsplit - 1) / nsplit + FL_TT - 1) / FL_TT * FL_TT;
+    const int tb = z * chunk, te = min(d.len, tb + chunk);
+    const int KR = K + R, KRP = (KR + 7) & ~7, W = KST - 4;
+
+    for (int i = threadIdx.x; i < FL_HB * KRP; i += FL_WARPS * 32) {
+        const int hl = i / KRP, c = i - hl * KRP, h = hb + hl;
+        Qs[hl * QST + c] = (h < H && c < KR) ? qfull[((size_t)s * H + h) * KR + c] : 0.f;
+    }
+
+    float acc[NTC][4];
+#pragma unroll
+    for (int j = 0; j < NTC; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    float m[2] = {-COLI_INF, -COLI_INF}, l[2] = {0.f, 0.f};
+    const int nks = KRP / 8, ks0 = half ? nks / 2 : 0, ks1 = half ? nks : nks / 2;
+    const float *qa = Qs + (hg * 16 + gid) * QST + t4;
+
+    for (int t0 = tb; t0 < te; t0 += FL_TT) {
+        __syncthreads();  // every warp is done with the previous tile (and Ss), Qs is written
+        for (int i = threadIdx.x; i < FL_TT * W; i += FL_WARPS * 32) {
+            const int t = i / W, c = i - t * W, row = t0 + t;
+            const float *src = lat;
+            int n = 0;
+            if (row < te) {
+                if (c < K) {
+                    src = lat + (size_t)row * K + c;
+                    n = 4;
+                } else if (c < KR) {
+                    src = rop + (size_t)row * R + (c - K);
+                    n = 4;
+                }
+            }
+            fl_cp4(KVs + t * KST + c, src, n);  // n = 0: zero fill, nothing read
+        }
+        asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
+        __syncthreads();
+        // The next tile's rows into L2 while this one is computed.
+        if (t0 + FL_TT < te) {
+            const int nr = min(FL_TT, te - t0 - FL_TT);
+            const char *a = reinterpret_cast<const char *>(lat + (size_t)(t0 + FL_TT) * K);
+            for (int o = threadIdx.x * 128; o < nr * K * 4; o += FL_WARPS * 32 * 128)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(a + o));
+            const char *b = reinterpret_cast<const char *>(rop + (size_t)(t0 + FL_TT) * R);
+            for (int o = threadIdx.x * 128; o < nr * R * 4; o += FL_WARPS * 32 * 128)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(b + o));
+        }
+
+        // Scores of heads hg, rows 0..15, k-steps [ks0, ks1).
+        float sacc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        for (int ks = ks0; ks < ks1; ++ks) {
+            const int k0 = ks * 8;
+            unsigned ah[4], al[4];
+            fl_split(qa[k0], ah[0], al[0]);
+            fl_split(qa[8 * QST + k0], ah[1], al[1]);
+            fl_split(qa[k0 + 4], ah[2], al[2]);
+            fl_split(qa[8 * QST + k0 + 4], ah[3], al[3]);
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                const float *kb = KVs + (nt * 8 + gid) * KST + k0 + t4;
+                fl_mma3(sacc[nt], ah, al, kb[0], kb[4]);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            float *o = Ss + (half * FL_HB + hg * 16 + gid) * FL_TT + nt * 8 + 2 * t4;
+            o[0] = sacc[nt][0];
+            o[1] = sacc[nt][1];
+            o[8 * FL_TT] = sacc[nt][2];
+            o[8 * FL_TT + 1] = sacc[nt][3];
+        }
+        __syncthreads();
+
+        // Online softmax: this lane's rows t4, t4 + 4, 8 + t4, 12 + t4 of heads gid, gid + 8.
+        float p[2][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const float *s0 = Ss + (hg * 16 + gid + 8 * i) * FL_TT;
+            const float *s1 = s0 + FL_HB * FL_TT;
+            float mt = -COLI_INF;
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int row = (r >> 1) * 8 + (r & 1) * 4 + t4;
+                const float v = (s0[row] + s1[row]) * scale;
+                p[i][r] = t0 + row < te ? v : -COLI_INF;
+                mt = fmaxf(mt, p[i][r]);
+            }
+            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
+            const float mn = fmaxf(m[i], mt);  // finite: row t0 < te is in every quad's max
+            const float alpha = expf(m[i] - mn);
+            float sum = 0.f;
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                p[i][r] = expf(p[i][r] - mn);
+                sum += p[i][r];
+            }
+            l[i] = l[i] * alpha + sum;  // this lane's rows only; the quad is summed at the end
+            m[i] = mn;
+#pragma unroll
+            for (int j = 0; j < NTC; ++j) {
+                acc[j][2 * i] *= alpha;
+                acc[j][2 * i + 1] *= alpha;
+            }
+        }
+        // Context: acc[heads, cols] += P[heads, rows] @ latent[rows, cols].
+        const int cb = half * 8 * NTC + gid;
+#pragma unroll
+        for (int kk = 0; kk < 2; ++kk) {
+            unsigned ah[4], al[4];
+            fl_split(p[0][2 * kk], ah[0], al[0]);
+            fl_split(p[1][2 * kk], ah[1], al[1]);
+            fl_split(p[0][2 * kk + 1], ah[2], al[2]);
+            fl_split(p[1][2 * kk + 1], ah[3], al[3]);
+            const float *lb = KVs + (kk * 8 + t4) * KST + cb;
+#pragma unroll
+            for (int j = 0; j < NTC; ++j) fl_mma3(acc[j], ah, al, lb[8 * j], lb[4 * KST + 8 * j]);
+        }
+    }
+
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+        const int h = hb + hg * 16 + gid + 8 * i;
+        if (h >= H) continue;
+        const size_t slot = ((size_t)s * H + h) * nsplit + z;
+        if (half == 0 && t4 == 0) {
+            pm[slot] = m[i];
+            pl[slot] = l[i];
+        }
+#pragma unroll
+        for (int j = 0; j < NTC; ++j) {
+            const int c = half * 8 * NTC + 8 * j + 2 * t4;
+            if (c < K) pacc[slot * K + c] = acc[j][2 * i];
+            if (c + 1 < K) pacc[slot * K + c + 1] = acc[j][2 * i + 1];
+        }
     }
 }

@@ -1,5 +1,9 @@
 """CuPy wrappers of ``attention.cu``: absorbed q, split-T attention with online softmax, merge.
 
+Two attention kernels: ``mla_flash`` (tensor cores, every head of a block scores each KV tile
+staged once; the default where it fits: K <= 512 and its shared memory) and ``mla_attend``
+(fp32 FMA, any K + R up to ``MAX_KR``). ``FLASH = False`` keeps mla_attend (tests run both).
+
 The value projection and o_proj are gemv jobs (``matmul.py``); the backend chains them.
 Launches are prepared once per shape (``matmul.Launch``) and take device pointers.
 """
@@ -24,7 +28,13 @@ VARIANTS = (
     tuple(f"mla_absorb<{f}>" for f in range(5))
     + tuple(f"mla_attend<{n}, {h}>" for n, h in NPL_CHOICES)
     + ("mla_merge",)
+    + tuple(f"mla_flash<{n}>" for n in (1, 2, 4, 8, 16, 32))
 )
+FLASH = True
+FL_TT = 16  # cache rows per tile (attention.cu)
+FL_HB = 64  # heads per block
+FL_MIN_ROWS = 64  # fewest cache rows per T slice: fewer slices, less pacc to merge
+FL_SMEM_MAX = 227 * 1024
 MAX_KR = 32 * NPL_CHOICES[-1][0]
 
 
@@ -83,14 +93,56 @@ def attend_launch(s: int, heads: int, k: int, r: int, scale: float, nsplit: int
                      (np.int32(s), np.int32(heads), np.int32(k), np.int32(r), np.float32(scale),
                       np.int32(nsplit)), 4 * ATT_TT * npl * 32)  # fmt: skip
         merge = get_function("attention.cu", "mla_merge", VARIANTS)
-        mg = Launch(
-            merge,
-            (heads, s),
-            (128,),
-            (np.int32(s), np.int32(heads), np.int32(k), np.int32(nsplit)),
-            4 * nsplit,
-        )
-        return att, mg
+        return att, _merge(s, heads, k, nsplit)
 
     key = (dev, "attend", s, heads, k, r, float(scale), nsplit)
+    return _cached(key, make)  # type: ignore[return-value,arg-type]
+
+
+def _merge(s: int, heads: int, k: int, nsplit: int) -> Launch:
+    merge = get_function("attention.cu", "mla_merge", VARIANTS)
+    return Launch(merge, (heads, s, -(-k // 128)), (128,),
+                  (np.int32(s), np.int32(heads), np.int32(k), np.int32(nsplit)), 4 * nsplit)  # fmt: skip
+
+
+def _flash_geometry(k: int, r: int) -> tuple[int, int, int, int] | None:
+    """(NTC, QST, KST, shared bytes) of mla_flash, or None where it does not fit."""
+    krp = -(-(k + r) // 8) * 8
+    ntc = next((n for n in (1, 2, 4, 8, 16, 32) if 16 * n >= k), None)
+    if ntc is None:
+        return None
+    qst, kst = krp + 4, max(krp, 16 * ntc) + 4  # 4 mod 8: conflict-free fragment loads
+    smem = 4 * (FL_HB * qst + FL_TT * kst + 2 * FL_HB * FL_TT)
+    return (ntc, qst, kst, smem) if smem <= FL_SMEM_MAX else None
+
+
+def flash_ok(k: int, r: int) -> bool:
+    """Whether mla_flash serves these widths (and ``FLASH`` is on)."""
+    return FLASH and _flash_geometry(k, r) is not None
+
+
+def flash_splits(s: int, heads: int, t_max: int, n_sm: int) -> int:
+    """nsplit of ``flash_launch``: one wave of one-block-per-SM blocks, >= FL_MIN_ROWS rows per
+    slice. Scratch as ``attend_splits``'s."""
+    per = s * -(-heads // FL_HB)
+    return max(1, min(max(1, n_sm // per), -(-t_max // FL_MIN_ROWS), 1024))
+
+
+def flash_launch(s: int, heads: int, k: int, r: int, scale: float, nsplit: int
+                 ) -> tuple[Launch, Launch]:  # fmt: skip
+    """(mla_flash, mla_merge), taking the same pointers as ``attend_launch``'s pair."""
+    dev = cupy.cuda.runtime.getDevice()
+
+    def make() -> tuple[Launch, Launch]:
+        geo = _flash_geometry(k, r)
+        assert geo is not None  # callers check flash_ok
+        ntc, qst, kst, smem = geo
+        fn = get_function("attention.cu", f"mla_flash<{ntc}>", VARIANTS)
+        fn.max_dynamic_shared_size_bytes = max(smem, 160 * 1024)
+        att = Launch(fn, (nsplit, s, -(-heads // FL_HB)), (256,),
+                     (np.int32(s), np.int32(heads), np.int32(k), np.int32(r), np.float32(scale),
+                      np.int32(nsplit), np.int32(qst), np.int32(kst)), smem)  # fmt: skip
+        return att, _merge(s, heads, k, nsplit)
+
+    key = (dev, "flash", s, heads, k, r, float(scale), nsplit)
     return _cached(key, make)  # type: ignore[return-value,arg-type]

@@ -583,9 +583,13 @@ class CupyBackend:
         K, R, V = kv_b.in_features, rope_dim, v_dim
         n_jobs = H + (o_proj is not None)
         n_sm = self._sms[call.device]
-        nsplit = att.attend_splits(S, H, K, R, t_max, n_sm)
         absorb = att.absorb_launch(kv_b.spec, S, H, q_dim, R, V)
-        attend, merge = att.attend_launch(S, H, K, R, scale, nsplit)
+        if att.flash_ok(K, R):
+            nsplit = att.flash_splits(S, H, t_max, n_sm)
+            attend, merge = att.flash_launch(S, H, K, R, scale, nsplit)
+        else:
+            nsplit = att.attend_splits(S, H, K, R, t_max, n_sm)
+            attend, merge = att.attend_launch(S, H, K, R, scale, nsplit)
         value = gemv_launch(kv_b.spec, H, S, V)
         proj = gemv_launch(o_proj.spec, 1, S, o_proj.out_features) if o_proj else None
         dout = o_proj.out_features if o_proj is not None else H * V

@@ -349,3 +349,39 @@ def test_fp32_gemv_path_still_exact(cupy_backend, rng, no_tensor_cores, fmt, gs)
     x = rng.standard_normal((3, 1025)).astype(np.float32)
     res = cupy_backend.matmul(cupy_backend.place(t, 0), x)
     assert rel_err(res.out, reference.matmul(t, x)) < REL_TOL
+
+
+@pytest.fixture(params=[True, False], ids=["flash", "fp32"])
+def attention_path(request):
+    from coliworker.kernels import attention
+
+    attention.FLASH = request.param
+    yield request.param
+    attention.FLASH = True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "h,q,r,v,k", [(3, 16, 8, 12, 40), (70, 5, 3, 4, 9), (64, 192, 64, 256, 512)]
+)
+def test_attention_ragged_both_paths(cupy_backend, rng, attention_path, h, q, r, v, k):
+    """mla_flash (tensor cores, split tf32) and mla_attend (fp32) against float64: ragged
+    lengths (1, under one tile, several slices), heads beyond one 64-head block, odd widths."""
+    b = cupy_backend
+    kv_b, o_proj, dk, do = _mla(rng, b, h, q, r, v, k, 40, 2, 0)
+    lens = [1, 15, 700, 2051]
+    caches, lats, ropes = [], [], []
+    for n in lens:
+        c = b.new_kv(0, k, r)
+        lat = (rng.standard_normal((n, k)) * 3).astype(np.float32)
+        rope = rng.standard_normal((n, r)).astype(np.float32)
+        c.append(lat, rope)
+        caches.append(c)
+        lats.append(lat)
+        ropes.append(rope)
+    qa = rng.standard_normal((len(lens), h, q + r)).astype(np.float32)
+    scale = 1 / np.sqrt(q + r)
+    for op, dop in ((None, None), (o_proj, do)):
+        res = b.attention_ragged(dk, dop, qa, caches, q, r, v, scale)
+        ref = reference.attention_ragged(kv_b, op, qa, lats, ropes, q, r, v, scale)
+        assert rel_err(res.out, ref) < 1e-5, attention_path
