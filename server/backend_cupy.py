@@ -21,6 +21,7 @@ import contextlib
 import math
 import threading
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import cupy
 import cupyx
@@ -84,8 +85,9 @@ class CupyKVCache:
         self.k, self.r = k, r
         self.length = 0
         self.cap = 0
-        self.latent: cupy.ndarray | None = None
-        self.rope: cupy.ndarray | None = None
+        # cupy.ndarray [cap, K] / [cap, R] once the first rows arrive (None before).
+        self.latent: Any = None
+        self.rope: Any = None
 
     @property
     def nbytes(self) -> int:
@@ -145,8 +147,8 @@ class _Arena:
     __slots__ = ("dev", "dptr", "host", "hptr", "events", "home")
 
     def __init__(self, home: list[_Arena]) -> None:
-        self.dev: cupy.ndarray | None = None
-        self.host: np.ndarray | None = None
+        self.dev: Any = None  # cupy.ndarray uint8, set by reserve()
+        self.host: Any = None  # pinned np.ndarray uint8, set by reserve()
         self.dptr = self.hptr = 0
         self.events = [cupy.cuda.Event() for _ in range(4)]
         self.home = home
@@ -192,7 +194,7 @@ class _Call:
         self.device = device
         self.what = what
         self.stream = backend._stream(device)
-        self.arena: _Arena | None = None
+        self.arena: Any = None  # _Arena while the call owns one
 
     def __enter__(self) -> _Call:
         self._prev = cupy.cuda.runtime.getDevice()
@@ -282,7 +284,7 @@ class CupyPending:
 
 
 def _put(
-    host: np.ndarray, off: int, a: np.ndarray, nbytes: int, dtype: object = np.float32
+    host: np.ndarray, off: int, a: np.ndarray, nbytes: int, dtype: Any = np.float32
 ) -> None:
     """Copy array ``a`` (as ``dtype``, C order, ``nbytes`` bytes) into pinned ``host`` at off."""
     b = np.ascontiguousarray(a, dtype)
