@@ -11,6 +11,8 @@ out [1, 6144] through o_proj). Paths:
     routed        the Session stream, routed form
     routed-uds    the same over a Unix domain socket
     shm           the Session stream, routed form, activations in shared memory
+    shm-doorbell  routed form, activations and messages in shared memory, FIFO doorbells
+                  instead of a gRPC round trip per call (compared with the TCP stream echo)
 
 For each: p50/p99 end to end, the worker's backend time, and overhead = end to end minus
 backend time, compared with the p50 of a raw gRPC echo (bytes in, bytes out, no protobuf,
@@ -308,6 +310,7 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
         "routed": (w.session(), "tcp", "expert_group_routed"),
         "routed-uds": (wu.session(), "uds", "expert_group_routed"),
         "shm": (w.session(shm=True), "tcp", "expert_group_routed"),
+        "shm-doorbell": (w.session(shm=True, doorbell=True), "fifo", "expert_group_routed"),
     }
     for name, (s, tr, kind) in sessions.items():
         if kind == "expert_group":
@@ -326,7 +329,7 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
                 return f.backend_ns
 
             body, out = routed, out1
-        shm = name == "shm"
+        shm = name.startswith("shm")
         group_paths.append(
             (name, tr, "stream", None, s, call, req_size(kind, body, shm), shm_resp if shm else out)
         )
@@ -376,7 +379,7 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
             f.result()
             return f.backend_ns
 
-        shm = name == "shm"
+        shm = name.startswith("shm")
         att_paths.append(
             (
                 name.replace("routed", "session"),
@@ -404,7 +407,8 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
         out_features=64,
     )  # fmt: skip
     big = rng.standard_normal((50 * 1024 * 1024 // 256, 64)).astype(np.float32)
-    for name, s in (("stream-chunks", sessions["routed"][0]), ("shm", sessions["shm"][0])):
+    for name in ("stream-chunks", "shm", "shm-doorbell"):
+        s = sessions["routed" if name == "stream-chunks" else name][0]
         times, back = [], []
         for _ in range(args.big_iters + 1):
             t0 = time.perf_counter_ns()

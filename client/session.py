@@ -14,6 +14,14 @@ the stream stays usable. Ragged attention calls on one kv_b run in the order sub
 ``shm=True`` (same host only) attaches a shared-memory segment: activations in and out
 travel through it and the stream carries only small control messages. Arrays over 1 MiB
 that do not go through shared memory travel as chunks.
+
+``doorbell=True`` (with ``shm=True``) takes the calls off gRPC altogether: each goes into
+a slot of the segment and rings a FIFO, and the worker answers the same way
+(``client/doorbell.py``); the stream only attaches and keeps the channel alive. A call
+waits in the thread that asks for its result, with no reader thread in between. The
+channel runs calls one at a time in submission order (up to ``doorbell.SLOTS`` queued);
+open several sessions for parallel channels. Arrays must fit the segment: a call that
+does not raises ResourceExhausted.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import grpc
 import numpy as np
 
 from coliworker.client import codec, errors, requests, staging
+from coliworker.client import doorbell as bell
 from coliworker.client.shm import Allocator, Segment
 from coliworker.v1 import worker_pb2 as pb
 
@@ -76,6 +85,25 @@ class SessionFuture:
         self._done.release()
 
 
+class _BellFuture(SessionFuture):
+    """A doorbell call: ``result()`` reads the channel's answers on the calling thread."""
+
+    __slots__ = ("_channel",)
+
+    def __init__(self, request_id: int, channel: bell.Channel) -> None:
+        super().__init__(request_id)
+        self._channel = channel
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            self._channel.wait(self, timeout)
+            if not self.done():
+                raise errors.DeadlineExceeded(
+                    f"session request {self.request_id}: no result after {timeout} s"
+                )
+        return super().result()
+
+
 def _chunks(rid: int, pieces: list[memoryview]) -> Iterator[pb.SessionRequest]:
     """Chunk messages built as the stream sends them (one chunk's copy alive at a time)."""
     for p in pieces:
@@ -86,8 +114,12 @@ class Session:
     """One Session stream of a ``WorkerClient`` (use ``WorkerClient.session()``).
 
     ``shm``: attach a shared-memory segment of ``shm_bytes`` (same host only; raises the
-    worker's error, e.g. FailedPrecondition on another host). ``timeout``: default wait of
-    ``result()`` in the sync helpers (the client's timeout when None).
+    worker's error, e.g. FailedPrecondition on another host). ``doorbell``: also open a
+    doorbell channel and send every call through it (needs ``shm``); ``spin_us`` /
+    ``worker_spin_us``: how long a thread waiting for a result / the worker's channel
+    thread waiting for the next call polls before it sleeps (0: sleep at once; polling
+    saves ~20 us per wake-up and costs that thread's core meanwhile). ``timeout``: default
+    wait of ``result()`` in the sync helpers (the client's timeout when None).
     """
 
     def __init__(
@@ -96,8 +128,13 @@ class Session:
         *,
         shm: bool = False,
         shm_bytes: int = 256 << 20,
+        doorbell: bool = False,
+        spin_us: int = bell.SPIN_US,
+        worker_spin_us: int = bell.WORKER_SPIN_US,
         timeout: float | None = None,
     ) -> None:
+        if doorbell and not shm:
+            raise ValueError("doorbell: expected shm=True (the channel lives in the segment)")
         self._client = client
         self.wire_dtype = client.wire_dtype
         self.timeout = client.timeout if timeout is None else timeout
@@ -111,11 +148,18 @@ class Session:
         self._closed = False
         self.segment: Segment | None = None
         self._alloc: Allocator | None = None
+        self._bell: bell.Channel | None = None
         self._call = client._stub.Session(self._requests())
         self._reader = threading.Thread(target=self._read, name="session-reader", daemon=True)
         self._reader.start()
         if shm:
-            self._attach(shm_bytes)
+            try:
+                self._attach(shm_bytes)
+                if doorbell:
+                    self._attach_doorbell(spin_us, worker_spin_us)
+            except BaseException:
+                self.close()
+                raise
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -131,6 +175,8 @@ class Session:
             if self._closed:
                 return
             self._closed = True
+        if self._bell is not None:
+            self._bell.close(timeout)  # pending calls finish first
         self._send.put(None)
         self._reader.join(timeout)
         if self._reader.is_alive():
@@ -152,10 +198,33 @@ class Session:
         seg.unlink()  # both sides have it mapped: the memory now lives as long as they do
         self.segment, self._alloc = seg, Allocator(seg.size)
 
+    def _attach_doorbell(self, spin_us: int, worker_spin_us: int) -> None:
+        assert self._alloc is not None and self.segment is not None  # _attach ran
+        size = 2 * bell.SLOTS * bell.SLOT_BYTES
+        off = self._alloc.alloc(size)
+        if off is None:
+            raise errors.ResourceExhausted(
+                f"doorbell: the segment has no room for {size} bytes of slots"
+            )
+        ch = bell.Channel.create(self.segment, off, spin_us=spin_us, worker_spin_us=worker_spin_us)
+        try:
+            self._submit("attach_doorbell", ch.attach_message(), None).result(self.timeout)
+            ch.connect()
+        except BaseException:
+            ch.close(0)
+            self._alloc.free(off, size)
+            raise
+        self._bell = ch
+
     @property
     def shm(self) -> bool:
         """Whether activations travel through shared memory."""
         return self.segment is not None
+
+    @property
+    def doorbell(self) -> bool:
+        """Whether calls travel through a doorbell channel instead of the stream."""
+        return self._bell is not None
 
     # -- the stream -----------------------------------------------------------------------
 
@@ -179,6 +248,8 @@ class Session:
         for fut, _ in pending.values():
             self._free_regions(fut)
             fut._set(error=err)
+        if self._bell is not None:  # the worker closes its end too; do not wait for that
+            self._bell.fail(errors.Unavailable(f"doorbell: the session stream ended ({err})"))
 
     def _receive(self, resp: pb.SessionResponse) -> None:
         rid = resp.request_id
@@ -196,25 +267,36 @@ class Session:
             return  # nobody waits for it (never happens unless the worker misbehaves)
         fut, decode = entry
         try:
-            if kind == "error":
-                raise _error(resp.error)
-            body = getattr(resp, kind)
-            seg = self.segment
-            if staging.check(body, staged, seg.check if seg is not None else None, "result"):
-                # decode reads the bytes straight from the chunks / one copy out of the segment
-                codec.bind(staging.source(staged, seg.read if seg else None, "result"), None)
-                try:
-                    value = decode(body)
-                finally:
-                    codec.bind(None, None)
-            else:
-                value = decode(body)
+            value = self._result(resp, kind, staged, decode)
         except BaseException as exc:
             self._free_regions(fut)
             fut._set(error=exc)
             return
         self._free_regions(fut)
         fut._set(value)
+
+    def _result(
+        self,
+        resp: pb.SessionResponse,
+        kind: str | None,
+        staged: bytearray | None,
+        decode: Callable[[Any], Any],
+    ) -> Any:
+        """The decoded value of a response, or its error raised."""
+        if kind == "error":
+            raise _error(resp.error)
+        if kind is None:
+            raise errors.InternalError(f"session request {resp.request_id}: empty response")
+        body = getattr(resp, kind)
+        seg = self.segment
+        if staging.check(body, staged, seg.check if seg is not None else None, "result"):
+            # decode reads the bytes straight from the chunks / one copy out of the segment
+            codec.bind(staging.source(staged, seg.read if seg else None, "result"), None)
+            try:
+                return decode(body)
+            finally:
+                codec.bind(None, None)
+        return decode(body)
 
     def _free_regions(self, fut: SessionFuture) -> None:
         if self._alloc is not None:
@@ -231,6 +313,8 @@ class Session:
     ) -> SessionFuture:
         side: list[np.ndarray] = getattr(self._tls, "side", None) or []
         self._tls.side = []
+        if self._bell is not None and kind != "attach_doorbell":
+            return self._submit_bell(kind, body, decode or (lambda b: b), out_bytes, side)
         rid = next(self._ids)
         fut = SessionFuture(rid)
         req = pb.SessionRequest(request_id=rid, **{kind: body})
@@ -253,6 +337,71 @@ class Session:
             self._pending[rid] = (fut, decode or (lambda b: b))
         self._send.put(msgs)
         return fut
+
+    def _submit_bell(
+        self,
+        kind: str,
+        body: Any,
+        decode: Callable[[Any], Any],
+        out_bytes: int,
+        side: list[np.ndarray],
+    ) -> SessionFuture:
+        """A call through the doorbell channel: every array in the segment, the message in
+        a slot (``client/doorbell.py``)."""
+        ch, alloc, seg = self._bell, self._alloc, self.segment
+        assert ch is not None and alloc is not None and seg is not None
+        rid = next(self._ids)
+        fut = _BellFuture(rid, ch)
+        req = pb.SessionRequest(request_id=rid, **{kind: body})
+        try:
+            if self._closed:
+                raise errors.Cancelled("session is closed")
+            for a in staging.iter_arrays(getattr(req, kind)):
+                if not a.HasField("staged") or a.data:
+                    continue
+                view = memoryview(side[a.staged.offset]).cast("B")
+                off = alloc.alloc(len(view))
+                if off is None:
+                    raise self._no_room(kind, len(view))
+                fut._regions.append((off, len(view)))
+                seg.write(off, view)
+                a.ClearField("staged")
+                a.shm.offset, a.shm.length = off, len(view)
+            if out_bytes:
+                off = alloc.alloc(out_bytes)
+                if off is None:
+                    raise self._no_room(kind, out_bytes)
+                fut._regions.append((off, out_bytes))
+                req.output_shm.offset, req.output_shm.length = off, out_bytes
+            msg = req.SerializeToString()
+
+            def done(data: bytes | None, err: BaseException | None) -> None:
+                value = None
+                if err is None:
+                    try:
+                        resp = pb.SessionResponse.FromString(data)  # type: ignore[arg-type]
+                        if resp.request_id != rid and resp.request_id:
+                            raise errors.InternalError(
+                                f"doorbell: answer for request {resp.request_id}, not {rid}"
+                            )
+                        value = self._result(resp, resp.WhichOneof("result"), None, decode)
+                    except BaseException as exc:
+                        err = exc
+                self._free_regions(fut)
+                fut._set(value, err)
+
+            ch.submit(msg, fut, done)
+        except BaseException:
+            self._free_regions(fut)
+            raise
+        return fut
+
+    def _no_room(self, kind: str, n: int) -> errors.ResourceExhausted:
+        size = self.segment.size if self.segment is not None else 0
+        return errors.ResourceExhausted(
+            f"{kind}: no room for {n} bytes in the shared-memory segment ({size} bytes, "
+            f"shm_bytes); doorbell calls keep every array in it"
+        )
 
     def _place(self, body: Any, side: list[np.ndarray], fut: SessionFuture) -> list[memoryview]:
         """Give each encoded array its bytes: shared memory when attached and room is left,

@@ -227,12 +227,22 @@ class WorkerClient:
     def close(self) -> None:
         self._channel.close()
 
-    def session(self, *, shm: bool = False, shm_bytes: int = 256 << 20) -> Any:
+    def session(
+        self,
+        *,
+        shm: bool = False,
+        shm_bytes: int = 256 << 20,
+        doorbell: bool = False,
+        **options: Any,
+    ) -> Any:
         """A Session stream for the hot calls, several in flight (``client/session.py``);
-        ``shm=True`` moves activations through shared memory (same host only)."""
+        ``shm=True`` moves activations through shared memory (same host only);
+        ``doorbell=True`` (with shm) also takes the calls off gRPC: shared-memory slots and
+        FIFO doorbells, one call at a time per session (``client/doorbell.py``). ``options``
+        go to ``Session`` (``spin_us``, ``worker_spin_us``, ``timeout``)."""
         from coliworker.client.session import Session
 
-        return Session(self, shm=shm, shm_bytes=shm_bytes)
+        return Session(self, shm=shm, shm_bytes=shm_bytes, doorbell=doorbell, **options)
 
     @property
     def last_call(self) -> CallInfo:

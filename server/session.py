@@ -23,6 +23,11 @@ reader stops reading, which pushes back on the client through gRPC flow control.
 Large arrays arrive as ``chunk`` messages ahead of their call and leave the same way; with
 a shared-memory segment attached (``coliworker.client.shm``) arrays are read from and
 written to it. The segment is unmapped when the stream ends for any reason.
+
+With a segment attached the client may also open a doorbell channel (``attach_doorbell``,
+``server/doorbell.py``): its calls then arrive through FIFOs and segment slots, not this
+stream, and run one at a time on the channel's thread through ``call_now`` (same handlers,
+same owner, same errors). The channel closes when the stream ends.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import grpc
 
 from coliworker.client import codec, staging
 from coliworker.client.shm import Segment, ShmError
+from coliworker.server.doorbell import Doorbell
 from coliworker.server.errors import WorkerError
 from coliworker.v1 import worker_pb2 as pb
 
@@ -119,6 +125,7 @@ class SessionStream:
         self.staged: dict[int, bytearray] = {}
         self.overflow: set[int] = set()  # request ids whose chunks exceeded the limit
         self.segment: Segment | None = None
+        self.doorbell: Doorbell | None = None
         self.requests: Iterator[pb.SessionRequest] = iter(())
         # True: the handler thread reads requests itself whenever nothing is in flight;
         # False: a reader thread reads (pipelined calls), until calls come one at a time.
@@ -193,6 +200,8 @@ class SessionStream:
             threads, self.threads = self.threads, []
         for _ in threads:
             self.pool.put(None)
+        if self.doorbell is not None:
+            self.doorbell.close()
         if self.segment is not None:
             self.segment.close()
             self.segment = None
@@ -245,6 +254,9 @@ class SessionStream:
         staged = self.staged.pop(rid, None)
         if kind == "attach_shm":
             self.out.put([self._attach(rid, req.attach_shm)])
+            return
+        if kind == "attach_doorbell":
+            self.out.put([self._attach_doorbell(rid, req.attach_doorbell)])
             return
         if kind is None:
             self.out.put([self._error(rid, grpc.StatusCode.INVALID_ARGUMENT, "session: empty")])
@@ -316,6 +328,12 @@ class SessionStream:
     # -- running one request --------------------------------------------------------------
 
     def _run(self, job: _Job) -> Iterable[pb.SessionResponse]:
+        try:
+            return self._execute(job)
+        finally:
+            self._finish(job)
+
+    def _execute(self, job: _Job, chunks: bool = True) -> Iterable[pb.SessionResponse]:
         side: list = []  # result arrays codec.encode leaves for _place
         try:
             codec.bind(job.source, side)
@@ -323,7 +341,7 @@ class SessionStream:
                 result = self.handlers[job.kind](job.call, self.owner)
             finally:
                 codec.bind(None, None)
-            out = self._place(result, job, side)
+            out = self._place(result, job, side, chunks)
         except WorkerError as exc:
             if type(exc) is WorkerError:
                 out = [self._internal(job, exc)]
@@ -335,14 +353,42 @@ class SessionStream:
             out = [self._error(job.request_id, grpc.StatusCode.CANCELLED, exc.message)]
         except Exception as exc:
             out = [self._internal(job, exc)]
-        finally:
-            self._finish(job)
         return out
 
-    def _place(self, body: Any, job: _Job, side: list) -> Iterable[pb.SessionResponse]:
-        """Move result arrays into the offered shared memory, or into chunks when large,
-        straight from the NumPy results ``codec.encode`` left in ``side`` (their bytes never
-        enter a protobuf message, except small ones inline)."""
+    def call_now(self, req: pb.SessionRequest) -> pb.SessionResponse:
+        """Run one hot call on this thread (the doorbell channel's): its arrays come from
+        the segment only and its result goes into the region offered, else inline in the
+        one response (no chunks). Errors come back as a ``Status`` result."""
+        rid = req.request_id
+        kind = req.WhichOneof("call")
+        if kind not in self.handlers:
+            return self._error(
+                rid,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"doorbell: expected one of {', '.join(_CALLS)}, got {kind or 'nothing'}",
+            )
+        call = getattr(req, kind)
+        seg = self.segment
+        try:
+            external = staging.check(call, None, seg.check if seg is not None else None, kind)
+        except (ValueError, ShmError) as exc:
+            msg = exc.message if isinstance(exc, ShmError) else str(exc)
+            return self._error(rid, grpc.StatusCode.INVALID_ARGUMENT, msg)
+        output = None
+        if req.HasField("output_shm"):
+            output = (req.output_shm.offset, req.output_shm.length)
+        job = _Job(rid, kind, call, output)
+        if external and seg is not None:
+            job.source = staging.source(None, seg.read, kind, seg.view)
+        (resp,) = self._execute(job, chunks=False)
+        return resp
+
+    def _place(
+        self, body: Any, job: _Job, side: list, chunks: bool = True
+    ) -> Iterable[pb.SessionResponse]:
+        """Move result arrays into the offered shared memory, or into chunks when large
+        (``chunks``; else inline), straight from the NumPy results ``codec.encode`` left in
+        ``side`` (their bytes never enter a protobuf message, except small ones inline)."""
         seg = self.segment
         off, room = job.output if job.output is not None and seg is not None else (0, 0)
         views: list[memoryview] = []
@@ -362,7 +408,7 @@ class SessionStream:
                 step = (n + 63) // 64 * 64
                 off += step
                 room -= min(room, step)
-            elif n > staging.STAGE_ABOVE:
+            elif n > staging.STAGE_ABOVE and chunks:
                 views.append(view)
                 a.ClearField("data")
                 a.staged.offset, a.staged.length = staged, n
@@ -422,6 +468,34 @@ class SessionStream:
             self.segment = seg
         return pb.SessionResponse(request_id=rid, shm_attached=pb.ShmAttached(size=seg.size))
 
+    def _attach_doorbell(self, rid: int, msg: pb.DoorbellAttach) -> pb.SessionResponse:
+        seg = self.segment
+        if seg is None:
+            return self._error(
+                rid,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "attach_doorbell: attach a shared-memory segment first (attach_shm)",
+            )
+        if self.doorbell is not None:
+            return self._error(
+                rid,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "attach_doorbell: this stream already has a doorbell channel",
+            )
+        try:
+            bell = Doorbell(self, seg, msg)
+        except ShmError as exc:
+            return self._error(rid, _SHM_STATUS[exc.kind], exc.message)
+        with self.lock:
+            if self.ended:
+                bell.close()
+                return self._error(rid, grpc.StatusCode.CANCELLED, "attach_doorbell: stream ended")
+            self.doorbell = bell
+        bell.start()
+        return pb.SessionResponse(
+            request_id=rid, doorbell_attached=pb.DoorbellAttached(slots=bell.slots)
+        )
+
 
 class SessionManager:
     """Serves Session streams for one servicer; tracks the live ones."""
@@ -453,6 +527,12 @@ class SessionManager:
         """Names of the shared-memory segments mapped now (for tests and diagnostics)."""
         with self._lock:
             return [s.segment.name for s in self._streams if s.segment is not None]
+
+    def doorbell_threads(self) -> list[threading.Thread]:
+        """The doorbell channel threads still running (for tests and diagnostics)."""
+        with self._lock:
+            bells = [s.doorbell for s in self._streams if s.doorbell is not None]
+        return [b.thread for b in bells if b.thread.is_alive()]
 
 
 __all__ = ["MAX_IN_FLIGHT", "SessionManager", "SessionStream"]

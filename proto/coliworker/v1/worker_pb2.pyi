@@ -446,8 +446,28 @@ class ShmAttached(_message.Message):
     size: int
     def __init__(self, size: _Optional[int] = ...) -> None: ...
 
+class DoorbellAttach(_message.Message):
+    __slots__ = ("directory", "slots_offset", "slots", "slot_bytes", "worker_spin_us")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORKER_SPIN_US_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    slots_offset: int
+    slots: int
+    slot_bytes: int
+    worker_spin_us: int
+    def __init__(self, directory: _Optional[str] = ..., slots_offset: _Optional[int] = ..., slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., worker_spin_us: _Optional[int] = ...) -> None: ...
+
+class DoorbellAttached(_message.Message):
+    __slots__ = ("slots",)
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    slots: int
+    def __init__(self, slots: _Optional[int] = ...) -> None: ...
+
 class SessionRequest(_message.Message):
-    __slots__ = ("request_id", "matmul", "expert_group", "expert_group_routed", "attention", "attention_ragged", "expert_mlp", "attach_shm", "chunk", "output_shm")
+    __slots__ = ("request_id", "matmul", "expert_group", "expert_group_routed", "attention", "attention_ragged", "expert_mlp", "attach_shm", "chunk", "attach_doorbell", "output_shm")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MATMUL_FIELD_NUMBER: _ClassVar[int]
     EXPERT_GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -457,6 +477,7 @@ class SessionRequest(_message.Message):
     EXPERT_MLP_FIELD_NUMBER: _ClassVar[int]
     ATTACH_SHM_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_DOORBELL_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_SHM_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     matmul: MatmulRequest
@@ -467,8 +488,9 @@ class SessionRequest(_message.Message):
     expert_mlp: ExpertMlpRequest
     attach_shm: ShmAttach
     chunk: bytes
+    attach_doorbell: DoorbellAttach
     output_shm: Slice
-    def __init__(self, request_id: _Optional[int] = ..., matmul: _Optional[_Union[MatmulRequest, _Mapping]] = ..., expert_group: _Optional[_Union[ExpertGroupRequest, _Mapping]] = ..., expert_group_routed: _Optional[_Union[ExpertGroupRoutedRequest, _Mapping]] = ..., attention: _Optional[_Union[AttentionRequest, _Mapping]] = ..., attention_ragged: _Optional[_Union[AttentionRaggedRequest, _Mapping]] = ..., expert_mlp: _Optional[_Union[ExpertMlpRequest, _Mapping]] = ..., attach_shm: _Optional[_Union[ShmAttach, _Mapping]] = ..., chunk: _Optional[bytes] = ..., output_shm: _Optional[_Union[Slice, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[int] = ..., matmul: _Optional[_Union[MatmulRequest, _Mapping]] = ..., expert_group: _Optional[_Union[ExpertGroupRequest, _Mapping]] = ..., expert_group_routed: _Optional[_Union[ExpertGroupRoutedRequest, _Mapping]] = ..., attention: _Optional[_Union[AttentionRequest, _Mapping]] = ..., attention_ragged: _Optional[_Union[AttentionRaggedRequest, _Mapping]] = ..., expert_mlp: _Optional[_Union[ExpertMlpRequest, _Mapping]] = ..., attach_shm: _Optional[_Union[ShmAttach, _Mapping]] = ..., chunk: _Optional[bytes] = ..., attach_doorbell: _Optional[_Union[DoorbellAttach, _Mapping]] = ..., output_shm: _Optional[_Union[Slice, _Mapping]] = ...) -> None: ...
 
 class Status(_message.Message):
     __slots__ = ("code", "message")
@@ -479,7 +501,7 @@ class Status(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("request_id", "matmul", "expert_group", "expert_group_routed", "attention", "attention_ragged", "expert_mlp", "shm_attached", "chunk", "error")
+    __slots__ = ("request_id", "matmul", "expert_group", "expert_group_routed", "attention", "attention_ragged", "expert_mlp", "shm_attached", "chunk", "doorbell_attached", "error")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MATMUL_FIELD_NUMBER: _ClassVar[int]
     EXPERT_GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -489,6 +511,7 @@ class SessionResponse(_message.Message):
     EXPERT_MLP_FIELD_NUMBER: _ClassVar[int]
     SHM_ATTACHED_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    DOORBELL_ATTACHED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     matmul: MatmulResponse
@@ -499,5 +522,6 @@ class SessionResponse(_message.Message):
     expert_mlp: ExpertMlpResponse
     shm_attached: ShmAttached
     chunk: bytes
+    doorbell_attached: DoorbellAttached
     error: Status
-    def __init__(self, request_id: _Optional[int] = ..., matmul: _Optional[_Union[MatmulResponse, _Mapping]] = ..., expert_group: _Optional[_Union[ExpertGroupResponse, _Mapping]] = ..., expert_group_routed: _Optional[_Union[ExpertGroupResponse, _Mapping]] = ..., attention: _Optional[_Union[AttentionResponse, _Mapping]] = ..., attention_ragged: _Optional[_Union[AttentionRaggedResponse, _Mapping]] = ..., expert_mlp: _Optional[_Union[ExpertMlpResponse, _Mapping]] = ..., shm_attached: _Optional[_Union[ShmAttached, _Mapping]] = ..., chunk: _Optional[bytes] = ..., error: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[int] = ..., matmul: _Optional[_Union[MatmulResponse, _Mapping]] = ..., expert_group: _Optional[_Union[ExpertGroupResponse, _Mapping]] = ..., expert_group_routed: _Optional[_Union[ExpertGroupResponse, _Mapping]] = ..., attention: _Optional[_Union[AttentionResponse, _Mapping]] = ..., attention_ragged: _Optional[_Union[AttentionRaggedResponse, _Mapping]] = ..., expert_mlp: _Optional[_Union[ExpertMlpResponse, _Mapping]] = ..., shm_attached: _Optional[_Union[ShmAttached, _Mapping]] = ..., chunk: _Optional[bytes] = ..., doorbell_attached: _Optional[_Union[DoorbellAttached, _Mapping]] = ..., error: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
