@@ -92,7 +92,6 @@ def attend_launch(s: int, heads: int, k: int, r: int, scale: float, nsplit: int
         att = Launch(fn, (groups, s, nsplit), (ATT_WARPS * 32,),
                      (np.int32(s), np.int32(heads), np.int32(k), np.int32(r), np.float32(scale),
                       np.int32(nsplit)), 4 * ATT_TT * npl * 32)  # fmt: skip
-        merge = get_function("attention.cu", "mla_merge", VARIANTS)
         return att, _merge(s, heads, k, nsplit)
 
     key = (dev, "attend", s, heads, k, r, float(scale), nsplit)
@@ -101,8 +100,8 @@ def attend_launch(s: int, heads: int, k: int, r: int, scale: float, nsplit: int
 
 def _merge(s: int, heads: int, k: int, nsplit: int) -> Launch:
     merge = get_function("attention.cu", "mla_merge", VARIANTS)
-    return Launch(merge, (heads, s, -(-k // 128)), (128,),
-                  (np.int32(s), np.int32(heads), np.int32(k), np.int32(nsplit)), 4 * nsplit)  # fmt: skip
+    args = (np.int32(s), np.int32(heads), np.int32(k), np.int32(nsplit))
+    return Launch(merge, (heads, s, -(-k // 128)), (128,), args, 4 * nsplit)
 
 
 def _flash_geometry(k: int, r: int) -> tuple[int, int, int, int] | None:

@@ -283,9 +283,7 @@ class CupyPending:
         return self._result
 
 
-def _put(
-    host: np.ndarray, off: int, a: np.ndarray, nbytes: int, dtype: Any = np.float32
-) -> None:
+def _put(host: np.ndarray, off: int, a: np.ndarray, nbytes: int, dtype: Any = np.float32) -> None:
     """Copy array ``a`` (as ``dtype``, C order, ``nbytes`` bytes) into pinned ``host`` at off."""
     b = np.ascontiguousarray(a, dtype)
     host[off : off + nbytes] = b.reshape(-1).view(np.uint8)
