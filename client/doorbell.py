@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from coliworker.client import errors
-from coliworker.client.shm import Segment, shm_dir
+from coliworker.client.shm import Segment, pid_alive, shm_dir
 from coliworker.v1 import worker_pb2 as pb
 
 #: Calls one channel may have outstanding (request slots, and as many response slots).
@@ -63,16 +63,6 @@ _DIR = re.compile(r"^coliworker-(\d+)-[0-9a-f]{16}\.bell$")
 OnDone = Callable[[bytes | None, BaseException | None], None]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale(directory: str | None = None) -> list[str]:
     """Remove this uid's channel directories whose creating process is gone."""
     directory = directory or shm_dir()
@@ -83,7 +73,7 @@ def sweep_stale(directory: str | None = None) -> list[str]:
         return removed
     for name in names:
         m = _DIR.match(name)
-        if not m or _pid_alive(int(m.group(1))):
+        if not m or pid_alive(int(m.group(1))):
             continue
         path = os.path.join(directory, name)
         try:
