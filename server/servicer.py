@@ -12,12 +12,10 @@ import functools
 import itertools
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 import numpy as np
@@ -28,17 +26,17 @@ from coliworker.kernels.qtensor import QTensor
 from coliworker.server import validate
 from coliworker.server.auth import TokenTable
 from coliworker.server.backend import Backend, Pending, Phases, Result
+from coliworker.server.compute import ComputeOps
 from coliworker.server.config import Config
 from coliworker.server.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
     Unauthenticated,
-    Unavailable,
     WorkerError,
 )
 from coliworker.server.limits import Quota, check_upload
-from coliworker.server.sequences import RowsIn, SequenceStore
+from coliworker.server.sequences import SequenceStore
 from coliworker.server.session import SessionManager
 from coliworker.server.store import Budget, DeviceUsage, Handle, TensorStore
 from coliworker.v1 import worker_pb2 as pb
@@ -47,8 +45,6 @@ from coliworker.v1 import worker_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 INSTANCE_METADATA_KEY = "coliworker-instance"
-#: Validated expert lists kept per servicer (cleared when full).
-_EXPERT_CACHE = 4096
 
 
 #: Upload bytes hashed per step on the hashing thread.
@@ -61,14 +57,6 @@ def _hash_pool() -> ThreadPoolExecutor:
     if _hash_executor is None:
         _hash_executor = ThreadPoolExecutor(4, thread_name_prefix="upload-hash")
     return _hash_executor
-
-
-def _bounds(a: np.ndarray) -> tuple[int, int]:
-    """(min, max) of a small integer array (one pass for decode sizes)."""
-    if a.size <= 64:
-        flat = a.ravel().tolist()
-        return min(flat), max(flat)
-    return int(a.min()), int(a.max())
 
 
 class Hooks:
@@ -125,7 +113,7 @@ def _guard(method: Callable) -> Callable:
     return wrapper
 
 
-class WorkerServicer(pb_grpc.WorkerServicer):
+class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
     def __init__(self, config: Config, backend: Backend, hooks: Hooks | None = None) -> None:
         codec.tune_allocator()
         self.config = config
@@ -174,36 +162,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             f"internal error (request {request_id}); the worker log has the details",
         )
 
-    def _begin_compute(self, op: str) -> None:
-        """Fault injection (--fail-after) for tests of the engine's CPU fallback."""
-        limit = self.config.fail_after
-        if limit is None:
-            return
-        with self._lock:
-            n = self._compute_calls
-            self._compute_calls += 1
-        if n >= limit:
-            raise Unavailable(
-                f"{op}: compute failed (injected fault after {limit} calls, "
-                f"--fail-after); fall back to the CPU path"
-            )
-
-    @staticmethod
-    def _timed(fn: Callable[..., Result], *args: Any) -> Result:
-        """Call the backend and record the call's wall time (what backend_ns reports)."""
-        t0 = time.perf_counter_ns()
-        r = fn(*args)
-        r.wall_ns = time.perf_counter_ns() - t0
-        return r
-
     def _tensor(self, handle: int, field: str, owner: str) -> Handle:
         if handle == 0:
             raise InvalidArgument(f"{field}: expected a tensor handle, got 0")
         return self.store.get(handle, field, owner)
-
-    @staticmethod
-    def _out(result: Result, out_dtype: int, in_dtype: int) -> pb.Array:
-        return codec.encode(result.out, out_dtype or in_dtype)
 
     # -- info and lifecycle -------------------------------------------------------------
 
@@ -435,158 +397,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def Matmul(self, request, context):
         return self.matmul(request, self.owner(context))
 
-    def matmul(self, request: pb.MatmulRequest, owner: str) -> pb.MatmulResponse:
-        w = self._tensor(request.handle, "matmul.handle", owner)
-        x = validate.array(request.x, "matmul.x", 2)
-        validate.columns(x, w.spec.in_features, "matmul.x", "tensor in_features")
-        self._begin_compute("matmul")
-        r = self._timed(self.backend.matmul, w.data.resident, x)
-        return pb.MatmulResponse(
-            y=self._out(r, request.output_dtype, request.x.dtype), backend_ns=r.backend_ns
-        )
-
     @_guard
     def ExpertMlp(self, request, context):
         return self.expert_mlp(request, self.owner(context))
-
-    def expert_mlp(self, request: pb.ExpertMlpRequest, owner: str) -> pb.ExpertMlpResponse:
-        g = self._tensor(request.gate, "expert_mlp.gate", owner)
-        u = self._tensor(request.up, "expert_mlp.up", owner)
-        d = self._tensor(request.down, "expert_mlp.down", owner)
-        validate.same_device(
-            [("expert_mlp.gate", g), ("expert_mlp.up", u), ("expert_mlp.down", d)], "expert_mlp"
-        )
-        dim, _ = validate.mlp(g, u, d, "expert_mlp")
-        x = validate.array(request.x, "expert_mlp.x", 2)
-        validate.columns(x, dim, "expert_mlp.x", "gate in_features")
-        self._begin_compute("expert_mlp")
-        r = self._timed(
-            self.backend.expert_mlp, g.data.resident, u.data.resident, d.data.resident, x
-        )
-        return pb.ExpertMlpResponse(
-            y=self._out(r, request.output_dtype, request.x.dtype), backend_ns=r.backend_ns
-        )
-
-    def _experts(self, experts, op: str, owner: str) -> tuple[list[tuple], int, int]:
-        """Resolve and check experts; returns (resident triples, device, D)."""
-        n = len(experts)
-        if not 1 <= n <= self.config.max_experts:
-            raise (InvalidArgument if n == 0 else ResourceExhausted)(
-                f"{op}.experts: expected 1..{self.config.max_experts} experts, got {n}"
-            )
-        key = (owner, *[(e.gate, e.up, e.down) for e in experts])
-        gen = self.store.generation
-        hit = self._expert_cache.get(key)
-        if hit is not None and hit[0] == gen:
-            return hit[1], hit[2], hit[3]
-        triples, named, dim = [], [], None
-        for c, e in enumerate(experts):
-            f = f"{op}.experts[{c}]"
-            g = self._tensor(e.gate, f"{f}.gate", owner)
-            u = self._tensor(e.up, f"{f}.up", owner)
-            d = self._tensor(e.down, f"{f}.down", owner)
-            dc, _ = validate.mlp(g, u, d, f)
-            if dim is None:
-                dim = dc
-            elif dc != dim:
-                raise InvalidArgument(
-                    f"{f}.gate.in_features: expected {dim} (hidden size of experts[0]), got {dc}"
-                )
-            named += [(f"{f}.gate", g), (f"{f}.up", u), (f"{f}.down", d)]
-            triples.append((g.data.resident, u.data.resident, d.data.resident))
-        device = validate.same_device(named, op)
-        assert dim is not None
-        if len(self._expert_cache) >= _EXPERT_CACHE:
-            self._expert_cache.clear()
-        # generation read before the lookups: a free racing with them invalidates the entry
-        self._expert_cache[key] = (gen, triples, device, dim)
-        return triples, device, dim
-
-    def _group_args(self, request: pb.ExpertGroupRequest, op: str, owner: str):
-        triples, device, dim = self._experts(request.experts, op, owner)
-        rows = list(request.rows)
-        if len(rows) != len(triples):
-            raise InvalidArgument(
-                f"{op}.rows: expected {len(triples)} entries (one per expert), got {len(rows)}"
-            )
-        for c, r in enumerate(rows):
-            if r < 1:
-                raise InvalidArgument(f"{op}.rows[{c}]: expected >= 1, got {r}")
-        x = validate.array(request.x, f"{op}.x", 2)
-        if x.shape[0] != sum(rows):
-            raise InvalidArgument(
-                f"{op}.x: expected {sum(rows)} rows (sum of rows), got {x.shape[0]}"
-            )
-        validate.columns(x, dim, f"{op}.x", "experts' in_features")
-        return triples, rows, x, device
-
-    def _group_response(
-        self, r: Result, device: int, experts: int, rows: int, out_dtype: int
-    ) -> pb.ExpertGroupResponse:
-        self.store.record_group(device, experts, rows, r.phases)
-        self.hooks.record_group(device, experts, rows, r.phases)
-        p = r.phases
-        return pb.ExpertGroupResponse(
-            y=codec.encode(r.out, out_dtype),
-            backend_ns=r.backend_ns,
-            h2d_ns=p.h2d_ns,
-            kernel_ns=p.kernel_ns,
-            d2h_ns=p.d2h_ns,
-        )
 
     @_guard
     def ExpertGroup(self, request, context):
         return self.expert_group(request, self.owner(context))
 
-    def expert_group(self, request: pb.ExpertGroupRequest, owner: str) -> pb.ExpertGroupResponse:
-        triples, rows, x, device = self._group_args(request, "expert_group", owner)
-        self._begin_compute("expert_group")
-        r = self._timed(self.backend.expert_group, triples, rows, x)
-        return self._group_response(
-            r, device, len(triples), sum(rows), request.output_dtype or request.x.dtype
-        )
-
     @_guard
     def ExpertGroupRouted(self, request, context):
         return self.expert_group_routed(request, self.owner(context))
-
-    def expert_group_routed(
-        self, request: pb.ExpertGroupRoutedRequest, owner: str
-    ) -> pb.ExpertGroupResponse:
-        op = "expert_group_routed"
-        triples, device, dim = self._experts(request.experts, op, owner)
-        x = validate.array(request.x, f"{op}.x", 2)
-        validate.columns(x, dim, f"{op}.x", "experts' in_features")
-        try:
-            routes = codec.decode(request.routes, f"{op}.routes", ndim=2, float_only=False)
-        except codec.CodecError as exc:
-            raise InvalidArgument(str(exc)) from None
-        if routes.dtype != np.int32:
-            raise InvalidArgument(f"{op}.routes.dtype: expected int32, got {routes.dtype}")
-        weights = validate.array(request.weights, f"{op}.weights", 2)
-        if routes.shape[0] != x.shape[0]:
-            raise InvalidArgument(
-                f"{op}.routes: expected {x.shape[0]} rows (one per token of x), "
-                f"got {routes.shape[0]}"
-            )
-        if weights.shape != routes.shape:
-            raise InvalidArgument(
-                f"{op}.weights: expected shape {list(routes.shape)} (routes), "
-                f"got {list(weights.shape)}"
-            )
-        lo, hi = _bounds(routes)
-        if lo < 0 or hi >= len(triples):
-            bad = np.argwhere((routes < 0) | (routes >= len(triples)))
-            t, j = (int(v) for v in bad[0])
-            raise InvalidArgument(
-                f"{op}.routes[{t}, {j}]: expected 0..{len(triples) - 1} "
-                f"(an index into experts), got {int(routes[t, j])}"
-            )
-        self._begin_compute(op)
-        r = self._timed(self.backend.expert_group_routed, triples, x, routes, weights)
-        return self._group_response(
-            r, device, len(triples), int(routes.size), request.output_dtype or request.x.dtype
-        )
 
     @_guard
     def ExpertGroupIssue(self, request, context):
@@ -630,118 +451,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def Attention(self, request, context):
         return self.attention(request, self.owner(context))
 
-    def attention(self, request: pb.AttentionRequest, owner: str) -> pb.AttentionResponse:
-        op = "attention"
-        kv_b = self._tensor(request.kv_b, f"{op}.kv_b", owner)
-        q = validate.array(request.q, f"{op}.q", 3)
-        heads, k = validate.attention_dims(
-            kv_b, q, request.q_dim, request.rope_dim, request.v_dim, request.scale, op
-        )
-        latent = validate.array(request.latent, f"{op}.latent", 2)
-        rope = validate.array(request.rope, f"{op}.rope", 2)
-        validate.columns(latent, k, f"{op}.latent", "kv_b in_features")
-        validate.columns(rope, request.rope_dim, f"{op}.rope", "rope_dim")
-        if rope.shape[0] != latent.shape[0]:
-            raise InvalidArgument(
-                f"{op}.rope: expected {latent.shape[0]} rows (latent rows), got {rope.shape[0]}"
-            )
-        if latent.shape[0] < q.shape[0]:
-            raise InvalidArgument(
-                f"{op}.latent: expected >= {q.shape[0]} rows (one per query "
-                f"row, causal), got {latent.shape[0]}"
-            )
-        proj = self._o_proj(request.o_proj, kv_b, heads, request.v_dim, op, owner)
-        self._begin_compute(op)
-        r = self._timed(
-            self.backend.attention,
-            kv_b.data.resident,
-            proj,
-            q,
-            latent,
-            rope,
-            request.q_dim,
-            request.rope_dim,
-            request.v_dim,
-            request.scale,
-        )
-        return pb.AttentionResponse(
-            out=self._out(r, request.output_dtype, request.q.dtype), backend_ns=r.backend_ns
-        )
-
-    def _o_proj(self, handle: int, kv_b: Handle, heads: int, v_dim: int, op: str, owner: str):
-        if handle == 0:
-            return None
-        proj = self.store.get(handle, f"{op}.o_proj", owner)
-        validate.same_device([(f"{op}.kv_b", kv_b), (f"{op}.o_proj", proj)], op)
-        validate.o_proj(proj, heads, v_dim, op)
-        return proj.data.resident
-
     @_guard
     def AttentionRagged(self, request, context):
         return self.attention_ragged(request, self.owner(context))
-
-    def attention_ragged(
-        self, request: pb.AttentionRaggedRequest, owner: str
-    ) -> pb.AttentionRaggedResponse:
-        op = "attention_ragged"
-        kv_b = self._tensor(request.kv_b, f"{op}.kv_b", owner)
-        q = validate.array(request.q, f"{op}.q", 3)
-        heads, k = validate.attention_dims(
-            kv_b, q, request.q_dim, request.rope_dim, request.v_dim, request.scale, op
-        )
-        n = len(request.sequences)
-        if n != q.shape[0]:
-            raise InvalidArgument(f"{op}.sequences: expected {q.shape[0]} (one per q row), got {n}")
-        if n > self.config.max_sequences_per_call:
-            raise ResourceExhausted(
-                f"{op}.sequences: expected at most {self.config.max_sequences_per_call}, got {n}"
-            )
-        rows: list[RowsIn] = []
-        seen: dict[int, int] = {}
-        for i, s in enumerate(request.sequences):
-            f = f"{op}.sequences[{i}]"
-            if s.sequence_id in seen:
-                raise InvalidArgument(
-                    f"{f}.sequence_id: {s.sequence_id} already appears in "
-                    f"sequences[{seen[s.sequence_id]}]"
-                )
-            seen[s.sequence_id] = i
-            if s.start < 0:
-                raise InvalidArgument(f"{f}.start: expected >= 0, got {s.start}")
-            try:
-                lat = codec.decode_rows(s.latent, f"{f}.latent", k)
-                rop = codec.decode_rows(s.rope, f"{f}.rope", request.rope_dim)
-            except codec.CodecError as exc:
-                raise InvalidArgument(str(exc)) from None
-            validate.columns(lat, k, f"{f}.latent", "kv_b in_features")
-            validate.columns(rop, request.rope_dim, f"{f}.rope", "rope_dim")
-            if len(rop) != len(lat):
-                raise InvalidArgument(
-                    f"{f}.rope: expected {len(lat)} rows (latent rows), got {len(rop)}"
-                )
-            rows.append(RowsIn(s.sequence_id, s.start, lat, rop))
-        proj = self._o_proj(request.o_proj, kv_b, heads, request.v_dim, op, owner)
-        self._begin_compute(op)
-        with self.sequences.lock:
-            t0 = time.perf_counter_ns()  # the KV append is backend work too
-            caches = self.sequences.prepare(kv_b, rows, k, request.rope_dim)
-            r = self.backend.attention_ragged(
-                kv_b.data.resident,
-                proj,
-                q,
-                caches,
-                request.q_dim,
-                request.rope_dim,
-                request.v_dim,
-                request.scale,
-            )
-            r.wall_ns = time.perf_counter_ns() - t0
-            lengths = [c.length for c in caches]
-        return pb.AttentionRaggedResponse(
-            out=self._out(r, request.output_dtype, request.q.dtype),
-            lengths=lengths,
-            backend_ns=r.backend_ns,
-        )
 
     @_guard
     def FreeSequence(self, request, context):
