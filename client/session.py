@@ -42,11 +42,18 @@ from coliworker.client.shm import Allocator, Segment
 from coliworker.v1 import worker_pb2 as pb
 
 _STATUS_OF = {c.value[0]: c for c in grpc.StatusCode}
+#: Turns a response body into the call's value; gets the future to fill backend_ns/lengths.
+Decoder = Callable[[Any, "SessionFuture"], Any]
 
 
 def _error(status: pb.Status) -> errors.WorkerError:
     code = _STATUS_OF.get(status.code, grpc.StatusCode.UNKNOWN)
     return errors.from_status(code, status.message)
+
+
+def _raw(body: Any, fut: Any) -> Any:
+    """The decoder of control calls: the response body itself."""
+    return body
 
 
 class SessionFuture:
@@ -139,7 +146,7 @@ class Session:
         self.wire_dtype = client.wire_dtype
         self.timeout = client.timeout if timeout is None else timeout
         self._send: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: dict[int, tuple[SessionFuture, Callable[[Any], Any]]] = {}
+        self._pending: dict[int, tuple[SessionFuture, Decoder]] = {}
         self._chunks: dict[int, bytearray] = {}
         self._ids = itertools.count(1)
         self._tls = threading.local()  # arrays encoded for the call being built
@@ -267,7 +274,7 @@ class Session:
             return  # nobody waits for it (never happens unless the worker misbehaves)
         fut, decode = entry
         try:
-            value = self._result(resp, kind, staged, decode)
+            value = self._result(resp, kind, staged, decode, fut)
         except BaseException as exc:
             self._free_regions(fut)
             fut._set(error=exc)
@@ -280,7 +287,8 @@ class Session:
         resp: pb.SessionResponse,
         kind: str | None,
         staged: bytearray | None,
-        decode: Callable[[Any], Any],
+        decode: Decoder,
+        fut: SessionFuture,
     ) -> Any:
         """The decoded value of a response, or its error raised."""
         if kind == "error":
@@ -293,10 +301,10 @@ class Session:
             # decode reads the bytes straight from the chunks / one copy out of the segment
             codec.bind(staging.source(staged, seg.read if seg else None, "result"), None)
             try:
-                return decode(body)
+                return decode(body, fut)
             finally:
                 codec.bind(None, None)
-        return decode(body)
+        return decode(body, fut)
 
     def _free_regions(self, fut: SessionFuture) -> None:
         if self._alloc is not None:
@@ -308,13 +316,13 @@ class Session:
         self,
         kind: str,
         body: Any,
-        decode: Callable[[Any], Any] | None,
+        decode: Decoder | None,
         out_bytes: int = 0,
     ) -> SessionFuture:
         side: list[np.ndarray] = getattr(self._tls, "side", None) or []
         self._tls.side = []
         if self._bell is not None and kind != "attach_doorbell":
-            return self._submit_bell(kind, body, decode or (lambda b: b), out_bytes, side)
+            return self._submit_bell(kind, body, decode or _raw, out_bytes, side)
         rid = next(self._ids)
         fut = SessionFuture(rid)
         req = pb.SessionRequest(request_id=rid, **{kind: body})
@@ -334,7 +342,7 @@ class Session:
                     err = errors.Cancelled("session is closed")
                 self._free_regions(fut)
                 raise err
-            self._pending[rid] = (fut, decode or (lambda b: b))
+            self._pending[rid] = (fut, decode or _raw)
         self._send.put(msgs)
         return fut
 
@@ -342,7 +350,7 @@ class Session:
         self,
         kind: str,
         body: Any,
-        decode: Callable[[Any], Any],
+        decode: Decoder,
         out_bytes: int,
         side: list[np.ndarray],
     ) -> SessionFuture:
@@ -384,7 +392,7 @@ class Session:
                             raise errors.InternalError(
                                 f"doorbell: answer for request {resp.request_id}, not {rid}"
                             )
-                        value = self._result(resp, resp.WhichOneof("result"), None, decode)
+                        value = self._result(resp, resp.WhichOneof("result"), None, decode, fut)
                     except BaseException as exc:
                         err = exc
                 self._free_regions(fut)
@@ -457,21 +465,17 @@ class Session:
         )
 
     @staticmethod
-    def _decoder(field: str, fut_box: list[SessionFuture]) -> Callable[[Any], np.ndarray]:
-        def decode(body: Any) -> np.ndarray:
-            f = fut_box[0]
-            f.backend_ns = body.backend_ns
+    def _decoder(field: str) -> Decoder:
+        def decode(body: Any, fut: SessionFuture) -> np.ndarray:
+            fut.backend_ns = body.backend_ns
             if hasattr(body, "lengths"):
-                f.lengths = list(body.lengths)
+                fut.lengths = list(body.lengths)
             return codec.decode(getattr(body, field), "result")
 
         return decode
 
     def _go(self, kind: str, body: Any, field: str, out_bytes: int) -> SessionFuture:
-        box: list[SessionFuture] = []
-        fut = self._submit(kind, body, self._decoder(field, box), out_bytes)
-        box.append(fut)
-        return fut
+        return self._submit(kind, body, self._decoder(field), out_bytes)
 
     # -- calls (futures) ------------------------------------------------------------------
 

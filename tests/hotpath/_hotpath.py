@@ -59,3 +59,48 @@ def routed_reference(m: Model, x, routes, weights) -> np.ndarray:
 
 
 ATT = dict(q_dim=Q, rope_dim=R, v_dim=V, scale=1.0 / np.sqrt(Q + R))
+
+
+def routing(rng, t, k, n):
+    routes = np.stack([rng.choice(n, size=k, replace=False) for _ in range(t)]).astype(np.int32)
+    return routes, rng.random((t, k)).astype(np.float32)
+
+
+def check_results_equal_unary(client: WorkerClient, model: Model, session, rng) -> None:
+    """Every hot call through ``session`` gives bit-for-bit what the unary call gives."""
+    m = model
+    x = rng.standard_normal((5, D)).astype(np.float32)
+    np.testing.assert_array_equal(session.matmul_sync(m.mat, x), client.matmul(m.mat, x))
+    g, u, d = m.experts[0]
+    np.testing.assert_array_equal(
+        session.expert_mlp_sync(g, u, d, x), client.expert_mlp(g, u, d, x)
+    )
+    rows = [2, 1, 2]
+    np.testing.assert_array_equal(
+        session.expert_group_sync(m.experts[:3], rows, x),
+        client.expert_group(m.experts[:3], rows, x),
+    )
+    routes, w = routing(rng, 5, 3, len(m.experts))
+    np.testing.assert_array_equal(
+        session.expert_group_routed_sync(m.experts, x, routes, w),
+        client.expert_group_routed(m.experts, x, routes, w),
+    )
+    q = rng.standard_normal((3, H, Q + R)).astype(np.float32)
+    lat = rng.standard_normal((7, K)).astype(np.float32)
+    rope = rng.standard_normal((7, R)).astype(np.float32)
+    np.testing.assert_array_equal(
+        session.attention_sync(m.kv_b, q, lat, rope, o_proj=m.o_proj, **ATT),
+        client.attention(m.kv_b, q, lat, rope, o_proj=m.o_proj, **ATT),
+    )
+    sid_a, sid_b = (int(v) for v in rng.integers(1, 1 << 40, size=2))
+    seqs = [(sid_a, 0, lat[:4], rope[:4]), (sid_b, 0, lat[:6], rope[:6])]
+    q2 = q[:2]
+    fut = session.attention_ragged(m.kv_b, m.o_proj, q2, sequences=seqs, **ATT)
+    got = fut.result(10)
+    assert fut.lengths == [4, 6] and fut.backend_ns > 0
+    client.free_sequence(sid_a)
+    client.free_sequence(sid_b)
+    want = client.attention_ragged(m.kv_b, m.o_proj, q2, sequences=seqs, **ATT)
+    np.testing.assert_array_equal(got, want)
+    client.free_sequence(sid_a)
+    client.free_sequence(sid_b)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _hotpath import ATT, D_OUT, D, H, K, Q, R, routed_reference
+from _hotpath import ATT, D_OUT, D, H, K, Q, R, check_results_equal_unary, routed_reference, routing
 
 from coliworker.client import InvalidArgument, NotFound
 from coliworker.kernels import reference as ref
@@ -18,41 +18,13 @@ def session(client, request):
         yield s
 
 
-def _routing(rng, t, k, n):
-    routes = np.stack([rng.choice(n, size=k, replace=False) for _ in range(t)]).astype(np.int32)
-    return routes, rng.random((t, k)).astype(np.float32)
-
-
 def test_results_equal_unary(client, model, session, rng):
-    m = model
-    x = rng.standard_normal((5, D)).astype(np.float32)
-    np.testing.assert_array_equal(session.matmul_sync(m.mat, x), client.matmul(m.mat, x))
-    g, u, d = m.experts[0]
-    np.testing.assert_array_equal(
-        session.expert_mlp_sync(g, u, d, x), client.expert_mlp(g, u, d, x)
-    )
-    rows = [2, 1, 2]
-    np.testing.assert_array_equal(
-        session.expert_group_sync(m.experts[:3], rows, x),
-        client.expert_group(m.experts[:3], rows, x),
-    )
-    routes, w = _routing(rng, 5, 3, len(m.experts))
-    np.testing.assert_array_equal(
-        session.expert_group_routed_sync(m.experts, x, routes, w),
-        client.expert_group_routed(m.experts, x, routes, w),
-    )
-    q = rng.standard_normal((3, H, Q + R)).astype(np.float32)
-    lat = rng.standard_normal((7, K)).astype(np.float32)
-    rope = rng.standard_normal((7, R)).astype(np.float32)
-    np.testing.assert_array_equal(
-        session.attention_sync(m.kv_b, q, lat, rope, o_proj=m.o_proj, **ATT),
-        client.attention(m.kv_b, q, lat, rope, o_proj=m.o_proj, **ATT),
-    )
+    check_results_equal_unary(client, model, session, rng)
 
 
 def test_routed_is_weighted_sum_of_expert_mlp(model, session, rng):
     x = rng.standard_normal((4, D)).astype(np.float32)
-    routes, w = _routing(rng, 4, 3, len(model.experts))
+    routes, w = routing(rng, 4, 3, len(model.experts))
     y = session.expert_group_routed_sync(model.experts, x, routes, w)
     want = routed_reference(model, x, routes, w)
     assert np.max(np.abs(y - want)) <= 1e-5 * np.max(np.abs(want))
