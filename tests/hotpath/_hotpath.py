@@ -104,3 +104,31 @@ def check_results_equal_unary(client: WorkerClient, model: Model, session, rng) 
     np.testing.assert_array_equal(got, want)
     client.free_sequence(sid_a)
     client.free_sequence(sid_b)
+
+
+def check_ragged_order(client: WorkerClient, model: Model, session, rng) -> None:
+    """Appends to one sequence submitted back to back (no waiting) run in order."""
+    n = 12
+    lat = rng.standard_normal((n, K)).astype(np.float32)
+    rope = rng.standard_normal((n, R)).astype(np.float32)
+    qs = rng.standard_normal((n, 1, H, Q + R)).astype(np.float32)
+    sid = int(rng.integers(1, 1 << 40))
+    futs = [
+        session.attention_ragged(
+            model.kv_b,
+            model.o_proj,
+            qs[i],
+            sequences=[(sid, i, lat[i : i + 1], rope[i : i + 1])],
+            **ATT,
+        )
+        for i in range(n)
+    ]
+    outs = [f.result(10) for f in futs]
+    assert [f.lengths for f in futs] == [[i + 1] for i in range(n)]
+    for i in range(n):
+        want = ref.attention(
+            model.kv_b_t, model.o_proj_t, qs[i], lat[: i + 1], rope[: i + 1], **ATT
+        )
+        assert outs[i].shape == (1, D_OUT)
+        np.testing.assert_allclose(outs[i], want, rtol=1e-4, atol=1e-5)
+    client.free_sequence(sid)

@@ -14,7 +14,7 @@ import time
 import grpc
 import numpy as np
 import pytest
-from _hotpath import ATT, D_OUT, D, H, K, Q, R, check_results_equal_unary
+from _hotpath import D, check_ragged_order, check_results_equal_unary
 
 from coliworker.client import (
     FailedPrecondition,
@@ -108,30 +108,7 @@ def test_threads_share_a_channel(model, session, rng):
 
 def test_ragged_order_on_one_kv_b(client, model, session, rng):
     """Appends to one sequence submitted back to back (no waiting) run in order."""
-    n = 12
-    lat = rng.standard_normal((n, K)).astype(np.float32)
-    rope = rng.standard_normal((n, R)).astype(np.float32)
-    qs = rng.standard_normal((n, 1, H, Q + R)).astype(np.float32)
-    sid = int(rng.integers(1, 1 << 40))
-    futs = [
-        session.attention_ragged(
-            model.kv_b,
-            model.o_proj,
-            qs[i],
-            sequences=[(sid, i, lat[i : i + 1], rope[i : i + 1])],
-            **ATT,
-        )
-        for i in range(n)
-    ]
-    outs = [f.result(10) for f in futs]
-    assert [f.lengths for f in futs] == [[i + 1] for i in range(n)]
-    for i in range(n):
-        want = ref.attention(
-            model.kv_b_t, model.o_proj_t, qs[i], lat[: i + 1], rope[: i + 1], **ATT
-        )
-        assert outs[i].shape == (1, D_OUT)
-        np.testing.assert_allclose(outs[i], want, rtol=1e-4, atol=1e-5)
-    client.free_sequence(sid)
+    check_ragged_order(client, model, session, rng)
 
 
 def test_calls_are_recorded(server, model, session, rng, monkeypatch):
