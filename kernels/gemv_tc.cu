@@ -31,6 +31,7 @@
 // same bits on every call).
 #include "common.cuh"
 #include "jobs.cuh"
+#include "tc.cuh"
 
 #define TC_RG 2
 #define TC_KS (GEMV_WARPS / TC_RG)
@@ -38,43 +39,6 @@
 template <int SB> struct TcNT {
     static constexpr int value = (3 * SB + 7) / 8;  // n=8 tiles of the 3 * SB columns
 };
-
-__device__ __forceinline__ unsigned short tc_bf16(float v) {
-    unsigned short h;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(v));
-    return h;
-}
-
-__device__ __forceinline__ float tc_f32(unsigned short h) {
-    return __uint_as_float(static_cast<unsigned int>(h) << 16);
-}
-
-// (x & 0x000F000F) | 0x43004300 -> bf16x2 (128 + nibble), then * 1 - 136 -> nibble - 8.
-__device__ __forceinline__ unsigned int tc_nib2(unsigned int x) {
-    unsigned int r, d;
-    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(x), "r"(0x000F000Fu), "r"(0x43004300u));
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(r), "r"(0x3F803F80u), "r"(0xC308C308u));
-    return d;
-}
-
-// Quad q of a chunk (words w) -> (k0, k2) in lo, (k1, k3) in hi, as bf16x2 values nibble - 8.
-__device__ __forceinline__ void tc_quad(const uint4 &c, int q, unsigned int &lo, unsigned int &hi) {
-    const unsigned int w[4] = {c.x, c.y, c.z, c.w};
-    unsigned int x;
-    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(x) : "r"(w[q >> 1]), "r"((q & 1) ? 0x3322u : 0x1100u));
-    lo = tc_nib2(x);
-    hi = tc_nib2(x >> 4);
-}
-
-__device__ __forceinline__ void tc_mma(float (&d)[4], unsigned int a0, unsigned int a1,
-                                       unsigned int a2, unsigned int a3, uint2 b,
-                                       const float (&c)[4]) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%10,%11,%12,%13};"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y), "f"(c[0]), "f"(c[1]),
-          "f"(c[2]), "f"(c[3]));
-}
 
 // Staged index (in bf16 values, within one column) of tile element e: step e / 128 in memory
 // order, then quad, then t, then (k0, k2, k1, k3). Columns are cstride values apart.
