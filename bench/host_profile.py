@@ -1,10 +1,13 @@
 """Where the host time of a backend call goes: cProfile over repeated GLM-5.2 decode calls.
 
-    PYTHONPATH=.dev python bench/host_profile.py [--calls 300]
+    PYTHONPATH=.dev python bench/host_profile.py [--calls 300] [--gaps 0,1000] [--profile]
 
-Prints, per operation, the median wall time per call, the backend's own kernel phase, and
-the top functions by self time. A diagnostic for the gap between "call" and "kernel" in
-bench/kernels.py; it writes no results file.
+Prints, per operation, the median wall time per call and the backend's own kernel phase, for
+back-to-back calls and for calls spaced by idle gaps (a worker between requests: the host
+thread and the GPU idle for a while), from the main thread and from a pool thread (as gRPC
+handlers run); with --profile, the top functions by self time. A diagnostic for the gap
+between "call" and "kernel" in bench/kernels.py and for backend_ns in bench/rpc.py; it writes
+no results file.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import cProfile
 import io
 import pstats
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -24,6 +28,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--gaps", default="0,200,1000", help="idle microseconds between calls")
+    p.add_argument("--profile", action="store_true")
     a = p.parse_args()
     from coliworker.server.backends import create_backend
 
@@ -44,34 +50,55 @@ def main() -> None:
     cache.append(rng.standard_normal((4096, k)).astype(np.float32),
                  rng.standard_normal((4096, rd)).astype(np.float32))  # fmt: skip
     qs = rng.standard_normal((1, h, q + rd)).astype(np.float32)
+    routes = np.arange(8, dtype=np.int32).reshape(1, 8)
+    rw = rng.random((1, 8)).astype(np.float32)
     ops = {
         "expert_group 8x1": lambda: b.expert_group(experts, [1] * 8, x8),
+        "expert_group_routed 1 token, 8 of 8": lambda: b.expert_group_routed(
+            experts, x1, routes, rw
+        ),
         "matmul S=1 6144^2": lambda: b.matmul(w, x1),
         "attention_ragged 1 seq T=4096": lambda: b.attention_ragged(
             kv_b, o_proj, qs, [cache], q, rd, v, 1 / np.sqrt(q + rd)
         ),
     }
-    for name, fn in ops.items():
-        for _ in range(20):
-            fn()
+    pool = ThreadPoolExecutor(1)
+    gaps = [int(g) for g in a.gaps.split(",")]
+    table = []
+
+    def loop(fn, gap_s: float) -> tuple[float, float]:
         walls, kerns = [], []
         for _ in range(a.calls):
+            if gap_s:
+                time.sleep(gap_s)
             t0 = time.perf_counter_ns()
             r = fn()
             walls.append(time.perf_counter_ns() - t0)
             kerns.append(r.phases.kernel_ns)
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(a.calls):
+        return float(np.median(walls)) / 1e3, float(np.median(kerns)) / 1e3
+
+    for name, fn in ops.items():
+        for _ in range(20):
             fn()
-        prof.disable()
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
-        print(
-            f"== {name}: wall p50 {np.median(walls) / 1e3:.1f} us, kernel phase p50 "
-            f"{np.median(kerns) / 1e3:.1f} us"
-        )
-        print(s.getvalue())
+        pool.submit(lambda fn=fn: [fn() for _ in range(20)]).result()
+        for gap in gaps:
+            main_w, main_k = loop(fn, gap / 1e6)
+            thr_w, _ = pool.submit(loop, fn, gap / 1e6).result()
+            table.append((name, gap, main_w, thr_w, main_k))
+        if a.profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(a.calls):
+                fn()
+            prof.disable()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(a.top)
+            print(f"== {name}")
+            print(out.getvalue())
+    print("| operation | gap us | wall p50 us (main) | wall p50 us (pool thread) | kernel p50 us |")
+    print("|---|---|---|---|---|")
+    for name, gap, mw, tw, k in table:
+        print(f"| {name} | {gap} | {mw:.1f} | {tw:.1f} | {k:.1f} |")
     b.close()
 
 

@@ -86,18 +86,22 @@ def plan_group(experts: Sequence[tuple[Any, Any, Any]], rows: Sequence[int]) -> 
 def write_group(
     buf: Any, off: int, plan: GroupPlan, experts: Sequence[tuple[Any, Any, Any]], d: int,
     dout: int, x_ptr: int, y_ptr: int, h_ptr: int, hu_ptr: int,
+    x_at: Sequence[int] | None = None,
 ) -> list[tuple]:  # fmt: skip
     """Pack every table of a group into ``buf`` (writable bytes, uint8 NumPy array) at ``off``
     and return the launches that read them, with offsets relative to ``off``.
 
-    x float32 [N, d] packed rows at x_ptr, y [N, dout] at y_ptr, hidden [sum rows*ie] at h_ptr
-    (and up's, for unfused experts, at hu_ptr). Launches: ("moe", gu, dn, offset, n, max_rows,
-    max_ie, max_dout), ("gemv", spec, offset, n, max_rows, max_out) or ("silu_mul", floats):
-    the unfused experts' h = silu(h) * hu over the whole hidden buffer (the fused experts' part
-    is dead by then: their moe launches come first and consume it).
+    x float32 [N, d] packed rows at x_ptr (or expert c's rows at ``x_at[c]``: a routed group
+    whose experts each read consecutive token rows needs no packed copy), y [N, dout] at
+    y_ptr, hidden [sum rows*ie] at h_ptr (and up's, for unfused experts, at hu_ptr).
+    Launches: ("moe", gu, dn, offset, n, max_rows, max_ie, max_dout), ("gemv", spec, offset,
+    n, max_rows, max_out) or ("silu_mul", floats): the unfused experts' h = silu(h) * hu over
+    the whole hidden buffer (the fused experts' part is dead by then: their moe launches come
+    first and consume it).
     """
     rows, row_off, hid_off = plan.rows, plan.row_off, plan.hid_off
     d4, o4 = 4 * d, 4 * dout
+    xs = list(x_at) if x_at is not None else [x_ptr + r * d4 for r in row_off[:-1]]
     launches: list[tuple] = []
     pos = off
     pack = MOE_JOB.pack_into
@@ -109,7 +113,7 @@ def write_group(
         for c in cs:
             g, u, dd = experts[c]
             r, ie, do = rows[c], g.out_features, dd.out_features
-            pack(buf, p, *g.ptrs, *u.ptrs, *dd.ptrs, x_ptr + row_off[c] * d4,
+            pack(buf, p, *g.ptrs, *u.ptrs, *dd.ptrs, xs[c],
                  h_ptr + 4 * hid_off[c], y_ptr + row_off[c] * o4, r, ie, do, 0)  # fmt: skip
             p += MOE_JOB.size
             max_rows, max_ie, max_dout = max(max_rows, r), max(max_ie, ie), max(max_dout, do)
@@ -122,7 +126,7 @@ def write_group(
     for c in plan.unfused:
         g, u, dd = experts[c]
         r, ie = rows[c], g.out_features
-        xp = x_ptr + row_off[c] * d4
+        xp = xs[c]
         hg, hu = h_ptr + 4 * hid_off[c], hu_ptr + 4 * hid_off[c]
         first.setdefault(id(g.spec), (g.spec, []))[1].append((*g.ptrs, 0, 0, xp, hg, r, ie, d, ie))
         first.setdefault(id(u.spec), (u.spec, []))[1].append((*u.ptrs, 0, 0, xp, hu, r, ie, d, ie))

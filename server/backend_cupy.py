@@ -28,7 +28,7 @@ import cupyx
 import numpy as np
 
 from coliworker.kernels import attention as att
-from coliworker.kernels import layout
+from coliworker.kernels import layout, route
 from coliworker.kernels.matmul import WeightSpec, gemv_launch, moe_launch
 from coliworker.kernels.qtensor import QTensor
 from coliworker.kernels.tables import GEMV_JOB, KV_DESC, counter_bytes, plan_group, write_group
@@ -144,13 +144,14 @@ class _Arena:
     the host, so an issued call owns its buffers until ``result()``; calls beyond the pool's
     size (several in flight) get fresh arenas."""
 
-    __slots__ = ("dev", "dptr", "host", "hptr", "events", "home")
+    __slots__ = ("dev", "dptr", "host", "hptr", "events", "eptr", "home")
 
     def __init__(self, home: list[_Arena]) -> None:
         self.dev: Any = None  # cupy.ndarray uint8, set by reserve()
         self.host: Any = None  # pinned np.ndarray uint8, set by reserve()
         self.dptr = self.hptr = 0
         self.events = [cupy.cuda.Event() for _ in range(4)]
+        self.eptr = [e.ptr for e in self.events]  # raw handles: the runtime calls cost less
         self.home = home
 
     def reserve(self, dev_bytes: int, host_bytes: int) -> None:
@@ -236,16 +237,16 @@ class _Call:
         self.out = (off, n, shape)
 
     def mark(self, i: int) -> None:
-        self.arena.events[i].record(self.stream)
+        cupy.cuda.runtime.eventRecord(self.arena.eptr[i], self.stream.ptr)
 
     def finish(self) -> Result:
         a = self.arena
-        ev = a.events
-        ev[3].synchronize()
+        ev = a.eptr
+        rt = cupy.cuda.runtime
+        rt.eventSynchronize(ev[3])
         off, n, shape = self.out
         out = a.host[off : off + n].view(np.float32).reshape(shape).copy()  # the arena is reused
-        phases = Phases(*(int(cupy.cuda.get_elapsed_time(ev[i], ev[i + 1]) * 1e6)
-                          for i in range(3)))  # fmt: skip
+        phases = Phases(*(int(rt.eventElapsedTime(ev[i], ev[i + 1]) * 1e6) for i in range(3)))
         self.arena = None
         a.give_back()
         return Result(out, phases)
@@ -437,13 +438,15 @@ class CupyBackend:
 
     def _group(
         self, call: _Call, experts: Sequence[ExpertTriple], rows: Sequence[int], x: np.ndarray,
-        extra_in: int = 0,
+        extra_in: int = 0, x_rows: Sequence[int] | None = None, extra_out: int = 0,
     ) -> tuple[_Arena, list[tuple], dict[str, int]]:  # fmt: skip
         """Plan a group, reserve its arena and write its inputs; returns the arena, the launches
         and the offsets. Inputs: x float32 [T, D] at 0, the tables, ``extra_in`` more bytes at
-        "extra", up to "in_end". Output: y float32 [N, dout] at "y". Device scratch: hidden
-        (and up's, for unfused experts), then, for routed calls (``extra_in``), the packed
-        x float32 [N, D] at "xp" that the tables read."""
+        "extra", up to "in_end". Outputs: y float32 [N, dout] at "y", then ``extra_out`` more
+        bytes at "out". Device scratch: hidden (and up's, for unfused experts), then, for a
+        routed group that gathers (``x_rows`` None and ``extra_in``), the packed x float32
+        [N, D] at "xp" that the tables read. ``x_rows[c]``: the token row expert c's
+        (consecutive) rows start at; the tables then read x in place."""
         plan = plan_group(experts, rows)
         T, D = x.shape
         N, dout = max(plan.n_rows, 1), experts[0][2].out_features
@@ -451,19 +454,24 @@ class CupyBackend:
         e_off = _align(t_off + plan.table_bytes)
         in_end = e_off + extra_in
         y_off = _align(in_end)
-        h_off = _align(y_off + 4 * N * dout)
+        o_off = _align(y_off + 4 * N * dout)
+        out_end = o_off + extra_out
+        h_off = _align(out_end)
         n_hid = max(plan.n_hid, 1)
         hu_off = _align(h_off + 4 * n_hid)
         xp_off = _align(hu_off + (4 * n_hid if plan.unfused else 0))
-        end = xp_off + (4 * N * D if extra_in else 0)
-        a = call.reserve(end, y_off + 4 * N * dout)
+        packed = bool(extra_in) and x_rows is None
+        end = xp_off + (4 * N * D if packed else 0)
+        a = call.reserve(end, out_end)
         _put(a.host, 0, x, 4 * T * D)
         base = a.dptr
+        x_at = None if x_rows is None else [base + 4 * D * r for r in x_rows]
         launches = write_group(a.host, t_off, plan, experts, D, dout,
-                               base + (xp_off if extra_in else 0), base + y_off, base + h_off,
-                               base + hu_off)  # fmt: skip
+                               base + (xp_off if packed else 0), base + y_off, base + h_off,
+                               base + hu_off, x_at)  # fmt: skip
         calls = self._group_launches(call, launches, base + t_off, base + h_off, base + hu_off)
-        return a, calls, {"extra": e_off, "in_end": in_end, "y": y_off, "xp": xp_off}
+        return a, calls, {"extra": e_off, "in_end": in_end, "y": y_off, "out": o_off,
+                          "xp": xp_off}  # fmt: skip
 
     def expert_group_issue(
         self, experts: Sequence[ExpertTriple], rows: Sequence[int], x: np.ndarray
@@ -496,42 +504,44 @@ class CupyBackend:
     ) -> Result:
         T, K = routes.shape
         D = x.shape[1]
+        n = T * K
         flat = np.ascontiguousarray(routes, np.int64).reshape(-1)
         order = np.argsort(flat, kind="stable")  # packed row p holds (t, j) = divmod(order[p], K)
         counts = np.bincount(flat, minlength=len(experts))
-        used = [e for e in range(len(experts)) if counts[e]]
-        pos = np.empty(T * K, np.int64)
-        pos[order] = np.arange(T * K)
-        sel = [experts[e] for e in used]
-        rows = [int(counts[e]) for e in used]
+        used = np.flatnonzero(counts)
+        rows = counts[used].tolist()
+        sel = [experts[e] for e in used.tolist()]
+        src = (order // K).astype(np.int32)  # token of packed row p
+        pos = np.empty(n, np.int32)
+        pos[order] = np.arange(n, dtype=np.int32)
+        # Each expert's packed rows are tokens in ascending order (stable sort): where they are
+        # consecutive for every expert (always at T = 1) the tables read x in place.
+        starts = np.cumsum(counts[used]) - counts[used]
+        step = np.diff(src) == 1
+        step[starts[1:] - 1] = True
+        x_rows = src[starts].tolist() if step.all() else None
         d_out = experts[0][2].out_features
-        n = T * K
-        extra = _align(8 * n) * 2 + 4 * n  # src rows, packed positions, weights
+        extra = _align(4 * n) * 2 + (0 if x_rows is not None else 4 * n)  # pos, w (, src)
         with _Call(self, experts[0][0].device, "expert_group_routed") as call:
-            a, calls, off = self._group(call, sel, rows, x, extra)
-            o0 = off["extra"]
-            o1, o2 = o0 + _align(8 * n), o0 + 2 * _align(8 * n)
-            _put(a.host, o0, order // K, 8 * n, np.int64)
-            _put(a.host, o1, pos, 8 * n, np.int64)
-            _put(a.host, o2, weights, 4 * n)
-            dev, y_off, xp_off = a.dev, off["y"], off["xp"]
-            xv = dev[: 4 * T * D].view(cupy.float32).reshape(T, D)
-            src = dev[o0 : o0 + 8 * n].view(cupy.int64)
-            pk = dev[o1 : o1 + 8 * n].view(cupy.int64)
-            wt = dev[o2 : o2 + 4 * n].view(cupy.float32).reshape(T, K)
-            xp = dev[xp_off : xp_off + 4 * n * D].view(cupy.float32).reshape(n, D)
-            yp = dev[y_off : y_off + 4 * n * d_out].view(cupy.float32).reshape(n, d_out)
+            a, calls, off = self._group(call, sel, rows, x, extra, x_rows, 4 * T * d_out)
+            base, o0 = a.dptr, off["extra"]
+            o1, o2 = o0 + _align(4 * n), o0 + 2 * _align(4 * n)
+            _put(a.host, o0, pos, 4 * n, np.int32)
+            _put(a.host, o1, weights, 4 * n)
+            if x_rows is None:
+                _put(a.host, o2, src, 4 * n, np.int32)
+            combine = route.combine_launch(T, K, d_out)
+            u64 = np.uint64
             call.mark(0)
             call.send(off["in_end"])
             call.mark(1)
-            cupy.take(xv, src, axis=0, out=xp)
+            if x_rows is None:
+                route.gather_launch(n, D)(u64(base + off["xp"]), u64(base), u64(base + o2))
             for go, args in calls:
                 go(*args)
-            y = (yp[pk].reshape(T, K, d_out) * wt[:, :, None]).sum(axis=1)
-            # into the output slot (the packed y there is consumed above, in stream order)
-            dev[y_off : y_off + 4 * T * d_out].view(cupy.float32).reshape(T, d_out)[...] = y
+            combine(u64(base + off["out"]), u64(base + off["y"]), u64(base + o0), u64(base + o1))
             call.mark(2)
-            call.receive(y_off, (T, d_out))
+            call.receive(off["out"], (T, d_out))
             call.mark(3)
             return call.finish()
 

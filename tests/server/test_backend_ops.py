@@ -196,6 +196,26 @@ def test_expert_group_routed(backend, rng) -> None:
     check(got, ref.expert_group_routed(experts, x, routes, weights), 1e-3)
 
 
+@pytest.mark.parametrize(
+    "routes",
+    [
+        [[3, 0, 2]],  # one decode token: every expert reads row 0 in place
+        [[0, 1], [0, 1], [2, 1]],  # consecutive rows per expert: read in place
+        [[0, 1], [2, 3], [0, 3]],  # expert 0 reads rows 0 and 2: packed copy
+        [[1, 1], [2, 0]],  # a token routed twice to one expert: packed copy
+    ],
+)
+def test_expert_group_routed_row_patterns(backend, rng, routes) -> None:
+    """The routed group reads x in place or through a packed copy; both give the weighted sum."""
+    experts = [random_expert(rng, 2, 40, 24) for _ in range(4)]
+    placed = [place_expert(backend, e) for e in experts]
+    r = np.asarray(routes, np.int32)
+    weights = rng.uniform(-1.0, 1.0, r.shape).astype(np.float32)
+    x = rows_of(rng, r.shape[0], 40)
+    got = backend.expert_group_routed(placed, x, r, weights)
+    check(got, ref.expert_group_routed(experts, x, r, weights), TOLERANCE[2])
+
+
 # -- attention -------------------------------------------------------------------------------
 
 H, Q, R, V, K = 3, 7, 5, 6, 33
