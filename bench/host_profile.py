@@ -28,7 +28,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--top", type=int, default=25)
-    p.add_argument("--gaps", default="0,200,1000", help="idle microseconds between calls")
+    p.add_argument(
+        "--gaps",
+        default="0,200,1000,s1000",
+        help="idle microseconds between calls; s<us>: the thread spins through the gap",
+    )
     p.add_argument("--profile", action="store_true")
     a = p.parse_args()
     from coliworker.server.backends import create_backend
@@ -63,14 +67,19 @@ def main() -> None:
         ),
     }
     pool = ThreadPoolExecutor(1)
-    gaps = [int(g) for g in a.gaps.split(",")]
+    gaps = a.gaps.split(",")
     table = []
 
-    def loop(fn, gap_s: float) -> tuple[float, float]:
+    def loop(fn, gap: str) -> tuple[float, float]:
+        spin, gap_ns = gap.startswith("s"), int(gap.lstrip("s")) * 1000
         walls, kerns = [], []
         for _ in range(a.calls):
-            if gap_s:
-                time.sleep(gap_s)
+            if spin:
+                end = time.perf_counter_ns() + gap_ns
+                while time.perf_counter_ns() < end:
+                    pass
+            elif gap_ns:
+                time.sleep(gap_ns / 1e9)
             t0 = time.perf_counter_ns()
             r = fn()
             walls.append(time.perf_counter_ns() - t0)
@@ -82,8 +91,8 @@ def main() -> None:
             fn()
         pool.submit(lambda fn=fn: [fn() for _ in range(20)]).result()
         for gap in gaps:
-            main_w, main_k = loop(fn, gap / 1e6)
-            thr_w, _ = pool.submit(loop, fn, gap / 1e6).result()
+            main_w, main_k = loop(fn, gap)
+            thr_w, _ = pool.submit(loop, fn, gap).result()
             table.append((name, gap, main_w, thr_w, main_k))
         if a.profile:
             prof = cProfile.Profile()
@@ -95,7 +104,7 @@ def main() -> None:
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(a.top)
             print(f"== {name}")
             print(out.getvalue())
-    print("| operation | gap us | wall p50 us (main) | wall p50 us (pool thread) | kernel p50 us |")
+    print("| operation | gap us (s: spun) | wall p50 us (main) | (pool thread) | kernel p50 us |")
     print("|---|---|---|---|---|")
     for name, gap, mw, tw, k in table:
         print(f"| {name} | {gap} | {mw:.1f} | {tw:.1f} | {k:.1f} |")

@@ -310,7 +310,11 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
         "routed": (w.session(), "tcp", "expert_group_routed"),
         "routed-uds": (wu.session(), "uds", "expert_group_routed"),
         "shm": (w.session(shm=True), "tcp", "expert_group_routed"),
-        "shm-doorbell": (w.session(shm=True, doorbell=True), "fifo", "expert_group_routed"),
+        "shm-doorbell": (
+            w.session(shm=True, doorbell=True, worker_spin_us=args.worker_spin_us),
+            "fifo",
+            "expert_group_routed",
+        ),
     }
     for name, (s, tr, kind) in sessions.items():
         if kind == "expert_group":
@@ -334,6 +338,8 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
             (name, tr, "stream", None, s, call, req_size(kind, body, shm), shm_resp if shm else out)
         )
     for name, tr, ekind, _, _, call, rq, rs in group_paths:
+        if not _wanted(args, f"expert_group/{name}"):
+            continue
         e2e, backend = timed(call, n, warm)
         ec = echo_uds if tr == "uds" else echo
         ech = ec.measure(ekind, rq, rs, n)
@@ -392,6 +398,8 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
         )
     na = args.att_iters
     for name, tr, ekind, call, rq, rs in att_paths:
+        if not _wanted(args, f"attention_ragged/{name}"):
+            continue
         e2e, backend = timed(call, na, 2)
         ec = echo_uds if tr == "uds" else echo
         ech = ec.measure(ekind, rq, rs, max(na, 100))
@@ -407,7 +415,7 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
         out_features=64,
     )  # fmt: skip
     big = rng.standard_normal((50 * 1024 * 1024 // 256, 64)).astype(np.float32)
-    for name in ("stream-chunks", "shm", "shm-doorbell"):
+    for name in ("stream-chunks", "shm", "shm-doorbell") if args.big_iters else ():
         s = sessions["routed" if name == "stream-chunks" else name][0]
         times, back = [], []
         for _ in range(args.big_iters + 1):
@@ -588,6 +596,10 @@ def _num(v) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
+def _wanted(args: argparse.Namespace, path: str) -> bool:
+    return not args.paths or any(w in path for w in args.paths.split(","))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="numpy", choices=("numpy", "cupy"))
@@ -602,6 +614,12 @@ def main() -> None:
         choices=("auto", "compute", "sleep"),
         help="what the busy echo does for the backend time: compute (like the NumPy "
         "backend), sleep (like a backend waiting on its GPU); auto: by backend",
+    )
+    p.add_argument(
+        "--paths", default="", help="comma-separated substrings: time only the paths naming one"
+    )
+    p.add_argument(
+        "--worker-spin-us", type=int, default=100, help="the doorbell worker's spin (sleeps after)"
     )
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)

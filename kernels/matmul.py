@@ -9,13 +9,14 @@ and whose down matrices share one spec of the same format.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import cupy
 import numpy as np
 
 from coliworker.kernels._module import get_function
+from coliworker.kernels.launch import Launch
+from coliworker.kernels.launch import cached as _cached
 from coliworker.kernels.layout import Layout
 
 # Mirrors ``struct GemvJob`` in gemv.cu (64 bytes, naturally aligned).
@@ -156,37 +157,6 @@ def pick_sb(max_rows: int) -> int:
 def _kt(sb: int, blk: int, in_padded: int) -> int:
     kt = max(blk, (SMEM_BUDGET // (4 * sb)) // blk * blk)
     return min(kt, in_padded)
-
-
-class Launch:
-    """A prepared launch: kernel, grid, block, dynamic shared memory and every argument after
-    the leading pointers. ``launch(*ptrs)`` makes it on the current device and stream; pointers
-    are device addresses (``np.uint64``) or CuPy arrays."""
-
-    __slots__ = ("fn", "grid", "block", "tail", "smem")
-
-    def __init__(self, fn: cupy.RawKernel, grid: tuple, block: tuple, tail: tuple, smem: int):
-        self.fn, self.grid, self.block, self.tail, self.smem = fn, grid, block, tail, smem
-
-    def __call__(self, *ptrs: object) -> None:
-        self.fn(self.grid, self.block, ptrs + self.tail, shared_mem=self.smem)
-
-
-# Prepared launches by (device, kind, spec ids, sizes): the specs are interned, so their ids
-# are stable; a plain dict, cleared when it grows past a bound (shapes repeat in practice).
-_launches: dict[tuple, Launch | None] = {}
-_LAUNCH_CACHE = 4096
-
-
-def _cached(key: tuple, make: Callable[[], Launch | None]) -> Launch | None:
-    try:
-        return _launches[key]
-    except KeyError:
-        pass
-    if len(_launches) >= _LAUNCH_CACHE:
-        _launches.clear()
-    ln = _launches[key] = make()
-    return ln
 
 
 def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int) -> Launch | None:

@@ -9,7 +9,7 @@ import cupy
 import numpy as np
 
 from coliworker.kernels._module import get_function
-from coliworker.kernels.matmul import Launch, _cached
+from coliworker.kernels.launch import Launch, cached
 
 VARIANTS = ("route_gather", "route_combine")
 
@@ -22,7 +22,7 @@ def gather_launch(n: int, d: int) -> Launch:
         fn = get_function("route.cu", "route_gather", VARIANTS)
         return Launch(fn, (-(-d // 1024), n), (256,), (np.int32(d),), 0)
 
-    return _cached((dev, "route_gather", n, d), make)  # type: ignore[return-value]
+    return cached((dev, "route_gather", n, d), make)  # type: ignore[return-value]
 
 
 def combine_launch(t: int, k: int, d: int) -> Launch:
@@ -34,4 +34,4 @@ def combine_launch(t: int, k: int, d: int) -> Launch:
         fn = get_function("route.cu", "route_combine", VARIANTS)
         return Launch(fn, (-(-d // 256), t), (256,), (np.int32(k), np.int32(d)), 0)
 
-    return _cached((dev, "route_combine", t, k, d), make)  # type: ignore[return-value]
+    return cached((dev, "route_combine", t, k, d), make)  # type: ignore[return-value]

@@ -1,0 +1,101 @@
+"""Prepared kernel launches: one ``cuLaunchKernel`` per call with a prebuilt parameter block.
+
+A CuPy ``RawKernel`` call converts and packs every argument on each launch (~6 us of host time
+for the 20-argument expert kernels). A ``Launch`` is built once per shape (``cached``): its
+constant arguments are packed once, and a call writes only the leading device pointers into the
+block and launches on the current stream. Where the driver entry point is missing, it falls
+back to the CuPy call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import cupy
+import numpy as np
+
+try:
+    from cupy_backends.cuda.api import driver as _driver
+
+    _launch_kernel = _driver.launchKernel
+except (ImportError, AttributeError):  # pragma: no cover - depends on the CuPy build
+    _launch_kernel = None
+
+#: Off: every launch goes through CuPy's RawKernel call (the reference for tests).
+RAW = True
+
+_CTYPE = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.float32): ctypes.c_float,
+          np.dtype(np.int64): ctypes.c_int64, np.dtype(np.uint64): ctypes.c_uint64}  # fmt: skip
+
+
+def _ptr(p: object) -> int:
+    """A device address from an int, a NumPy integer or a CuPy array."""
+    if isinstance(p, cupy.ndarray):
+        return int(p.data.ptr)
+    return int(p)  # type: ignore[call-overload]
+
+
+class Launch:
+    """A prepared launch: kernel, grid, block, dynamic shared memory and every argument after
+    the leading pointers. ``launch(*ptrs)`` makes it on the current device and stream; pointers
+    are device addresses (``np.uint64`` or int) or CuPy arrays."""
+
+    __slots__ = ("fn", "grid", "block", "tail", "smem", "_raw", "_slots", "_values", "_lock")
+
+    def __init__(self, fn: cupy.RawKernel, grid: tuple, block: tuple, tail: tuple, smem: int):
+        self.fn, self.grid, self.block, self.tail, self.smem = fn, grid, block, tail, smem
+        self._raw: tuple | None = None  # cuLaunchKernel's arguments but the stream, once built
+        self._slots: list[ctypes.c_uint64] = []
+        self._lock = threading.Lock()  # one parameter block: one writer at a time
+
+    def _build(self, n_ptrs: int) -> bool:
+        """Pack the parameter block: n_ptrs u64 pointer slots, then the tail's values."""
+        if _launch_kernel is None:
+            return False
+        try:
+            tail = [_CTYPE[np.asarray(v).dtype](np.asarray(v).item()) for v in self.tail]
+        except KeyError:
+            return False
+        self._slots = [ctypes.c_uint64(0) for _ in range(n_ptrs)]
+        values: list[Any] = [*self._slots, *tail]
+        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+        self._values = [*values, params]  # the block points into these: keep them alive
+        gx, gy, gz = (*self.grid, 1, 1)[:3]
+        bx, by, bz = (*self.block, 1, 1)[:3]
+        self._raw = (self.fn.kernel.ptr, gx, gy, gz, bx, by, bz, self.smem,
+                     ctypes.addressof(params))  # fmt: skip
+        return True
+
+    def __call__(self, *ptrs: object) -> None:
+        raw = self._raw
+        if RAW and (raw is not None or self._build(len(ptrs))):
+            f, gx, gy, gz, bx, by, bz, smem, params = self._raw  # type: ignore[misc]
+            stream = cupy.cuda.get_current_stream().ptr
+            with self._lock:
+                for slot, p in zip(self._slots, ptrs, strict=True):
+                    slot.value = _ptr(p)
+                _launch_kernel(f, gx, gy, gz, bx, by, bz, smem, stream, params, 0)
+            return
+        self.fn(self.grid, self.block, ptrs + self.tail, shared_mem=self.smem)
+
+
+# Prepared launches by (device, kind, spec ids, sizes): the specs are interned, so their ids
+# are stable; a plain dict, cleared when it grows past a bound (shapes repeat in practice).
+_launches: dict[tuple, Any] = {}
+_LAUNCH_CACHE = 4096
+T = TypeVar("T")
+
+
+def cached(key: tuple, make: Callable[[], T]) -> T:
+    """The launch (or tuple of launches, or None) made once per key."""
+    try:
+        return _launches[key]
+    except KeyError:
+        pass
+    if len(_launches) >= _LAUNCH_CACHE:
+        _launches.clear()
+    ln = _launches[key] = make()
+    return ln
