@@ -619,7 +619,7 @@ def main() -> None:
         "--paths", default="", help="comma-separated substrings: time only the paths naming one"
     )
     p.add_argument(
-        "--worker-spin-us", type=int, default=100, help="the doorbell worker's spin (sleeps after)"
+        "--worker-spin-us", type=int, default=1000, help="the doorbell worker's spin (sleeps after)"
     )
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)

@@ -52,8 +52,10 @@ SLOT_BYTES = 64 << 10
 #: takes ~20 us to wake (the FIFO wake-up plus the idle CPU's); polling covers a decode
 #: call's backend time (0.1-0.25 ms on an H200) at the cost of the waiting thread's core.
 SPIN_US = 250
-#: The same for the worker's channel thread waiting for the next call after an answer.
-WORKER_SPIN_US = 100
+#: The same for the worker's channel thread waiting for the next call after an answer: a
+#: thread that slept runs its next call on a cold core (H200 host, CuPy: a routed decode group
+#: 0.60 ms end to end with 100 us, 0.50 ms with 1000 us; bench/results/rpc-*-cupy.md).
+WORKER_SPIN_US = 1000
 #: Length prefix of a slot's message.
 LEN_BYTES = 4
 REQUEST, RESPONSE = "request", "response"

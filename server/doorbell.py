@@ -34,7 +34,7 @@ from coliworker.v1 import worker_pb2 as pb
 log = logging.getLogger(__name__)
 
 MAX_SLOTS = 64
-MAX_SPIN_US = 1000
+MAX_SPIN_US = 10_000
 MIN_SLOT_BYTES, MAX_SLOT_BYTES = 4096, 16 << 20
 _DIR = re.compile(r"^coliworker-\d+-[0-9a-f]{16}\.bell$")
 _STATUS_OF = {c.value[0]: c for c in grpc.StatusCode}
