@@ -155,10 +155,13 @@ def bench_ragged(backend, rng, name, seqs, t, n=30):
     err = rel_err(out, want)
 
     def step(_k):
-        # One decode step per sequence: append the new KV row, then attend.
+        # One decode step per sequence as the worker makes it: room for the new KV row
+        # (sequences.py), then one call that carries the rows and attends.
+        rows = []
         for c, la, ro_ in zip(caches, lat, rope, strict=True):
-            c.append(la[c.length : c.length + 1], ro_[c.length : c.length + 1])
-        return backend.attention_ragged(rk, ro, qs, caches, q, r, v, scale)
+            c.reserve(1)
+            rows.append((la[c.length : c.length + 1], ro_[c.length : c.length + 1]))
+        return backend.attention_ragged(rk, ro, qs, caches, q, r, v, scale, rows=rows)
 
     call_ms, kern_ms = timed(step, n)
     kv_bytes = sum(c.length for c in caches) * (k + r) * 4

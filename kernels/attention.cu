@@ -1,8 +1,8 @@
 // MLA absorbed attention (DeepSeek/GLM "kv_b absorption"): the cache keeps the compressed
 // latent [T, K] and rope [T, R] rows; per (token s, head h)
 //   qfull[s, h] = [ q_nope[s, h] @ W_k(h)  (K values) | q_rope[s, h] (R values) ]   mla_absorb
-//   score[t]    = qfull[s, h] . [latent[t] | rope[t]] * scale, softmax over t           mla_attend
-//   cl[h, s]    = sum_t p[t] * latent[t]                                        mla_attend/merge
+//   score[t]    = qfull[s, h] . [latent[t] | rope[t]] * scale, softmax over t      mla_attend/flash
+//   cl[h, s]    = sum_t p[t] * latent[t]                                  mla_attend/flash + merge
 // and the value projection ctx = cl @ W_v(h)^T runs as gemv jobs (gemv.cu), one per head.
 //
 // mla_attend splits T over blocks (flash-decoding): each block keeps a running max / sum /
@@ -15,33 +15,68 @@
 struct KvDesc {
     unsigned long long latent, rope;  // float32 [len, K] and [len, R], row-major
     int len;                          // rows this query row sees
-    int pad;
+    // First of this sequence's new rows in the call's upload (ragged calls): rows src .. the
+    // next descriptor's src (the upload's end for the last) land at the cache's rows ending at
+    // len. Nondecreasing over the descriptors.
+    int src;
 };
 
-// grid (H, ceil(K / 128), ceil(S / 8)), block 128; dynamic shared 8 * Q floats.
-// q float32 [S, H, Q + R]; qfull float32 [S, H, K + R]; w = kv_b [H * (Q + V), K] resident.
-// Each thread walks one column k down the Q rows of head h; the rows come in batches of
-// ABS_U independent element loads so a thread has that many in flight (the loop is latency
-// bound otherwise: 6 MB of kv_b at GLM-5.2 shapes, spread over only H * K threads; 24 loads
-// in flight make 8 round trips for Q = 192).
+// The call's new cache rows into their caches: rows b, b + nb, ... of the upload (latent
+// float32 [n_new, K], rope float32 [n_new, R]) by this block's threads.
+__device__ __forceinline__ void kv_scatter(const KvDesc *__restrict__ kv,
+                                           const float *__restrict__ nlat,
+                                           const float *__restrict__ nrope, int n_new, int S,
+                                           int K, int R, int b, int nb) {
+    for (int r = b; r < n_new; r += nb) {
+        int lo = 0, hi = S - 1;  // the last descriptor with src <= r owns row r
+        while (lo < hi) {
+            const int mid = (lo + hi + 1) >> 1;
+            if (kv[mid].src <= r) lo = mid;
+            else hi = mid - 1;
+        }
+        const KvDesc d = kv[lo];
+        const int end = lo + 1 < S ? kv[lo + 1].src : n_new;
+        const size_t row = (size_t)(d.len - end + r);
+        float *lat = reinterpret_cast<float *>(d.latent) + row * K;
+        float *rop = reinterpret_cast<float *>(d.rope) + row * R;
+        for (int c = threadIdx.x; c < K; c += blockDim.x) lat[c] = nlat[(size_t)r * K + c];
+        for (int c = threadIdx.x; c < R; c += blockDim.x) rop[c] = nrope[(size_t)r * R + c];
+    }
+}
+
+// grid (H, ceil(K / 128), ceil(S / 8)), block 128 * ABS_P; dynamic shared 4 * (8 * Q +
+// (ABS_P - 1) * 8 * 128) bytes. q float32 [S, H, Q + R]; qfull float32 [S, H, K + R];
+// w = kv_b [H * (Q + V), K] resident. Thread (k, p) walks column k down part p of the Q rows of
+// head h, in batches of ABS_U independent element loads (the walk is latency bound: 6 MB of
+// kv_b at GLM-5.2 shapes over few threads); the ABS_P parts meet in shared memory. With
+// ABS_P = 4 and Q = 192 a thread makes 2 round trips of 24 loads.
+//
+// The same launch writes the call's new cache rows (``kv_scatter``): the attention kernels
+// after it in the stream read them, and no launch of its own is needed.
 #define ABS_U 24
+#define ABS_P 4
 template <int FMT>
-__global__ void __launch_bounds__(128)
+__global__ void __launch_bounds__(128 * ABS_P)
 mla_absorb(float *__restrict__ qfull, const float *__restrict__ q,
-           const unsigned char *__restrict__ w, const float *__restrict__ sc, int S, int H, int Q,
-           int R, int V, int K, int ld, int ngp, int gs, int gs_shift) {
-    extern __shared__ float qs[];  // [8][Q]: q_nope of 8 tokens of this head
-    const int h = blockIdx.x, k = blockIdx.y * 128 + threadIdx.x, s0 = blockIdx.z * 8;
+           const unsigned char *__restrict__ w, const float *__restrict__ sc,
+           const KvDesc *__restrict__ kv, const float *__restrict__ nlat,
+           const float *__restrict__ nrope, int n_new, int S, int H, int Q, int R, int V, int K,
+           int ld, int ngp, int gs, int gs_shift) {
+    extern __shared__ float qs[];  // [8][Q]: q_nope of 8 tokens of this head; then red
+    float *red = qs + 8 * Q;       // [ABS_P - 1][8][128] partial sums of parts 1..
+    const int h = blockIdx.x, x = threadIdx.x & 127, part = threadIdx.x >> 7;
+    const int k = blockIdx.y * 128 + x, s0 = blockIdx.z * 8;
     for (int i = threadIdx.x; i < 8 * Q; i += blockDim.x) {
         const int s = i / Q, d = i - s * Q;
         qs[i] = s0 + s < S ? q[((size_t)(s0 + s) * H + h) * (Q + R) + d] : 0.f;
     }
     __syncthreads();
-    if (k < K) {
-        float acc[8];
+    const int dq = (Q + ABS_P - 1) / ABS_P, db = part * dq, de = min(Q, db + dq);
+    float acc[8];
 #pragma unroll
-        for (int s = 0; s < 8; ++s) acc[s] = 0.f;
-        for (int d0 = 0; d0 < Q; d0 += ABS_U) {
+    for (int s = 0; s < 8; ++s) acc[s] = 0.f;
+    if (k < K) {
+        for (int d0 = db; d0 < de; d0 += ABS_U) {
             float wv[ABS_U];
 #pragma unroll
             for (int u = 0; u < ABS_U; ++u) {
@@ -50,16 +85,27 @@ mla_absorb(float *__restrict__ qfull, const float *__restrict__ q,
             }
 #pragma unroll
             for (int u = 0; u < ABS_U; ++u) {
-                if (d0 + u < Q) {
+                if (d0 + u < de) {
 #pragma unroll
                     for (int s = 0; s < 8; ++s)
                         acc[s] = fmaf(qs[s * Q + d0 + u], wv[u], acc[s]);
                 }
             }
         }
+    }
+    if (part > 0) {
 #pragma unroll
-        for (int s = 0; s < 8; ++s)
-            if (s0 + s < S) qfull[((size_t)(s0 + s) * H + h) * (K + R) + k] = acc[s];
+        for (int s = 0; s < 8; ++s) red[((part - 1) * 8 + s) * 128 + x] = acc[s];
+    }
+    __syncthreads();
+    if (part == 0 && k < K) {
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+            float v = acc[s];
+#pragma unroll
+            for (int p = 1; p < ABS_P; ++p) v += red[((p - 1) * 8 + s) * 128 + x];
+            if (s0 + s < S) qfull[((size_t)(s0 + s) * H + h) * (K + R) + k] = v;
+        }
     }
     if (blockIdx.y == 0) {
         for (int i = threadIdx.x; i < 8 * R; i += blockDim.x) {
@@ -69,6 +115,10 @@ mla_absorb(float *__restrict__ qfull, const float *__restrict__ q,
                     q[((size_t)(s0 + s) * H + h) * (Q + R) + Q + d];
         }
     }
+    if (n_new > 0)
+        kv_scatter(kv, nlat, nrope, n_new, S, K, R,
+                   blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z),
+                   gridDim.x * gridDim.y * gridDim.z);
 }
 
 #define ATT_WARPS 8
@@ -269,9 +319,42 @@ __device__ __forceinline__ void fl_mma3(float (&d)[4], const unsigned (&ah)[4],
     fl_mma(d, ah[0], ah[1], ah[2], ah[3], bh0, bh1);
 }
 
+// cp.async of 4 or 16 bytes (n = 0: zero fill, nothing read).
 __device__ __forceinline__ void fl_cp4(float *dst, const float *src, int n) {
     const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(src), "r"(n));
+}
+
+__device__ __forceinline__ void fl_cp16(float *dst, const float *src, int n) {
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(n));
+}
+
+// One row of width W (a multiple of 4) into dst: [a (na values) | b (nb values) | zeros].
+// VEC: 16-byte copies, for na and nb multiples of 4 and 16-byte aligned a, b and dst; thread
+// i of nt takes chunk i, i + nt, ... of every row of a tile (rows ``rows``, dst stride ``ld``).
+template <bool VEC>
+__device__ __forceinline__ void fl_stage(float *dst, int ld, int rows, int W, const float *a,
+                                         int lda, int na, const float *b, int ldb, int nb,
+                                         int valid) {
+    constexpr int V = VEC ? 4 : 1;
+    const int wv = W / V;
+    for (int i = threadIdx.x; i < rows * wv; i += FL_WARPS * 32) {
+        const int t = i / wv, c = (i - t * wv) * V;
+        const float *src = a;
+        int n = 0;
+        if (t < valid) {
+            if (c < na) {
+                src = a + (size_t)t * lda + c;
+                n = 4 * V;
+            } else if (c < na + nb) {
+                src = b + (size_t)t * ldb + (c - na);
+                n = 4 * V;
+            }
+        }
+        if (VEC) fl_cp16(dst + t * ld + c, src, n);
+        else fl_cp4(dst + t * ld + c, src, n);
+    }
 }
 
 // NTC: 8-column n-tiles of the latent per warp (2 * 8 * NTC >= K). QST, KST: row strides of Qs
@@ -296,10 +379,12 @@ mla_flash(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pa
     const int tb = z * chunk, te = min(d.len, tb + chunk);
     const int KR = K + R, KRP = (KR + 7) & ~7, W = KST - 4;
 
-    for (int i = threadIdx.x; i < FL_HB * KRP; i += FL_WARPS * 32) {
-        const int hl = i / KRP, c = i - hl * KRP, h = hb + hl;
-        Qs[hl * QST + c] = (h < H && c < KR) ? qfull[((size_t)s * H + h) * KR + c] : 0.f;
-    }
+    // Q of the block's heads, in flight with the first tile (both waited for in the loop).
+    // 16-byte copies where every row starts 16-byte aligned (K and R multiples of 4).
+    const bool vec = ((K | R) & 3) == 0;
+    const float *qrow = qfull + ((size_t)s * H + hb) * KR;
+    if (vec) fl_stage<true>(Qs, QST, FL_HB, KRP, qrow, KR, KR, qrow, 0, 0, H - hb);
+    else fl_stage<false>(Qs, QST, FL_HB, KRP, qrow, KR, KR, qrow, 0, 0, H - hb);
 
     float acc[NTC][4];
 #pragma unroll
@@ -309,22 +394,10 @@ mla_flash(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pa
     const float *qa = Qs + (hg * 16 + gid) * QST + t4;
 
     for (int t0 = tb; t0 < te; t0 += FL_TT) {
-        __syncthreads();  // every warp is done with the previous tile (and Ss), Qs is written
-        for (int i = threadIdx.x; i < FL_TT * W; i += FL_WARPS * 32) {
-            const int t = i / W, c = i - t * W, row = t0 + t;
-            const float *src = lat;
-            int n = 0;
-            if (row < te) {
-                if (c < K) {
-                    src = lat + (size_t)row * K + c;
-                    n = 4;
-                } else if (c < KR) {
-                    src = rop + (size_t)row * R + (c - K);
-                    n = 4;
-                }
-            }
-            fl_cp4(KVs + t * KST + c, src, n);  // n = 0: zero fill, nothing read
-        }
+        __syncthreads();  // every warp is done with the previous tile (and Ss)
+        const float *la = lat + (size_t)t0 * K, *ro = rop + (size_t)t0 * R;
+        if (vec) fl_stage<true>(KVs, KST, FL_TT, W, la, K, K, ro, R, R, te - t0);
+        else fl_stage<false>(KVs, KST, FL_TT, W, la, K, K, ro, R, R, te - t0);
         asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
         __syncthreads();
         // The next tile's rows into L2 while this one is computed.
@@ -409,6 +482,7 @@ mla_flash(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pa
             for (int j = 0; j < NTC; ++j) fl_mma3(acc[j], ah, al, lb[8 * j], lb[4 * KST + 8 * j]);
         }
     }
+    asm volatile("cp.async.wait_all;" ::: "memory");  // a slice without rows still staged Q
 
 #pragma unroll
     for (int i = 0; i < 2; ++i) {

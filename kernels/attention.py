@@ -17,8 +17,9 @@ from coliworker.kernels._module import get_function
 from coliworker.kernels.matmul import Launch, WeightSpec, _cached, gs_args
 
 # Mirrors ``struct KvDesc`` in attention.cu.
-KV_DTYPE = np.dtype([("latent", "<u8"), ("rope", "<u8"), ("len", "<i4"), ("pad", "<i4")])
+KV_DTYPE = np.dtype([("latent", "<u8"), ("rope", "<u8"), ("len", "<i4"), ("src", "<i4")])
 
+ABS_P = 4  # mla_absorb: parts of the Q rows per column, one 128-thread group each
 ATT_WARPS = 8
 ATT_TT = 8
 # (lanes' share of K + R, heads per warp): registers hold q and the weighted latent.
@@ -33,15 +34,18 @@ VARIANTS = (
 FLASH = True
 FL_TT = 16  # cache rows per tile (attention.cu)
 FL_HB = 64  # heads per block
-FL_MIN_ROWS = 64  # fewest cache rows per T slice: fewer slices, less pacc to merge
+FL_MIN_ROWS = 32  # fewest cache rows per T slice (2 tiles): fewer slices, less pacc to merge
 FL_SMEM_MAX = 227 * 1024
 MAX_KR = 32 * NPL_CHOICES[-1][0]
 
 
 def absorb_launch(spec: WeightSpec, s: int, heads: int, q_dim: int, rope_dim: int,
                   v_dim: int) -> Launch:  # fmt: skip
-    """mla_absorb, taking four pointers: qfull float32 [S, H, K+R] <- [q_nope @ W_k(h) |
-    q_rope], q float32 [S, H, Q+R], then kv_b [H*(Q+V), K]'s resident bytes and scales."""
+    """mla_absorb, taking seven pointers and a count: qfull float32 [S, H, K+R] <- [q_nope @
+    W_k(h) | q_rope], q float32 [S, H, Q+R], kv_b [H*(Q+V), K]'s resident bytes and scales, the
+    call's ``KV_DTYPE`` [S] descriptors, then its new cache rows: latent float32 [n, K], rope
+    float32 [n, R] and ``np.int32(n)`` (written into the caches the descriptors name; n = 0:
+    none)."""
     dev = cupy.cuda.runtime.getDevice()
 
     def make() -> Launch:
@@ -51,7 +55,8 @@ def absorb_launch(spec: WeightSpec, s: int, heads: int, q_dim: int, rope_dim: in
         tail = (np.int32(s), np.int32(heads), np.int32(q_dim), np.int32(rope_dim),
                 np.int32(v_dim), np.int32(k), np.int32(spec.layout.ld),
                 np.int32(max(spec.layout.ngp, 1)), gs, shift)  # fmt: skip
-        return Launch(fn, (heads, -(-k // 128), -(-s // 8)), (128,), tail, 4 * 8 * max(q_dim, 1))
+        smem = 4 * (8 * max(q_dim, 1) + (ABS_P - 1) * 8 * 128)
+        return Launch(fn, (heads, -(-k // 128), -(-s // 8)), (128 * ABS_P,), tail, smem)
 
     key = (dev, "absorb", id(spec), s, heads, q_dim, rope_dim, v_dim)
     return _cached(key, make)  # type: ignore[return-value]

@@ -18,7 +18,7 @@ from typing import Any
 GEMV_JOB = struct.Struct("<6Q4i")
 # ``struct MoeJob`` (gemv.cu): wg sg wu su wd sd x h y (u64), rows ie dout pad (i32).
 MOE_JOB = struct.Struct("<9Q4i")
-# ``struct KvDesc`` (attention.cu): latent rope (u64), len pad (i32).
+# ``struct KvDesc`` (attention.cu): latent rope (u64), len src (i32).
 KV_DESC = struct.Struct("<2Q2i")
 assert GEMV_JOB.size == 64 and MOE_JOB.size == 88 and KV_DESC.size == 24
 

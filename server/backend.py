@@ -76,9 +76,14 @@ class KVCache(Protocol):
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` rows (``length <= self.length``)."""
 
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` rows past ``length`` (capacity, ``nbytes``, grows; ``length`` does
+        not); may raise OutOfDeviceMemory and then leaves the cache as it was."""
+
     def append(self, latent: np.ndarray, rope: np.ndarray) -> None:
-        """Append rows: latent float32 [n, K], rope float32 [n, R]; may raise OutOfDeviceMemory
-        and then leaves the cache as it was."""
+        """Append rows now: latent float32 [n, K], rope float32 [n, R]; may raise
+        OutOfDeviceMemory and then leaves the cache as it was. The hot path passes new rows to
+        ``Backend.attention_ragged`` instead (one upload with the call)."""
 
     def release(self) -> None:
         """Return the memory; the cache is unusable afterwards."""
@@ -163,9 +168,16 @@ class Backend(Protocol):
         rope_dim: int,
         v_dim: int,
         scale: float,
+        rows: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
     ) -> Result:
-        """Row s of q [S, H, Q+R] attends all ``caches[s].length`` rows of its cache.
-        -> ctx [S, H, V], or [S, D_out] with o_proj."""
+        """Row s of q [S, H, Q+R] attends all rows of its cache ``caches[s]``, after the call
+        appends ``rows[s]`` = (latent float32 [n_s, K], rope float32 [n_s, R]) to it (n_s may
+        be 0). -> ctx [S, H, V], or [S, D_out] with o_proj.
+
+        Callers that account memory ``reserve`` room first (a cache without room grows here).
+        The lengths advance only when the call succeeds: after an error every cache holds the
+        rows it held before (rows written past its length are not claimed).
+        """
 
     def close(self) -> None:
         """Release everything (process exit)."""

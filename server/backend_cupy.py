@@ -110,12 +110,18 @@ class CupyKVCache:
             stream.synchronize()
         self.latent, self.rope, self.cap = lat, rop, cap
 
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` rows past ``length``; on OutOfDeviceMemory the cache is unchanged."""
+        if self.length + n > self.cap:
+            self._grow(self.length + n)
+
     def append(self, latent: np.ndarray, rope: np.ndarray) -> None:
+        """Copy rows in now: two copies and a synchronize. A ragged call carries its new rows
+        in its own upload instead (``CupyBackend.attention_ragged``)."""
         n = latent.shape[0]
         if n == 0:
             return
-        if self.length + n > self.cap:
-            self._grow(self.length + n)
+        self.reserve(n)
         stream = self._backend._stream(self.device)
         with cupy.cuda.Device(self.device), stream:
             a, b = self.length, self.length + n
@@ -288,6 +294,16 @@ def _put(host: np.ndarray, off: int, a: np.ndarray, nbytes: int, dtype: Any = np
     """Copy array ``a`` (as ``dtype``, C order, ``nbytes`` bytes) into pinned ``host`` at off."""
     b = np.ascontiguousarray(a, dtype)
     host[off : off + nbytes] = b.reshape(-1).view(np.uint8)
+
+
+def _stack_into(host: np.ndarray, off: int, parts: Sequence[np.ndarray], n: int, w: int) -> None:
+    """Row blocks ``parts`` (float32 [n_i, w], n rows in all) stacked into pinned ``host`` at
+    off: one copy, no temporary."""
+    out = host[off : off + 4 * n * w].view(np.float32).reshape(n, w)
+    if len(parts) == 1:
+        out[...] = parts[0]
+    else:
+        np.concatenate(parts, out=out)
 
 
 _silu_mul = cupy.ElementwiseKernel(
@@ -579,16 +595,21 @@ class CupyBackend:
         o_proj: CupyResident | None,
         q: np.ndarray,
         caches: Sequence[CupyKVCache] | None,
+        fresh: Sequence[int],
         t_max: int,
         q_dim: int,
         rope_dim: int,
         v_dim: int,
         scale: float,
-        uploads: list[np.ndarray],
+        latents: Sequence[np.ndarray],
+        ropes: Sequence[np.ndarray],
     ) -> Result:
-        """Absorb, attend (+ merge), value projection (+ o_proj). Arena inputs: q, the KvDescs,
-        the gemv jobs, the uploaded cache rows (batch attention); output: ctx float32
-        [S, H*V] or o_proj's [S, D_out]; scratch: qfull, cl, ctx (with o_proj), pm, pl, pacc."""
+        """Absorb (which also writes a ragged call's new cache rows), attend (+ merge), value
+        projection (+ o_proj). ``latents`` / ``ropes``: the rows to upload, stacked in order
+        (batch attention: its whole cache; ragged: ``fresh[s]`` new rows of ``caches[s]``, which
+        have room for them). Arena inputs: q, the KvDescs, the gemv jobs, the rows; output: ctx
+        float32 [S, H*V] or o_proj's [S, D_out]; scratch: qfull, cl, ctx (with o_proj), pm, pl,
+        pacc."""
         S, H = q.shape[0], q.shape[1]
         K, R, V = kv_b.in_features, rope_dim, v_dim
         n_jobs = H + (o_proj is not None)
@@ -603,16 +624,13 @@ class CupyBackend:
         value = gemv_launch(kv_b.spec, H, S, V)
         proj = gemv_launch(o_proj.spec, 1, S, o_proj.out_features) if o_proj else None
         dout = o_proj.out_features if o_proj is not None else H * V
+        n_up = sum(len(x) for x in latents)
         qb = 4 * q.size
         d_off = _align(qb)
         j_off = _align(d_off + KV_DESC.size * S)
-        u_off = j_off + 64 * n_jobs
-        offs = []
-        for u in uploads:
-            u_off = _align(u_off)
-            offs.append(u_off)
-            u_off += 4 * u.size
-        in_end = u_off
+        l_off = _align(j_off + 64 * n_jobs)
+        r_off = _align(l_off + 4 * n_up * K)
+        in_end = r_off + 4 * n_up * R
         out_off = _align(in_end)
         sizes = [4 * S * H * (K + R), 4 * H * S * K, 4 * S * H * V if o_proj else 0,
                  4 * S * H * nsplit, 4 * S * H * nsplit, 4 * S * H * nsplit * K]  # fmt: skip
@@ -625,21 +643,25 @@ class CupyBackend:
         if o_proj is None:
             ctx = base + out_off
         _put(host, 0, q, qb)
+        if n_up:
+            _stack_into(host, l_off, latents, n_up, K)
+            _stack_into(host, r_off, ropes, n_up, R)
         if caches is not None:
-            p = d_off
-            for c in caches:
-                if c.latent is not None and c.length:
-                    KV_DESC.pack_into(host, p, c.latent.data.ptr, c.rope.data.ptr, c.length, 0)
+            p, src = d_off, 0
+            for c, n in zip(caches, fresh, strict=True):
+                if c.latent is not None:
+                    KV_DESC.pack_into(host, p, c.latent.data.ptr, c.rope.data.ptr, c.length + n,
+                                      src)  # fmt: skip
                 else:
-                    KV_DESC.pack_into(host, p, 0, 0, 0, 0)
+                    KV_DESC.pack_into(host, p, 0, 0, 0, src)
                 p += KV_DESC.size
-        else:  # batch attention: its cache rows travel in the same upload
-            T = uploads[0].shape[0]
+                src += n
+            scatter = n_up
+        else:  # batch attention: the kernels read its cache rows in the upload
             for s in range(S):
-                KV_DESC.pack_into(host, d_off + KV_DESC.size * s, base + offs[0], base + offs[1],
-                                  T - S + 1 + s, 0)  # fmt: skip
-            for u, o in zip(uploads, offs, strict=True):
-                _put(host, o, u, 4 * u.size)
+                KV_DESC.pack_into(host, d_off + KV_DESC.size * s, base + l_off, base + r_off,
+                                  n_up - S + 1 + s, 0)  # fmt: skip
+            scatter = 0
         jobs = self._head_jobs(kv_b, q_dim, V, S, H, cl, ctx)
         host[j_off : j_off + len(jobs)] = np.frombuffer(jobs, np.uint8)
         if o_proj is not None:
@@ -649,7 +671,8 @@ class CupyBackend:
         call.mark(0)
         call.send(in_end)
         call.mark(1)
-        absorb(u64(qfull), u64(base), u64(kv_b.ptrs[0]), u64(kv_b.ptrs[1]))
+        absorb(u64(qfull), u64(base), u64(kv_b.ptrs[0]), u64(kv_b.ptrs[1]), u64(base + d_off),
+               u64(base + l_off), u64(base + r_off), np.int32(scatter))  # fmt: skip
         attend(u64(pm), u64(pl), u64(pacc), u64(qfull), u64(base + d_off))
         merge(u64(cl), u64(pm), u64(pl), u64(pacc))
         if value is not None:
@@ -680,10 +703,9 @@ class CupyBackend:
         scale: float,
     ) -> Result:
         self._check_kr(kv_b.in_features, rope_dim)
-        uploads = [np.ascontiguousarray(latent, np.float32), np.ascontiguousarray(rope, np.float32)]
         with _Call(self, kv_b.device, "attention") as call:
-            return self._attention(call, kv_b, o_proj, q, None, max(latent.shape[0], 1), q_dim,
-                                   rope_dim, v_dim, scale, uploads)  # fmt: skip
+            return self._attention(call, kv_b, o_proj, q, None, (), max(latent.shape[0], 1),
+                                   q_dim, rope_dim, v_dim, scale, [latent], [rope])  # fmt: skip
 
     def attention_ragged(
         self,
@@ -695,12 +717,25 @@ class CupyBackend:
         rope_dim: int,
         v_dim: int,
         scale: float,
+        rows: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
     ) -> Result:
+        """The new rows travel in the call's one upload; absorb's launch writes them into their
+        caches before the attention kernels read them, and the lengths advance once the call
+        has succeeded."""
         self._check_kr(kv_b.in_features, rope_dim)
-        t_max = max((c.length for c in caches), default=0)
+        fresh = [len(lat) for lat, _ in rows] if rows is not None else [0] * len(caches)
+        for c, n in zip(caches, fresh, strict=True):
+            if n:
+                c.reserve(n)
+        t_max = max((c.length + n for c, n in zip(caches, fresh, strict=True)), default=0)
+        lats = [lat for lat, _ in rows] if rows is not None else []
+        ropes = [rop for _, rop in rows] if rows is not None else []
         with _Call(self, kv_b.device, "attention_ragged") as call:
-            return self._attention(call, kv_b, o_proj, q, caches, max(t_max, 1), q_dim,
-                                   rope_dim, v_dim, scale, [])  # fmt: skip
+            res = self._attention(call, kv_b, o_proj, q, caches, fresh, max(t_max, 1), q_dim,
+                                  rope_dim, v_dim, scale, lats, ropes)  # fmt: skip
+        for c, n in zip(caches, fresh, strict=True):
+            c.length += n
+        return res
 
     def close(self) -> None:
         self._local = threading.local()  # this thread's arenas go with it

@@ -24,7 +24,6 @@ from coliworker.kernels.qtensor import QTensor
 from coliworker.server.backend import (
     DeviceInfo,
     ExpertTriple,
-    KVCache,
     Phases,
     Result,
 )
@@ -139,25 +138,40 @@ class NumpyKVCache:
         self._check_live("truncate")
         self.length = max(0, min(int(length), self.length))
 
-    def append(self, latent: np.ndarray, rope: np.ndarray) -> None:
-        """Copy in rows: latent float32 [n, K], rope float32 [n, R]. On OutOfDeviceMemory the
-        cache is unchanged."""
-        self._check_live("append")
-        latent = np.asarray(latent, dtype=np.float32).reshape(-1, self.k)
-        rope = np.asarray(rope, dtype=np.float32).reshape(-1, self.r)
-        n = latent.shape[0]
+    def reserve(self, n: int) -> None:
+        """Room for ``n`` rows past ``length``; on OutOfDeviceMemory the cache is unchanged."""
+        self._check_live("reserve")
         need = self.length + n
         if need > self.capacity:
             pages = -(-need // KV_PAGE_ROWS) * KV_PAGE_ROWS
             capacity = max(pages, 2 * self.capacity)
-            new_latent = _allocate("kv.append", lambda: np.empty((capacity, self.k), np.float32))
-            new_rope = _allocate("kv.append", lambda: np.empty((capacity, self.r), np.float32))
+            new_latent = _allocate("kv.reserve", lambda: np.empty((capacity, self.k), np.float32))
+            new_rope = _allocate("kv.reserve", lambda: np.empty((capacity, self.r), np.float32))
             new_latent[: self.length] = self._latent[: self.length]
             new_rope[: self.length] = self._rope[: self.length]
             self._latent, self._rope = new_latent, new_rope
-        self._latent[self.length : need] = latent
-        self._rope[self.length : need] = rope
-        self.length = need
+
+    def stage(self, latent: np.ndarray, rope: np.ndarray) -> int:
+        """Write rows past ``length`` without claiming them (room reserved); returns their
+        count. ``length`` is the caller's to advance."""
+        latent = np.asarray(latent, dtype=np.float32).reshape(-1, self.k)
+        rope = np.asarray(rope, dtype=np.float32).reshape(-1, self.r)
+        n = latent.shape[0]
+        self.reserve(n)
+        self._latent[self.length : self.length + n] = latent
+        self._rope[self.length : self.length + n] = rope
+        return n
+
+    def staged(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Views of the valid rows and the next ``n`` (staged) ones: latent float32
+        [length + n, K], rope float32 [length + n, R]."""
+        return self._latent[: self.length + n], self._rope[: self.length + n]
+
+    def append(self, latent: np.ndarray, rope: np.ndarray) -> None:
+        """Copy in rows: latent float32 [n, K], rope float32 [n, R]. On OutOfDeviceMemory the
+        cache is unchanged."""
+        self._check_live("append")
+        self.length += self.stage(latent, rope)
 
     def release(self) -> None:
         self._latent = np.empty((0, self.k), np.float32)
@@ -296,20 +310,28 @@ class NumpyBackend:
         kv_b: NumpyResident,
         o_proj: NumpyResident | None,
         q: np.ndarray,
-        caches: Sequence[KVCache],
+        caches: Sequence[NumpyKVCache],
         q_dim: int,
         rope_dim: int,
         v_dim: int,
         scale: float,
+        rows: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
     ) -> Result:
         proj = None if o_proj is None else o_proj.tensor
-        latents = [c.latent for c in caches]  # type: ignore[attr-defined]
-        ropes = [c.rope for c in caches]  # type: ignore[attr-defined]
-        return _timed(
+        fresh = [0] * len(caches)
+        if rows is not None:
+            fresh = [c.stage(lat, rop) for c, (lat, rop) in zip(caches, rows, strict=True)]
+        # The staged rows take part; the lengths advance once the call has succeeded.
+        views = [c.staged(n) for c, n in zip(caches, fresh, strict=True)]
+        latents, ropes = [v[0] for v in views], [v[1] for v in views]
+        res = _timed(
             lambda: reference.attention_ragged(
                 kv_b.tensor, proj, q, latents, ropes, q_dim, rope_dim, v_dim, scale
             )
         )
+        for c, n in zip(caches, fresh, strict=True):
+            c.length += n
+        return res
 
     def close(self) -> None:
         """Wait for issued groups, then stop the worker threads."""

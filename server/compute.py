@@ -308,7 +308,7 @@ class ComputeOps:
         proj = self._o_proj(request.o_proj, kv_b, heads, request.v_dim, op, owner)
         self._begin_compute(op)
         with self.sequences.lock:
-            t0 = time.perf_counter_ns()  # the KV append is backend work too
+            t0 = time.perf_counter_ns()  # the KV growth is backend work too
             caches = self.sequences.prepare(kv_b, rows, k, request.rope_dim)
             r = self.backend.attention_ragged(
                 kv_b.data.resident,
@@ -319,6 +319,7 @@ class ComputeOps:
                 request.rope_dim,
                 request.v_dim,
                 request.scale,
+                rows=[(s.latent, s.rope) for s in rows],
             )
             r.wall_ns = time.perf_counter_ns() - t0
             lengths = [c.length for c in caches]

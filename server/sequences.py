@@ -1,10 +1,12 @@
 """Resident MLA KV caches, one per (owner, kv_b handle, client sequence id).
 
 Each ragged attention call carries, per sequence, ``start`` and the rows from ``start`` on:
-``start`` below the resident length rolls the cache back first, above it is an error. When a
-device budget (or the device itself) runs out, the least recently used sequences that the
-current call does not touch are evicted; their next call with ``start > 0`` is told so with
-FAILED_PRECONDITION (never a silent wrong answer) and can resend from ``start = 0``.
+``start`` below the resident length rolls the cache back first, above it is an error. Here the
+caches are rolled back and given room (growth, budget, eviction); the rows go up with the
+attention call itself, which claims them when it succeeds. When a device budget (or the device
+itself) runs out, the least recently used sequences that the current call does not touch are
+evicted; their next call with ``start > 0`` is told so with FAILED_PRECONDITION (never a silent
+wrong answer) and can resend from ``start = 0``.
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ class SequenceStore:
         self._evicted: collections.OrderedDict[Key, None] = collections.OrderedDict()
 
     def prepare(self, kv_b: Handle, rows: Sequence[RowsIn], k: int, r: int) -> list[KVCache]:
-        """Roll back and append each sequence's rows; returns the caches in call order.
+        """Roll back each sequence to its ``start`` and make room for its rows; returns the
+        caches in call order. The rows themselves travel in the attention call
+        (``Backend.attention_ragged``'s ``rows``), which claims them only when it succeeds.
 
         Call with ``self.lock`` held and keep holding it while the attention reads them.
         Everything is validated before any cache changes.
@@ -124,16 +128,17 @@ class SequenceStore:
             if s.start < seq.cache.length:
                 seq.cache.truncate(s.start)
             if len(s.latent):
-                self._append(seq, s, protected, key[0])
+                self._reserve(seq, s, protected, key[0])
             caches.append(seq.cache)
         return caches
 
-    def _append(self, seq: Sequence_, s: RowsIn, protected: set[Key], owner: str) -> None:
-        """Append rows, charging the budget for growth and evicting LRU sequences if needed."""
+    def _reserve(self, seq: Sequence_, s: RowsIn, protected: set[Key], owner: str) -> None:
+        """Room for the rows, charging the budget for growth and evicting LRU sequences if
+        needed. No rows are claimed, so a refusal leaves nothing to undo."""
         while True:
             before = seq.cache.nbytes
             try:
-                seq.cache.append(s.latent, s.rope)
+                seq.cache.reserve(len(s.latent))
             except OutOfDeviceMemory:
                 if self._evict_one(seq.device, protected):
                     continue
@@ -144,14 +149,12 @@ class SequenceStore:
             pass
         self.budget.charge(seq.device, grown)
         if not self.budget.fits(seq.device, 0):
-            seq.cache.truncate(seq.cache.length - len(s.latent))
             raise ResourceExhausted(
                 f"attention_ragged: sequence {s.sequence_id} needs {grown} more bytes of KV on "
                 f"device {seq.device}, over its {self.budget.limit}-byte budget (--memory-limit) "
                 f"with nothing left to evict"
             )
         if not self.quota.charge(owner, grown):
-            seq.cache.truncate(seq.cache.length - len(s.latent))
             raise ResourceExhausted(
                 f"attention_ragged: sequence {s.sequence_id} needs {grown} more bytes of KV, "
                 f"over the {self.quota.limit}-byte quota of its owner (--quota)"

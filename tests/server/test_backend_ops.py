@@ -327,6 +327,61 @@ def test_attention_ragged_glm52_shape(backend, rng) -> None:
     check_ragged(backend, rng, caches, (kv_b, o_proj), placed, dims, TOLERANCE[4])
 
 
+def test_attention_ragged_carries_new_rows(backend, rng) -> None:
+    """Rows passed with the call (none, one, several, across a page, onto an empty cache,
+    after a rollback) are attended by it and held afterwards, as private copies."""
+    kv_b, o_proj = attention_weights(rng, 2, 0)
+    weights = (kv_b, o_proj)
+    placed = (backend.place(kv_b, 0), backend.place(o_proj, 0))
+    dims = (H, Q, R, V, SCALE)
+    caches = [HostKV(backend, K, R) for _ in range(5)]
+    for c, n in zip(caches, [3, 1, 62, 0, 40], strict=True):
+        if n:
+            c.append(rng, n)
+    caches[4].truncate(17)
+    rows = [(rows_of(rng, n, K), rows_of(rng, n, R)) for n in (0, 1, 5, 2, 1)]
+    for c, (lat, rop) in zip(caches, rows, strict=True):
+        c.cache.reserve(len(lat))
+        c.latent = np.concatenate([c.latent, lat])
+        c.rope = np.concatenate([c.rope, rop])
+    q = rng.standard_normal((len(caches), H, Q + R)).astype(np.float32)
+    got = backend.attention_ragged(*placed, q, [c.cache for c in caches], Q, R, V, SCALE,
+                                   rows=rows)  # fmt: skip
+    want = ref.attention_ragged(*weights, q, [c.latent for c in caches],
+                                [c.rope for c in caches], Q, R, V, SCALE)  # fmt: skip
+    check(got, want, TOLERANCE[2])
+    for lat, rop in rows:
+        lat[:] = 0  # the caches hold their own copies
+        rop[:] = 0
+    for c in caches:
+        c.check_size()
+    check_ragged(backend, rng, caches, weights, placed, dims, TOLERANCE[2])
+    for c in caches:
+        c.cache.release()
+
+
+def test_attention_ragged_failed_call_claims_no_rows(backend, rng) -> None:
+    """A call that fails after its room is reserved (here: rope rows one value too wide)
+    leaves every cache at its length; the next call attends exactly the held rows."""
+    kv_b, _ = attention_weights(rng, 2, 0)
+    placed = (backend.place(kv_b, 0), None)
+    caches = [HostKV(backend, K, R) for _ in range(2)]
+    caches[0].append(rng, 4)
+    caches[1].append(rng, 63)
+    rows = [(rows_of(rng, n, K), rows_of(rng, n, R + 1)) for n in (1, 2)]
+    for c, (lat, _) in zip(caches, rows, strict=True):
+        c.cache.reserve(len(lat))
+    q = rng.standard_normal((2, H, Q + R)).astype(np.float32)
+    with pytest.raises(ValueError):
+        backend.attention_ragged(*placed, q, [c.cache for c in caches], Q, R, V, SCALE,
+                                 rows=rows)  # fmt: skip
+    for c in caches:
+        c.check_size()
+    check_ragged(backend, rng, caches, (kv_b, None), placed, (H, Q, R, V, SCALE), TOLERANCE[2])
+    for c in caches:
+        c.cache.release()
+
+
 # -- one real GLM-5.2 shape per operation -----------------------------------------------------
 
 GLM_D, GLM_IE = 6144, 2048

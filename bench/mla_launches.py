@@ -1,0 +1,195 @@
+"""Where the kernel phase of a ragged MLA call goes: GPU time of each launch (absorb, flash or
+attend, merge, value projection, o_proj) from CUDA events around it, GLM-5.2 widths, and the
+flash + merge time against the number of T slices.
+
+Each measured call waits behind a short spin kernel on its stream, so every launch is queued
+before the GPU reaches it and the events time the GPU work alone (no host launch gaps). The
+plain decode step as ``bench/kernels.py`` makes it (call wall, kernel phase) is printed too.
+
+    PYTHONPATH=.dev:. python bench/mla_launches.py [--calls 20] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import cupy
+import numpy as np
+
+from bench.kernels import GLM, make_tensor
+from coliworker.kernels import attention as att
+from coliworker.kernels import reference as ref
+from coliworker.server import backend_cupy
+from coliworker.server.backends import create_backend
+
+SPIN = cupy.RawKernel(
+    r"""
+extern "C" __global__ void coli_spin(long long ns) {
+    long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}""",
+    "coli_spin",
+)
+CONFIGS = [(1, 4096), (8, 4096), (32, 2048)]
+SPLITS = {1: (32, 64, 128, 132, 264), 8: (8, 16, 33, 66), 32: (2, 4, 8, 16)}
+
+
+class Timed:
+    """A prepared launch that records an event pair around itself on the current stream."""
+
+    def __init__(self, name: str, launch, log: list) -> None:
+        self.name, self.launch, self.log = name, launch, log
+
+    def __call__(self, *args) -> None:
+        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+        e0.record()
+        self.launch(*args)
+        e1.record()
+        self.log.append((self.name, e0, e1))
+
+
+def instrument(log: list):
+    """Wrap the launch builders the backend calls; returns a function that undoes it."""
+    saved = (att.absorb_launch, att.flash_launch, att.attend_launch, backend_cupy.gemv_launch)
+    absorb, flash, attend, gemv = saved
+
+    def pair(fn, name):
+        def make(*a, **k):
+            x, m = fn(*a, **k)
+            return Timed(name, x, log), Timed("merge", m, log)
+
+        return make
+
+    def gemv_make(spec, n, *a, **k):
+        ln = gemv(spec, n, *a, **k)
+        return None if ln is None else Timed("o_proj" if n == 1 else "value", ln, log)
+
+    att.absorb_launch = lambda *a, **k: Timed("absorb", absorb(*a, **k), log)
+    att.flash_launch = pair(flash, "flash")
+    att.attend_launch = pair(attend, "attend")
+    backend_cupy.gemv_launch = gemv_make
+
+    def restore() -> None:
+        att.absorb_launch, att.flash_launch, att.attend_launch = saved[:3]
+        backend_cupy.gemv_launch = saved[3]
+
+    return restore
+
+
+class Decode:
+    """``seqs`` sequences of ``t - 1`` resident rows; ``step`` is one decode step as the worker
+    makes it: room for each new row, then one call that carries the rows and attends."""
+
+    def __init__(self, backend, rng, weights, placed, seqs: int, t: int, steps: int) -> None:
+        g = GLM
+        self.h, self.q, self.r, self.v, k = g["H"], g["Q"], g["R"], g["V"], g["K"]
+        self.backend, self.weights, self.placed = backend, weights, placed
+        total = t + steps + 8
+        self.lat = [rng.standard_normal((total, k)).astype(np.float32) for _ in range(seqs)]
+        self.rope = [rng.standard_normal((total, self.r)).astype(np.float32) for _ in range(seqs)]
+        self.caches = [backend.new_kv(0, k, self.r) for _ in range(seqs)]
+        for c, la, rp in zip(self.caches, self.lat, self.rope, strict=True):
+            c.append(la[: t - 1], rp[: t - 1])
+        self.qs = rng.standard_normal((seqs, self.h, self.q + self.r)).astype(np.float32)
+        self.scale = 1 / np.sqrt(self.q + self.r)
+        self.stream = backend._stream(0)
+
+    def step(self, spin: bool = False):
+        rows = []
+        for c, la, rp in zip(self.caches, self.lat, self.rope, strict=True):
+            c.reserve(1)
+            rows.append((la[c.length : c.length + 1], rp[c.length : c.length + 1]))
+        if spin:
+            with self.stream:
+                SPIN((1,), (1,), (np.int64(3_000_000),))
+        return self.backend.attention_ragged(*self.placed, self.qs, self.caches, self.q, self.r,
+                                             self.v, self.scale, rows=rows)  # fmt: skip
+
+    def rel_err(self) -> float:
+        out = self.step().out
+        lats = [la[: c.length] for la, c in zip(self.lat, self.caches, strict=True)]
+        ropes = [rp[: c.length] for rp, c in zip(self.rope, self.caches, strict=True)]
+        want = ref.attention_ragged(*self.weights, self.qs, lats, ropes, self.q, self.r, self.v,
+                                    self.scale)  # fmt: skip
+        return float(np.abs(out - want).max() / np.abs(want).max())
+
+    def release(self) -> None:
+        for c in self.caches:
+            c.release()
+
+
+def breakdown(dec: Decode, log: list, calls: int) -> dict[str, float]:
+    """Median GPU us per launch name over ``calls`` queued decode steps."""
+    per: dict[str, list[float]] = {}
+    kp = []
+    for _ in range(calls):
+        log.clear()
+        res = dec.step(spin=True)
+        kp.append(res.phases.kernel_ns / 1e3)
+        for name, e0, e1 in log:
+            per.setdefault(name, []).append(1e3 * cupy.cuda.get_elapsed_time(e0, e1))
+    d = {n: float(np.median(x)) for n, x in per.items()}
+    d["phase"] = float(np.median(kp))
+    return d
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    backend = create_backend("cupy", devices=(0,))
+    rng = np.random.default_rng(1)
+    g = GLM
+    kv_b = make_tensor(rng, 2, g["K"], g["H"] * (g["Q"] + g["V"]))
+    o_proj = make_tensor(rng, 2, g["H"] * g["V"], g["D"])
+    weights = (kv_b, o_proj)
+    placed = (backend.place(kv_b, 0), backend.place(o_proj, 0))
+    plain_splits = att.flash_splits
+    results, lines = [], []
+    log: list = []
+    for seqs, t in CONFIGS:
+        steps = 4 * args.calls * (3 + len(SPLITS[seqs]))
+        dec = Decode(backend, rng, weights, placed, seqs, t, steps)
+        err = dec.rel_err()
+        walls, kerns = [], []
+        for _ in range(args.calls):
+            t0 = time.perf_counter()
+            res = dec.step()
+            walls.append(time.perf_counter() - t0)
+            kerns.append(res.phases.kernel_ns / 1e3)
+        restore = instrument(log)
+        launches = breakdown(dec, log, args.calls)
+        sweep = {}
+        for ns in SPLITS[seqs]:
+            att.flash_splits = lambda *a, _n=ns: _n
+            d = breakdown(dec, log, args.calls)
+            sweep[ns] = d["flash"] + d["merge"]
+        att.flash_splits = plain_splits
+        restore()
+        dec.release()
+        row = dict(seqs=seqs, t=t, rel_err=err, call_us=1e6 * float(np.median(walls)),
+                   kernel_us=float(np.median(kerns)), launch_us=launches,
+                   nsplit=plain_splits(seqs, g["H"], t, backend._sms[0]),
+                   flash_merge_us_by_nsplit=sweep)  # fmt: skip
+        results.append(row)
+        lines.append(
+            f"S={seqs:<3} T={t:<5} call {row['call_us']:6.1f} kernel {row['kernel_us']:6.1f} us"
+            f" err {err:.1e} | "
+            + " ".join(f"{n} {x:.1f}" for n, x in launches.items())
+            + f" | nsplit {row['nsplit']}; flash+merge by nsplit: "
+            + " ".join(f"{n}:{x:.1f}" for n, x in sweep.items())
+        )
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "mla_launches.json").write_text(json.dumps(results, indent=1))
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
