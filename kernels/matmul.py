@@ -114,6 +114,37 @@ def _tc_geometry(max_rows: int, in_padded: int) -> tuple[int, int, int]:
     return sb, kt, red + 2 * 3 * sb * (kt + 16)
 
 
+# ---- tensor-core prefill path (prefill_tc.cu): the same formats, more than TC_MAX_ROWS rows ----
+#
+# Blocks of PF_SROWS activation rows (64 mma columns: bf16 hi and lo of each row). gemv_pf takes
+# KS = 1 (every warp over all of K, PF_ROWS[1] weight rows per block) when that fills the GPU,
+# else KS = 4 (k slices meeting in shared memory, 4x the blocks).
+PF_SROWS = 32
+PF_SMEM = 2 * PF_SROWS * (512 + 16) * 2  # the staged K tile: 64 bf16 columns (PF_SMEM)
+PF_ROWS = {1: 256, 4: 64}  # gemv_pf weight rows per block by KS (PfTile<PF_MR, KS>::ROWS)
+PF_MOE_ROWS = (128, 256)  # moe_pf rows per gate+up tile (hidden) and per down tile
+PF_VARIANTS = tuple(f"gemv_pf<{f}, {ks}>" for f in (2, 4) for ks in PF_ROWS) + tuple(
+    f"moe_pf<{f}>" for f in (2, 4)
+)
+
+
+def prefill_eligible(spec: WeightSpec, max_rows: int) -> bool:
+    """Whether the tensor-core prefill path serves this weight spec at ``max_rows`` rows."""
+    if not TENSOR_CORES or max_rows <= TC_MAX_ROWS:
+        return False
+    return spec.fmt == 2 or (spec.fmt == 4 and spec.group_size % 16 == 0)
+
+
+_sm_counts: dict[int, int] = {}
+
+
+def _sm_count(dev: int) -> int:
+    n = _sm_counts.get(dev)
+    if n is None:
+        n = _sm_counts[dev] = int(cupy.cuda.runtime.getDeviceProperties(dev)["multiProcessorCount"])
+    return n
+
+
 @dataclass(frozen=True)
 class WeightSpec:
     """What a launch needs to know about the weights of its jobs."""
@@ -169,6 +200,8 @@ def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int) -> L
 
     def make() -> Launch:
         lay = spec.layout
+        if prefill_eligible(spec, max_rows):
+            return _gemv_pf(spec, n_jobs, max_rows, max_out, _sm_count(dev))
         if tc_eligible(spec, max_rows):
             sb, kt, smem = _tc_geometry(max_rows, lay.in_padded)
             fn = get_function("gemv_tc.cu", f"gemv_tc<{spec.fmt}, {sb}>", TC_VARIANTS)
@@ -182,6 +215,15 @@ def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int) -> L
         return Launch(fn, grid, (WARPS * 32,), (*spec.geom(), np.int32(kt)), 4 * sb * kt)
 
     return _cached((dev, "gemv", id(spec), n_jobs, max_rows, max_out, TENSOR_CORES), make)
+
+
+def _gemv_pf(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: int) -> Launch:
+    """gemv_launch's launch on the tensor-core prefill path (same jobs, same pointer)."""
+    nz = -(-max_rows // PF_SROWS)
+    ks = 1 if nz * -(-max_out // PF_ROWS[1]) * n_jobs >= 2 * n_sm else 4
+    fn = get_function("prefill_tc.cu", f"gemv_pf<{spec.fmt}, {ks}>", PF_VARIANTS)
+    grid = (nz, -(-max_out // PF_ROWS[ks]), n_jobs)
+    return Launch(fn, grid, (WARPS * 32,), spec.geom(), PF_SMEM)
 
 
 def launch_gemv(
@@ -222,6 +264,8 @@ def moe_launch(
     dev = cupy.cuda.runtime.getDevice()
 
     def make() -> Launch | None:
+        if prefill_eligible(gu, max_rows) and prefill_eligible(dn, max_rows) and gu.fmt == dn.fmt:
+            return _moe_pf(gu, dn, n_jobs, max_rows, max_ie, max_dout, n_sm)
         if tc_eligible(gu, max_rows) and tc_eligible(dn, max_rows) and gu.fmt == dn.fmt:
             return _moe_tc(gu, dn, n_jobs, max_rows, max_ie, max_dout, n_sm)
         sb = pick_sb(max_rows)
@@ -265,3 +309,21 @@ def _moe_tc(
     tail = (np.int32(n_jobs), np.int32(ta), np.int32(tb), np.int32(nz), *gu.geom(), *dn.geom(),
             np.int32(kt))  # fmt: skip
     return Launch(fn, (blocks,), (WARPS * 32,), tail, smem)
+
+
+def _moe_pf(
+    gu: WeightSpec, dn: WeightSpec, n_jobs: int, max_rows: int, max_ie: int, max_dout: int,
+    n_sm: int,
+) -> Launch | None:  # fmt: skip
+    """moe_launch's launch on the tensor-core prefill path (same arguments, same pointers)."""
+    name = f"moe_pf<{gu.fmt}>"
+    fn = get_function("prefill_tc.cu", name, PF_VARIANTS)
+    nz = -(-max_rows // PF_SROWS)
+    ta = -(-max_ie // PF_MOE_ROWS[0])
+    tb = -(-max_dout // PF_MOE_ROWS[1])
+    total = (ta + tb) * nz * n_jobs
+    if total <= 0:
+        return None
+    blocks = min(total, _resident_blocks(fn, name, PF_SMEM, n_sm))
+    tail = (np.int32(n_jobs), np.int32(ta), np.int32(tb), np.int32(nz), *gu.geom(), *dn.geom())
+    return Launch(fn, (blocks,), (WARPS * 32,), tail, PF_SMEM)

@@ -1,0 +1,124 @@
+"""The tensor-core prefill path (prefill_tc.cu: gemv_pf, moe_pf) against the float64 reference.
+
+It serves int4 products (fmt 2, fmt 4 with group sizes that are multiples of 16) with more
+than 4 activation rows: matmuls and expert groups here, through CupyBackend. Shapes cross every
+tile edge: activation rows around the 32-row block (5, 17, 33, 64), weight rows not a multiple
+of the 64/128/256-row tiles, in_features not a multiple of the 512-element K tile.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_cuda_kernels import make_tensor, rel_err
+
+from coliworker.kernels import reference
+
+REL_TOL = 1e-3  # the acceptance bound of every product
+# x = hi + lo in bf16 keeps ~16 significant bits: ~2e-6 in a NumPy model of the kernel. A lost lo
+# column would show as ~1e-3, so this bound checks the split itself.
+PF_TOL = 1e-4
+
+FMT_GS = [(2, 0), (4, 16), (4, 64), (4, 128)]
+
+
+@pytest.fixture
+def cupy_backend():
+    from coliworker.server.backend_cupy import CupyBackend
+
+    b = CupyBackend((0,))
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def fp32_path():
+    """Runs the body with the fp32 kernels (gemv / moe) in place of the tensor-core ones."""
+    from coliworker.kernels import matmul
+
+    matmul.TENSOR_CORES = False
+    yield
+    matmul.TENSOR_CORES = True
+
+
+def _experts(b, rng, n, d, ie, fmt, gs):
+    host = [
+        tuple(make_tensor(rng, fmt, *sh, gs) for sh in ((ie, d), (ie, d), (d, ie)))
+        for _ in range(n)
+    ]
+    return host, [tuple(b.place(t, 0) for t in e) for e in host]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", FMT_GS)
+@pytest.mark.parametrize("s", [5, 17, 33, 64])
+@pytest.mark.parametrize("o,i", [(300, 2100), (70, 512), (1000, 4096 + 96)])
+def test_matmul_many_rows(cupy_backend, rng, fmt, gs, s, o, i):
+    # Few weight tiles: gemv_pf with k slices (KS = 4).
+    t = make_tensor(rng, fmt, o, i, gs)
+    x = rng.standard_normal((s, i)).astype(np.float32)
+    res = cupy_backend.matmul(cupy_backend.place(t, 0), x)
+    assert res.out.shape == (s, o)
+    assert rel_err(res.out, reference.matmul(t, x)) < PF_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64)])
+def test_matmul_prefill_rows_fill_the_device(cupy_backend, rng, fmt, gs):
+    # 11 row blocks x 25 weight tiles of 256 rows: more blocks than two per SM of an H200, so
+    # gemv_pf runs whole-K warps (KS = 1); rows 352 and 6184 end inside a tile.
+    t = make_tensor(rng, fmt, 6184, 2100, gs)
+    x = rng.standard_normal((352, 2100)).astype(np.float32)
+    res = cupy_backend.matmul(cupy_backend.place(t, 0), x)
+    assert rel_err(res.out, reference.matmul(t, x)) < PF_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 16)])
+def test_matmul_wide_range_activations(cupy_backend, rng, fmt, gs):
+    # Rows spanning 1e-30 .. 1e30: bf16 has fp32's exponent range, so no per-row scaling.
+    t = make_tensor(rng, fmt, 200, 1500, gs)
+    x = rng.standard_normal((9, 1500)) * 10.0 ** rng.uniform(-30, 30, (9, 1))
+    x = x.astype(np.float32)
+    res = cupy_backend.matmul(cupy_backend.place(t, 0), x)
+    ref = reference.matmul(t, x)
+    for k in range(9):
+        assert rel_err(res.out[k], ref[k]) < PF_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", FMT_GS)
+@pytest.mark.parametrize("rows", [[32, 0, 17, 5, 64, 1, 33, 0], [5] * 3, [0, 40, 0, 3], [64, 64]])
+def test_expert_group_many_rows(cupy_backend, rng, fmt, gs, rows):
+    # d = 1100 (K tiles of 512: one partial), ie = 300 (gate+up tiles of 128, down of 256).
+    b = cupy_backend
+    host, dev = _experts(b, rng, len(rows), 1100, 300, fmt, gs)
+    x = rng.standard_normal((sum(rows), 1100)).astype(np.float32)
+    res = b.expert_group(dev, rows, x)
+    assert rel_err(res.out, reference.expert_group(host, rows, x)) < PF_TOL
+    assert np.array_equal(res.out, b.expert_group(dev, rows, x).out)  # same bits every call
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64)])
+def test_expert_group_fp32_path_agrees(cupy_backend, rng, fp32_path, fmt, gs):
+    b = cupy_backend
+    rows = [9, 0, 33]
+    host, dev = _experts(b, rng, 3, 700, 200, fmt, gs)
+    x = rng.standard_normal((sum(rows), 700)).astype(np.float32)
+    res = b.expert_group(dev, rows, x)
+    assert rel_err(res.out, reference.expert_group(host, rows, x)) < REL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64)])
+def test_expert_group_glm52_prefill(cupy_backend, rng, fmt, gs):
+    # GLM-5.2 shapes: D = 6144, I = 2048, 32 rows per expert.
+    b = cupy_backend
+    rows = [32] * 4
+    host, dev = _experts(b, rng, 4, 6144, 2048, fmt, gs)
+    x = rng.standard_normal((sum(rows), 6144)).astype(np.float32)
+    res = b.expert_group(dev, rows, x)
+    assert rel_err(res.out, reference.expert_group(host, rows, x)) < PF_TOL
+    kern = min(b.expert_group(dev, rows, x).phases.kernel_ns for _ in range(10))
+    print(f"GLM-5.2 prefill 4x32 fmt {fmt}: kernel {kern / 1e3:.1f} us")
