@@ -156,12 +156,14 @@ def main() -> int:
         steps = 4 * args.calls * (3 + len(SPLITS[seqs]))
         dec = Decode(backend, rng, weights, placed, seqs, t, steps)
         err = dec.rel_err()
-        walls, kerns = [], []
+        walls, kerns, h2d, d2h = [], [], [], []
         for _ in range(args.calls):
             t0 = time.perf_counter()
             res = dec.step()
             walls.append(time.perf_counter() - t0)
             kerns.append(res.phases.kernel_ns / 1e3)
+            h2d.append(res.phases.h2d_ns / 1e3)
+            d2h.append(res.phases.d2h_ns / 1e3)
         restore = instrument(log)
         launches = breakdown(dec, log, args.calls)
         sweep = {}
@@ -173,13 +175,14 @@ def main() -> int:
         restore()
         dec.release()
         row = dict(seqs=seqs, t=t, rel_err=err, call_us=1e6 * float(np.median(walls)),
-                   kernel_us=float(np.median(kerns)), launch_us=launches,
+                   kernel_us=float(np.median(kerns)), h2d_us=float(np.median(h2d)),
+                   d2h_us=float(np.median(d2h)), launch_us=launches,
                    nsplit=plain_splits(seqs, g["H"], t, backend._sms[0]),
                    flash_merge_us_by_nsplit=sweep)  # fmt: skip
         results.append(row)
         lines.append(
             f"S={seqs:<3} T={t:<5} call {row['call_us']:6.1f} kernel {row['kernel_us']:6.1f} us"
-            f" err {err:.1e} | "
+            f" h2d {row['h2d_us']:.1f} d2h {row['d2h_us']:.1f} err {err:.1e} | "
             + " ".join(f"{n} {x:.1f}" for n, x in launches.items())
             + f" | nsplit {row['nsplit']}; flash+merge by nsplit: "
             + " ".join(f"{n}:{x:.1f}" for n, x in sweep.items())

@@ -244,28 +244,45 @@ mla_attend(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ p
 
 // grid (H, S, ceil(K / 128)), block 128, dynamic shared nsplit floats.
 // cl float32 [H, S, K] (head-major: each head's rows are one gemv job's x).
+// M and L are block reductions (one pm / pl load per thread and split, not a serial walk per
+// thread); the walk over the splits keeps 16 pacc loads in flight per thread.
 __global__ void __launch_bounds__(128)
 mla_merge(float *__restrict__ cl, const float *__restrict__ pm, const float *__restrict__ pl,
           const float *__restrict__ pacc, int S, int H, int K, int nsplit) {
-    extern __shared__ float wz[];  // [nsplit] weights e^(m_z - M) / L
-    const int h = blockIdx.x, s = blockIdx.y;
+    extern __shared__ float wz[];  // [nsplit] e^(m_z - M)
+    __shared__ float red[2][4];    // per-warp max, then per-warp sum
+    const int h = blockIdx.x, s = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const size_t base = ((size_t)s * H + h) * nsplit;
-    // Every thread computes M and L itself (nsplit is small): no shared reduction to race on.
     float M = -COLI_INF;
-    for (int z = 0; z < nsplit; ++z) M = fmaxf(M, pm[base + z]);
-    float L = 0.f;
-    if (M != -COLI_INF)
-        for (int z = 0; z < nsplit; ++z) L += pl[base + z] * expf(pm[base + z] - M);
-    const float inv = L > 0.f ? 1.f / L : 0.f;
-    for (int z = threadIdx.x; z < nsplit; z += blockDim.x)
-        wz[z] = M != -COLI_INF ? expf(pm[base + z] - M) * inv : 0.f;
+    for (int z = threadIdx.x; z < nsplit; z += 128) M = fmaxf(M, pm[base + z]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    if (lane == 0) red[0][warp] = M;
     __syncthreads();
+    M = fmaxf(fmaxf(red[0][0], red[0][1]), fmaxf(red[0][2], red[0][3]));
+    float L = 0.f;
+    for (int z = threadIdx.x; z < nsplit; z += 128) {
+        const float e = M != -COLI_INF ? expf(pm[base + z] - M) : 0.f;  // empty slices: 0
+        wz[z] = e;
+        L = fmaf(pl[base + z], e, L);
+    }
+    L = warp_sum(L);
+    if (lane == 0) red[1][warp] = L;
+    __syncthreads();  // wz and red[1] are written
+    L = (red[1][0] + red[1][1]) + (red[1][2] + red[1][3]);
+    const float inv = L > 0.f ? 1.f / L : 0.f;
     const int k = blockIdx.z * 128 + threadIdx.x;
     if (k < K) {
-        float v = 0.f;
-#pragma unroll 8
-        for (int z = 0; z < nsplit; ++z) v = fmaf(pacc[(base + z) * K + k], wz[z], v);
-        cl[((size_t)h * S + s) * K + k] = v;
+        const float *p = pacc + base * K + k;
+        float v[4] = {0.f, 0.f, 0.f, 0.f};
+        int z = 0;
+#pragma unroll 4
+        for (; z + 4 <= nsplit; z += 4) {
+#pragma unroll
+            for (int u = 0; u < 4; ++u) v[u] = fmaf(p[(size_t)(z + u) * K], wz[z + u], v[u]);
+        }
+        for (; z < nsplit; ++z) v[0] = fmaf(p[(size_t)z * K], wz[z], v[0]);
+        cl[((size_t)h * S + s) * K + k] = ((v[0] + v[1]) + (v[2] + v[3])) * inv;
     }
 }
 
@@ -301,8 +318,7 @@ __device__ __forceinline__ void fl_split(float x, unsigned &hi, unsigned &lo) {
 
 __device__ __forceinline__ void fl_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2,
                                        unsigned a3, unsigned b0, unsigned b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
@@ -411,8 +427,11 @@ mla_flash(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pa
                 asm volatile("prefetch.global.L2 [%0];" ::"l"(b + o));
         }
 
-        // Scores of heads hg, rows 0..15, k-steps [ks0, ks1).
-        float sacc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        // Scores of heads hg, rows 0..15, k-steps [ks0, ks1). The three products of the split
+        // operands accumulate apart, six independent mma chains: one chain per n-tile would
+        // wait out the mma latency three times per k-step.
+        float shh[2][4] = {}, shl[2][4] = {}, slh[2][4] = {};
+#pragma unroll 4
         for (int ks = ks0; ks < ks1; ++ks) {
             const int k0 = ks * 8;
             unsigned ah[4], al[4];
@@ -423,16 +442,21 @@ mla_flash(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pa
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) {
                 const float *kb = KVs + (nt * 8 + gid) * KST + k0 + t4;
-                fl_mma3(sacc[nt], ah, al, kb[0], kb[4]);
+                unsigned bh0, bl0, bh1, bl1;
+                fl_split(kb[0], bh0, bl0);
+                fl_split(kb[4], bh1, bl1);
+                fl_mma(slh[nt], al[0], al[1], al[2], al[3], bh0, bh1);
+                fl_mma(shl[nt], ah[0], ah[1], ah[2], ah[3], bl0, bl1);
+                fl_mma(shh[nt], ah[0], ah[1], ah[2], ah[3], bh0, bh1);
             }
         }
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
             float *o = Ss + (half * FL_HB + hg * 16 + gid) * FL_TT + nt * 8 + 2 * t4;
-            o[0] = sacc[nt][0];
-            o[1] = sacc[nt][1];
-            o[8 * FL_TT] = sacc[nt][2];
-            o[8 * FL_TT + 1] = sacc[nt][3];
+            o[0] = (slh[nt][0] + shl[nt][0]) + shh[nt][0];
+            o[1] = (slh[nt][1] + shl[nt][1]) + shh[nt][1];
+            o[8 * FL_TT] = (slh[nt][2] + shl[nt][2]) + shh[nt][2];
+            o[8 * FL_TT + 1] = (slh[nt][3] + shl[nt][3]) + shh[nt][3];
         }
         __syncthreads();
 
