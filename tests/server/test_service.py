@@ -11,6 +11,7 @@ import pytest
 
 from coliworker.client import (
     FailedPrecondition,
+    InternalError,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -517,3 +518,31 @@ def test_kv_eviction_under_budget_is_reported(rng):
             assert rel_err(out, want) < TOL
     finally:
         srv.stop(None)
+
+
+def test_attention_ragged_failed_call_claims_no_rows(w, rng, monkeypatch):
+    """A call that fails inside the backend (after its rows' room is reserved) leaves every
+    sequence at the rows it held: the next call resends from there."""
+    (kv_b, o_proj), (hk, ho), dims = mla(w, rng)
+    lat = rng.standard_normal((12, 10)).astype(np.float32)
+    rope = rng.standard_normal((12, 4)).astype(np.float32)
+    q = rng.standard_normal((1, 3, 12)).astype(np.float32)
+    w.attention_ragged(hk, ho, q, sequences=[(5, 0, lat[:4], rope[:4])], scale=0.3, **dims)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("device fault")
+
+    with monkeypatch.context() as m:
+        m.setattr(ref, "attention_ragged", broken)
+        with pytest.raises(InternalError):
+            w.attention_ragged(hk, ho, q, sequences=[(5, 4, lat[4:9], rope[4:9])], scale=0.3,
+                               **dims)  # fmt: skip
+    with pytest.raises(FailedPrecondition, match=r"start: expected <= 4"):
+        w.attention_ragged(hk, ho, q, sequences=[(5, 9, lat[9:10], rope[9:10])], scale=0.3,
+                           **dims)  # fmt: skip
+    out = w.attention_ragged(hk, ho, q, sequences=[(5, 4, lat[4:9], rope[4:9])], scale=0.3,
+                             **dims)  # fmt: skip
+    assert w.last_call.lengths == [9]
+    want = ref.attention_ragged(kv_b, o_proj, q, [lat[:9]], [rope[:9]], scale=0.3, **dims)
+    assert rel_err(out, want) < TOL
+    w.free_sequence(5)
