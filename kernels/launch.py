@@ -31,35 +31,45 @@ _CTYPE = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.float32): ctypes.c_flo
           np.dtype(np.int64): ctypes.c_int64, np.dtype(np.uint64): ctypes.c_uint64}  # fmt: skip
 
 
-def _ptr(p: object) -> int:
-    """A device address from an int, a NumPy integer or a CuPy array."""
+def _ptr(p: object) -> int | float:
+    """A slot's value: a device address from an int, a NumPy integer or a CuPy array; a
+    NumPy scalar's value."""
     if isinstance(p, cupy.ndarray):
         return int(p.data.ptr)
+    if isinstance(p, np.floating):
+        return float(p)
     return int(p)  # type: ignore[call-overload]
 
 
 class Launch:
     """A prepared launch: kernel, grid, block, dynamic shared memory and every argument after
-    the leading pointers. ``launch(*ptrs)`` makes it on the current device and stream; pointers
-    are device addresses (``np.uint64`` or int) or CuPy arrays."""
+    the leading ones. ``launch(*lead)`` makes it on the current device and stream; leading
+    arguments are device addresses (``np.uint64``, int or CuPy arrays) or NumPy scalars of
+    other types (``np.int32``), the same types on every call."""
 
     __slots__ = ("fn", "grid", "block", "tail", "smem", "_raw", "_slots", "_values", "_lock")
 
     def __init__(self, fn: cupy.RawKernel, grid: tuple, block: tuple, tail: tuple, smem: int):
         self.fn, self.grid, self.block, self.tail, self.smem = fn, grid, block, tail, smem
         self._raw: tuple | None = None  # cuLaunchKernel's arguments but the stream, once built
-        self._slots: list[ctypes.c_uint64] = []
+        self._slots: list[Any] = []  # ctypes values the block points at
         self._lock = threading.Lock()  # one parameter block: one writer at a time
 
-    def _build(self, n_ptrs: int) -> bool:
-        """Pack the parameter block: n_ptrs u64 pointer slots, then the tail's values."""
+    def _build(self, lead: tuple) -> bool:
+        """Pack the parameter block: a slot per leading argument (u64 for a pointer, or the
+        type of a NumPy scalar passed there), then the tail's values."""
         if _launch_kernel is None:
             return False
         try:
             tail = [_CTYPE[np.asarray(v).dtype](np.asarray(v).item()) for v in self.tail]
         except KeyError:
             return False
-        self._slots = [ctypes.c_uint64(0) for _ in range(n_ptrs)]
+        self._slots = [
+            _CTYPE.get(p.dtype, ctypes.c_uint64)(0)
+            if isinstance(p, np.generic) and not isinstance(p, np.uint64)
+            else ctypes.c_uint64(0)
+            for p in lead
+        ]
         values: list[Any] = [*self._slots, *tail]
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         self._values = [*values, params]  # the block points into these: keep them alive
@@ -71,7 +81,7 @@ class Launch:
 
     def __call__(self, *ptrs: object) -> None:
         raw = self._raw
-        if RAW and (raw is not None or self._build(len(ptrs))):
+        if RAW and (raw is not None or self._build(ptrs)):
             f, gx, gy, gz, bx, by, bz, smem, params = self._raw  # type: ignore[misc]
             stream = cupy.cuda.get_current_stream().ptr
             with self._lock:
