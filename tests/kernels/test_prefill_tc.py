@@ -52,9 +52,10 @@ def _experts(b, rng, n, d, ie, fmt, gs):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,gs", FMT_GS)
 @pytest.mark.parametrize("s", [5, 17, 33, 64])
-@pytest.mark.parametrize("o,i", [(300, 2100), (70, 512), (1000, 4096 + 96)])
+@pytest.mark.parametrize("o,i", [(300, 2100), (300, 2101), (70, 512), (1000, 4096 + 96)])
 def test_matmul_many_rows(cupy_backend, rng, fmt, gs, s, o, i):
-    # Few weight tiles: gemv_pf with k slices (KS = 4).
+    # Few weight tiles: gemv_pf's 64-row blocks (k slices meeting in shared memory). i = 2101:
+    # rows not 16-byte aligned, staged element by element.
     t = make_tensor(rng, fmt, o, i, gs)
     x = rng.standard_normal((s, i)).astype(np.float32)
     res = cupy_backend.matmul(cupy_backend.place(t, 0), x)
@@ -65,8 +66,8 @@ def test_matmul_many_rows(cupy_backend, rng, fmt, gs, s, o, i):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64)])
 def test_matmul_prefill_rows_fill_the_device(cupy_backend, rng, fmt, gs):
-    # 11 row blocks x 25 weight tiles of 256 rows: more blocks than two per SM of an H200, so
-    # gemv_pf runs whole-K warps (KS = 1); rows 352 and 6184 end inside a tile.
+    # 11 row blocks x 25 weight tiles of 256 rows: two blocks per SM of an H200 or more, so
+    # gemv_pf runs 256-row blocks; rows 352 and 6184 end inside a tile.
     t = make_tensor(rng, fmt, 6184, 2100, gs)
     x = rng.standard_normal((352, 2100)).astype(np.float32)
     res = cupy_backend.matmul(cupy_backend.place(t, 0), x)
