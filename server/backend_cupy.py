@@ -21,6 +21,7 @@ import contextlib
 import math
 import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import cupy
@@ -142,6 +143,13 @@ def _align(n: int) -> int:
 # Arenas above this many bytes (device or pinned) are freed after their call rather than kept.
 ARENA_KEEP_BYTES = 64 << 20
 ARENAS_PER_THREAD = 4  # free arenas a thread keeps per device (one per call it has in flight)
+# Outputs of at least this many bytes are handed over in their pinned buffer, not copied.
+DETACH_BYTES = 1 << 20
+# Inputs of at least this many bytes are copied into the pinned buffer by several threads.
+SPLIT_COPY_BYTES = 8 << 20
+_COPY_THREADS = 4
+_copy_pool: ThreadPoolExecutor | None = None
+_copy_pool_lock = threading.Lock()
 
 
 class _Arena:
@@ -251,7 +259,13 @@ class _Call:
         rt = cupy.cuda.runtime
         rt.eventSynchronize(ev[3])
         off, n, shape = self.out
-        out = a.host[off : off + n].view(np.float32).reshape(shape).copy()  # the arena is reused
+        if n >= DETACH_BYTES:
+            # The result keeps the pinned buffer (returned to CuPy's pinned pool when it is
+            # dropped): no copy into fresh pages, whose first touch costs more than the copy.
+            out = a.host[off : off + n].view(np.float32).reshape(shape)
+            a.host, a.hptr = None, 0
+        else:
+            out = a.host[off : off + n].view(np.float32).reshape(shape).copy()  # arena reused
         phases = Phases(*(int(rt.eventElapsedTime(ev[i], ev[i + 1]) * 1e6) for i in range(3)))
         self.arena = None
         a.give_back()
@@ -291,9 +305,21 @@ class CupyPending:
 
 
 def _put(host: np.ndarray, off: int, a: np.ndarray, nbytes: int, dtype: Any = np.float32) -> None:
-    """Copy array ``a`` (as ``dtype``, C order, ``nbytes`` bytes) into pinned ``host`` at off."""
-    b = np.ascontiguousarray(a, dtype)
-    host[off : off + nbytes] = b.reshape(-1).view(np.uint8)
+    """Copy array ``a`` (as ``dtype``, C order, ``nbytes`` bytes) into pinned ``host`` at off;
+    large copies in slices on several threads (NumPy releases the GIL while it copies)."""
+    b = np.ascontiguousarray(a, dtype).reshape(-1).view(np.uint8)
+    dst = host[off : off + nbytes]
+    if nbytes < SPLIT_COPY_BYTES:
+        dst[...] = b
+        return
+    global _copy_pool
+    with _copy_pool_lock:
+        if _copy_pool is None:
+            _copy_pool = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="pinned-copy")
+    step = -(-nbytes // _COPY_THREADS)
+    parts = [(dst[i : i + step], b[i : i + step]) for i in range(0, nbytes, step)]
+    for f in [_copy_pool.submit(np.copyto, d, src) for d, src in parts]:
+        f.result()
 
 
 def _stack_into(host: np.ndarray, off: int, parts: Sequence[np.ndarray], n: int, w: int) -> None:
