@@ -32,6 +32,10 @@ L2 = 60e6
 
 
 def _git_commit() -> str:
+    """COLIWORKER_COMMIT when set (a run from an exported tree: the GPU machine's copy may
+    carry an unrelated .git), else git's HEAD."""
+    if os.environ.get("COLIWORKER_COMMIT"):
+        return os.environ["COLIWORKER_COMMIT"]
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
@@ -225,6 +229,44 @@ def run_seed(seed_dir: Path, out: Path) -> dict[str, dict]:
     return {r["name"]: r for r in json.load(open(js))}
 
 
+def render(meta: dict, rows: list[dict]) -> str:
+    """The markdown table of a run (``meta`` and ``rows`` as in the JSON file)."""
+    md = [
+        f"# Kernel benchmark, {meta['gpu']}, {meta['date']}, commit {meta['commit']}",
+        "",
+        f"Command: `{meta['command']}` (seed built from the seed sources in the same run).",
+        "",
+        "| operation | ours call ms | ours kernel ms | seed call ms | seed kernel ms | "
+        "speedup (call) | GB/s | TFLOP/s | floor us | target | rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def f(v, k=3):
+        return "-" if v is None else f"{v:.{k}f}"
+
+    for r in rows:
+        if "error" in r:
+            md.append(f"| {r['name']} | error: {r['error']} ||||||||||")
+            continue
+        sp = (r["seed_call_ms"] / r["call_ms"]) if r.get("seed_call_ms") else None
+        tgt = " / ".join(
+            x
+            for x in (
+                f"call<={r['target_call_ms']}" if r["target_call_ms"] else "",
+                f"kernel<={r['target_kernel_ms']}" if r["target_kernel_ms"] else "",
+            )
+            if x
+        )
+        md.append(
+            f"| {r['name']} | {f(r['call_ms'])} | {f(r['kernel_ms'])} | "
+            f"{f(r['seed_call_ms'])} | {f(r['seed_kernel_ms'])} | {f(sp, 1)}x | "
+            f"{f(r.get('kernel_GBps'), 0)} | {f(r.get('kernel_TFLOPs'), 1)} | "
+            f"{f(r['floor_us'], 1)} | {tgt} | "
+            f"{r['rel_err']:.1e} |"
+        )
+    return "\n".join(md) + "\n"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -232,7 +274,12 @@ def main() -> int:
     p.add_argument(
         "--only", default="", help="comma-separated substrings: run only rows naming one"
     )
+    p.add_argument("--render", type=Path, default=None, help="print a results JSON's table")
     a = p.parse_args()
+    if a.render is not None:
+        d = json.loads(a.render.read_text())
+        print(render(d["meta"], d["rows"]), end="")
+        return 0
     a.out.mkdir(parents=True, exist_ok=True)
     from coliworker.server.backends import create_backend
 
@@ -279,40 +326,9 @@ def main() -> int:
         read_bw_TBps=READ_BW / 1e12,
     )
     (a.out / f"kernels-{date}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    md = [
-        f"# Kernel benchmark, {gpu}, {date}, commit {meta['commit']}",
-        "",
-        f"Command: `{meta['command']}` (seed built from the seed sources in the same run).",
-        "",
-        "| operation | ours call ms | ours kernel ms | seed call ms | seed kernel ms | "
-        "speedup (call) | GB/s | floor us | target | rel err |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-
-    def f(v, k=3):
-        return "-" if v is None else f"{v:.{k}f}"
-
-    for r in rows:
-        if "error" in r:
-            md.append(f"| {r['name']} | error: {r['error']} |||||||||")
-            continue
-        sp = (r["seed_call_ms"] / r["call_ms"]) if r.get("seed_call_ms") else None
-        tgt = " / ".join(
-            x
-            for x in (
-                f"call<={r['target_call_ms']}" if r["target_call_ms"] else "",
-                f"kernel<={r['target_kernel_ms']}" if r["target_kernel_ms"] else "",
-            )
-            if x
-        )
-        md.append(
-            f"| {r['name']} | {f(r['call_ms'])} | {f(r['kernel_ms'])} | "
-            f"{f(r['seed_call_ms'])} | {f(r['seed_kernel_ms'])} | {f(sp, 1)}x | "
-            f"{f(r.get('kernel_GBps'), 0)} | {f(r['floor_us'], 1)} | {tgt} | "
-            f"{r['rel_err']:.1e} |"
-        )
-    (a.out / f"kernels-{date}.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
+    md = render(meta, rows)
+    (a.out / f"kernels-{date}.md").write_text(md)
+    print(md)
     backend.close()
     return 0
 

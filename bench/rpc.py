@@ -516,17 +516,24 @@ def machine() -> dict:
             text=True,
             timeout=10,
         ).stdout.strip()
+        lines = gpu.splitlines()
+        gpu = f"{len(lines)} x {lines[0]}" if len(lines) > 1 else gpu  # one line per GPU
     except (OSError, subprocess.SubprocessError):
         pass
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    commit = subprocess.run(
-        ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-    ).stdout.strip() or os.environ.get("COLIWORKER_COMMIT", "")  # the GPU machine has no .git
-    dirty = subprocess.run(
-        ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
+    # COLIWORKER_COMMIT first: a run from an exported tree (the GPU machine's copy may carry an
+    # unrelated .git) names the commit it was exported from.
+    commit = os.environ.get("COLIWORKER_COMMIT", "")
+    dirty = ""
+    if not commit:
+        commit = subprocess.run(
+            ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
     return {
         "host": platform.node(),
         "cpu": cpu,
