@@ -107,7 +107,7 @@ TC_VARIANTS = tuple(
 
 def _paths() -> tuple[bool, ...]:
     """The module switches that pick kernels: part of every launch cache key."""
-    return (TENSOR_CORES, TC_PIPELINE, PF_PIPELINE)
+    return (TENSOR_CORES, TC_PIPELINE)
 
 
 def _tc_pipe(fmt: int) -> str:
@@ -142,20 +142,9 @@ PF_SROWS = 32
 PF_SMEM = 2 * PF_SROWS * (512 + 16) * 2  # the staged K tile: 64 bf16 columns (PF_SMEM)
 PF_ROWS = {1: 256, 4: 64}  # gemv_pf weight rows per block by KS (PfTile<PF_MR, KS>::ROWS)
 PF_MOE_ROWS = (128, 256)  # moe_pf rows per gate+up tile (hidden) and per down tile
-# The prefill kernels stream their weights through a cp.async ring of PF_STAGES steps per warp in
-# shared memory (PF_RING bytes after the staged tile; more bytes in flight than registers hold;
-# same bits). Off until measured; COLIWORKER_PF_PIPELINE=1 / 0 overrides at import.
-PF_PIPELINE = os.environ.get("COLIWORKER_PF_PIPELINE", "0") == "1"
-PF_STAGES = 5
-PF_RING = WARPS * PF_STAGES * 4 * 32 * 8  # 4 words of 8 bytes per lane and step (PF_RING)
-PF_VARIANTS = tuple(
-    f"gemv_pf<{f}, {ks}, {p}>" for f in (2, 4) for ks in PF_ROWS for p in ("false", "true")
-) + tuple(f"moe_pf<{f}, {p}>" for f in (2, 4) for p in ("false", "true"))
-
-
-def _pf_pipe() -> tuple[str, int]:
-    """(PIPE template argument, dynamic shared bytes) of a prefill launch."""
-    return ("true", PF_SMEM + PF_RING) if PF_PIPELINE else ("false", PF_SMEM)
+PF_VARIANTS = tuple(f"gemv_pf<{f}, {ks}>" for f in (2, 4) for ks in PF_ROWS) + tuple(
+    f"moe_pf<{f}>" for f in (2, 4)
+)
 
 
 def prefill_eligible(spec: WeightSpec, max_rows: int) -> bool:
@@ -252,10 +241,9 @@ def _gemv_pf(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: i
     """gemv_launch's launch on the tensor-core prefill path (same jobs, same pointer)."""
     nz = -(-max_rows // PF_SROWS)
     ks = 1 if nz * -(-max_out // PF_ROWS[1]) * n_jobs >= 2 * n_sm else 4
-    pipe, smem = _pf_pipe()
-    fn = get_function("prefill_tc.cu", f"gemv_pf<{spec.fmt}, {ks}, {pipe}>", PF_VARIANTS)
+    fn = get_function("prefill_tc.cu", f"gemv_pf<{spec.fmt}, {ks}>", PF_VARIANTS)
     grid = (nz, -(-max_out // PF_ROWS[ks]), n_jobs)
-    return Launch(fn, grid, (WARPS * 32,), spec.geom(), smem)
+    return Launch(fn, grid, (WARPS * 32,), spec.geom(), PF_SMEM)
 
 
 def launch_gemv(
@@ -349,8 +337,7 @@ def _moe_pf(
     n_sm: int,
 ) -> Launch | None:  # fmt: skip
     """moe_launch's launch on the tensor-core prefill path (same arguments, same pointers)."""
-    pipe, smem = _pf_pipe()
-    name = f"moe_pf<{gu.fmt}, {pipe}>"
+    name = f"moe_pf<{gu.fmt}>"
     fn = get_function("prefill_tc.cu", name, PF_VARIANTS)
     nz = -(-max_rows // PF_SROWS)
     ta = -(-max_ie // PF_MOE_ROWS[0])
@@ -358,6 +345,6 @@ def _moe_pf(
     total = (ta + tb) * nz * n_jobs
     if total <= 0:
         return None
-    blocks = min(total, _resident_blocks(fn, name, smem, n_sm))
+    blocks = min(total, _resident_blocks(fn, name, PF_SMEM, n_sm))
     tail = (np.int32(n_jobs), np.int32(ta), np.int32(tb), np.int32(nz), *gu.geom(), *dn.geom())
-    return Launch(fn, (blocks,), (WARPS * 32,), tail, smem)
+    return Launch(fn, (blocks,), (WARPS * 32,), tail, PF_SMEM)

@@ -30,15 +30,6 @@
 // over all of K and stores from registers; KS > 1 (few rows in all: more, shorter blocks) meets
 // in shared memory in a fixed order. Either way the same bits on every call. Two blocks share
 // an SM: one stages while the other runs mmas.
-//
-// PIPE: the weights stream through a ring of PF_STAGES steps per warp in shared memory instead
-// of a register double buffer (one step ahead: too few bytes in flight to cover HBM latency with
-// 16 warps per SM). A lane copies its 8-byte halves of a step with cp.async and later reads only
-// those, so the ring needs no barrier; the step count runs on across K tiles, so the first steps
-// of the next tile are in flight while the block stages its activations (and, in moe's down
-// tiles, while it waits for the hidden rows). A slot is refilled one step after the step that
-// read it, never by the step reading it: the read is a whole step of mmas old by then. The
-// mmas, their operands and their order are those of the register path: the same bits.
 #include "common.cuh"
 #include "jobs.cuh"
 #include "tc.cuh"
@@ -47,15 +38,10 @@
 #define PF_KT 512             // elements per K tile: half an int4 block
 #define PF_CSTRIDE (PF_KT + 16)  // bf16 per staged column: 32 bytes apart mod 128 (banks)
 #define PF_STAGE_LOADS 4      // float4 loads in flight per thread while staging
-#define PF_STAGES 5           // PIPE: ring slots per warp (PF_STAGES - 1 steps ahead of the mmas)
-#define PF_WSTEP 4            // PIPE: 8-byte weight words per lane per step (M * MR * 2)
 
 // Dynamic shared memory of every prefill block: the staged tile (64 columns), reused by the
 // KS > 1 partials at the end.
 #define PF_SMEM (2 * PF_SROWS * PF_CSTRIDE * 2)
-// PIPE: the weight rings of the block's warps follow: 40 KB, so with PF_SMEM 106 KB per block
-// and two blocks still share an SM.
-#define PF_RING (GEMV_WARPS * PF_STAGES * PF_WSTEP * 32 * 8)
 
 template <int MR, int KS> struct PfTile {
     static constexpr int RG = GEMV_WARPS / KS;       // row groups
@@ -111,40 +97,6 @@ __device__ __forceinline__ void pf_stage(unsigned short *xb, const float *__rest
     }
 }
 
-// The byte offset of K tile k0 in every weight row (and chunk): its int4 block, then the half.
-__device__ __forceinline__ size_t pf_tile_off(int k0) {
-    return (size_t)(k0 >> 10) * COLI_BLOCK_BYTES + ((k0 >> 9) & 1) * 8;
-}
-
-// 8 bytes global -> shared without registers (cp.async.cg takes only 16; a lane needs half of
-// each 16-byte chunk, the other half belongs to the next K tile).
-__device__ __forceinline__ void pf_cp8(uint2 *dst, const unsigned char *src) {
-    const unsigned int d = static_cast<unsigned int>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(d), "l"(src) : "memory");
-}
-
-// The lane's weight words of step n (counted over all K tiles: NS per tile) into its ring slot
-// n % PF_STAGES, as one commit group (empty past the last step, so that every step is one
-// group). ring: the lane's word 0 of slot 0; word j of slot s at ring[(s * PF_WSTEP + j) * 32].
-template <int M, int MR, int KS>
-__device__ __forceinline__ void pf_issue(uint2 *ring, const unsigned char *const (&pw)[M][MR][2],
-                                         int n, int nsteps, int ks) {
-    constexpr int NS = PfTile<MR, KS>::NS;
-    static_assert(M * MR * 2 == PF_WSTEP, "one ring slot holds a step of every fragment row");
-    if (n < nsteps) {
-        const size_t off = pf_tile_off(n / NS * PF_KT) + (ks + n % NS * KS) * 64;
-        uint2 *slot = ring + n % PF_STAGES * PF_WSTEP * 32;
-#pragma unroll
-        for (int m = 0; m < M; ++m)
-#pragma unroll
-            for (int f = 0; f < MR; ++f)
-#pragma unroll
-                for (int r = 0; r < 2; ++r)
-                    pf_cp8(slot + ((m * MR + f) * 2 + r) * 32, pw[m][f][r] + off);
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-}
-
 // Ask L2 for the 512-byte block at byte offset `off` of each of the lane's weight rows (lane t
 // takes line t): issued a K tile ahead, so the loads of the next block hit L2.
 template <int M, int MR>
@@ -161,17 +113,15 @@ __device__ __forceinline__ void pf_prefetch(const unsigned char *const (&pw)[M][
 
 // One warp, one staged K tile at element k0, steps ks, ks + KS, ...: acc[m][f][nt] += W x B
 // over the first ntv n-tiles (FULL: all 8). pw: the lane's rows (gid, gid + 8 of each fragment)
-// at chunk t of byte 0; ps: their scales (fmt 4). PIPE: the steps come from the lane's ring
-// (pf_issue), n is the index of the tile's first step and moves past its last.
-template <int FMT, int M, int MR, int KS, bool FULL, bool PIPE>
+// at chunk t of byte 0; ps: their scales (fmt 4).
+template <int FMT, int M, int MR, int KS, bool FULL>
 __device__ __forceinline__ void pf_tile(float (&acc)[M][MR][8][4], const unsigned short *xb,
                                         const unsigned char *const (&pw)[M][MR][2],
                                         const float *const (&ps)[M][MR][2], const WGeom &g,
-                                        int k0, int ntv, int ks, int lane, uint2 *ring, int &n,
-                                        int nsteps) {
+                                        int k0, int ntv, int ks, int lane) {
     constexpr int NS = PfTile<MR, KS>::NS, QS = FMT == 4 ? 4 : 1;
     const int gid = lane >> 2, t = lane & 3;
-    const size_t tile_off = pf_tile_off(k0);
+    const size_t tile_off = (size_t)(k0 >> 10) * COLI_BLOCK_BYTES + ((k0 >> 9) & 1) * 8;
     const unsigned short *xcol = xb + gid * PF_CSTRIDE + t * 4;
     const float zero[4] = {0.f, 0.f, 0.f, 0.f};
     uint2 wr[2][M][MR][2];
@@ -185,27 +135,11 @@ __device__ __forceinline__ void pf_tile(float (&acc)[M][MR][8][4], const unsigne
                     wr[buf][m][f][r] =
                         __ldg(reinterpret_cast<const uint2 *>(pw[m][f][r] + tile_off + st * 64));
     };
-    if (!PIPE) load(0, ks);
+    load(0, ks);
 #pragma unroll
     for (int i = 0; i < NS; ++i) {
-        const int st = ks + i * KS, cur = PIPE ? 0 : i & 1;
-        if (PIPE) {
-            // Refill the slot read at step n - 1, then wait for step n (at most PF_STAGES - 1
-            // younger groups pending).
-            pf_issue<M, MR, KS>(ring, pw, n + PF_STAGES - 1, nsteps, ks);
-            asm volatile("cp.async.wait_group %0;" ::"n"(PF_STAGES - 1) : "memory");
-            const uint2 *slot = ring + n % PF_STAGES * PF_WSTEP * 32;
-#pragma unroll
-            for (int m = 0; m < M; ++m)
-#pragma unroll
-                for (int f = 0; f < MR; ++f)
-#pragma unroll
-                    for (int r = 0; r < 2; ++r)
-                        wr[0][m][f][r] = slot[((m * MR + f) * 2 + r) * 32];
-            ++n;
-        } else if (i + 1 < NS) {
-            load(cur ^ 1, st + KS);
-        }
+        const int st = ks + i * KS, cur = i & 1;
+        if (i + 1 < NS) load(cur ^ 1, st + KS);
         float sr[M][MR][2][QS];  // fmt 4: the scales of each quad's group
         if (FMT == 4) {
 #pragma unroll
@@ -260,9 +194,8 @@ __device__ __forceinline__ void pf_tile(float (&acc)[M][MR][8][4], const unsigne
 
 // Weight rows [row0, row0 + PfTile<MR, KS>::ROWS) of one job (of gate and up for DUAL) x
 // activation rows [srow0, srow0 + PF_SROWS) over all of K: y[srow, row] = f(sum) (per-row
-// scale; DUAL: silu(gate) * up). All threads of the block call it (it has barriers). PIPE: the
-// weight rings lie PF_SMEM bytes past xb.
-template <int FMT, int MR, int KS, bool DUAL, bool PIPE>
+// scale; DUAL: silu(gate) * up). All threads of the block call it (it has barriers).
+template <int FMT, int MR, int KS, bool DUAL>
 __device__ __forceinline__ void pf_block(unsigned short *xb, const float *__restrict__ x,
                                          int x_stride, float *__restrict__ y, int y_stride,
                                          int rows, int srow0, int out_rows, int row0,
@@ -296,14 +229,8 @@ __device__ __forceinline__ void pf_block(unsigned short *xb, const float *__rest
 #pragma unroll
                 for (int j = 0; j < 4; ++j) acc[m][f][nt][j] = 0.f;
 
-    // Tiles past in_features hold only padding (x = 0 there): skipped.
-    const int nsteps = (g.in_features + PF_KT - 1) / PF_KT * PfTile<MR, KS>::NS;
-    uint2 *ring = reinterpret_cast<uint2 *>(xb + PF_SMEM / 2) +
-                  warp * (PF_STAGES * PF_WSTEP * 32) + lane;
-    int n = 0;
-    if (PIPE)
-        for (int p = 0; p < PF_STAGES - 1; ++p) pf_issue<M, MR, KS>(ring, pw, p, nsteps, ks);
     if (ks == 0) pf_prefetch<M, MR>(pw, 0, t);
+    // Tiles past in_features hold only padding (x = 0 there): skipped.
     for (int k0 = 0; k0 < g.in_features; k0 += PF_KT) {
         __syncthreads();  // the previous tile is consumed
         pf_stage(xb, x, x_stride, rows, srow0, 4 * ntv, g.in_features, k0);
@@ -311,11 +238,9 @@ __device__ __forceinline__ void pf_block(unsigned short *xb, const float *__rest
         if ((k0 & PF_KT) && ks == 0 && k0 + PF_KT < g.in_features)
             pf_prefetch<M, MR>(pw, (k0 + PF_KT) / 2, t);  // the next int4 block's 512 bytes
         if (ntv == 8)
-            pf_tile<FMT, M, MR, KS, true, PIPE>(acc, xb, pw, ps, g, k0, ntv, ks, lane, ring, n,
-                                                nsteps);
+            pf_tile<FMT, M, MR, KS, true>(acc, xb, pw, ps, g, k0, ntv, ks, lane);
         else
-            pf_tile<FMT, M, MR, KS, false, PIPE>(acc, xb, pw, ps, g, k0, ntv, ks, lane, ring, n,
-                                                 nsteps);
+            pf_tile<FMT, M, MR, KS, false>(acc, xb, pw, ps, g, k0, ntv, ks, lane);
     }
     // Lane (gid, t) holds, per fragment f and n-tile nt, activation row 4 nt + t of weight rows
     // gid (c0 + c1: hi + lo) and gid + 8 (c2 + c3).
@@ -384,9 +309,9 @@ __device__ __forceinline__ void pf_block(unsigned short *xb, const float *__rest
 #define PF_MR 2  // 16-row fragments per warp of gemv and of moe's down tiles
 
 // grid (ceil(max_rows / PF_SROWS), ceil(max_out / PfTile<PF_MR, KS>::ROWS), n_jobs), block
-// GEMV_WARPS * 32, dynamic shared PF_SMEM (+ PF_RING for PIPE) bytes. The blocks of one weight
-// tile run side by side (their second reads of the weights hit L2).
-template <int FMT, int KS, bool PIPE>
+// GEMV_WARPS * 32, dynamic shared PF_SMEM bytes. The blocks of one weight tile run side by side
+// (their second reads of the weights hit L2).
+template <int FMT, int KS>
 __global__ void __launch_bounds__(GEMV_WARPS * 32, FMT == 4 ? 1 : 2)
 gemv_pf(const GemvJob *__restrict__ jobs, int in_features, int in_padded, int ld, int ngp,
         int gs, int gs_shift) {
@@ -396,7 +321,7 @@ gemv_pf(const GemvJob *__restrict__ jobs, int in_features, int in_padded, int ld
     const int srow0 = blockIdx.x * PF_SROWS;
     if (row0 >= job.out_rows || srow0 >= job.rows) return;  // whole block: no barrier skipped
     extern __shared__ float4 smem4[];
-    pf_block<FMT, PF_MR, KS, false, PIPE>(
+    pf_block<FMT, PF_MR, KS, false>(
         reinterpret_cast<unsigned short *>(smem4), reinterpret_cast<const float *>(job.x),
         job.x_stride, reinterpret_cast<float *>(job.y), job.y_stride, job.rows, srow0,
         job.out_rows, row0, reinterpret_cast<const unsigned char *>(job.w0),
@@ -406,9 +331,8 @@ gemv_pf(const GemvJob *__restrict__ jobs, int in_features, int in_padded, int ld
 // A whole expert group in one persistent launch: moe in gemv.cu (the same queue of tiles, done
 // counters and arguments). Gate+up tiles are PfTile<1, 1>::ROWS hidden rows (gate and up in
 // each warp), down tiles PfTile<PF_MR, 1>::ROWS output rows, both x PF_SROWS activation rows.
-// Before waiting for its expert's hidden rows a down tile asks L2 for its first weights (PIPE:
-// and copies its first steps into the ring).
-template <int FMT, bool PIPE>
+// Before waiting for its expert's hidden rows a down tile asks L2 for its first weights.
+template <int FMT>
 __global__ void __launch_bounds__(GEMV_WARPS * 32, FMT == 4 ? 1 : 2)
 moe_pf(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ntiles_a_row,
        int ntiles_b_row, int nz, int a_in, int a_in_padded, int a_ld, int a_ngp, int a_gs,
@@ -432,7 +356,7 @@ moe_pf(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ntiles_a_row,
             const MoeJob &j = jobs[e];
             const int row0 = rt * PfTile<1, 1>::ROWS, srow0 = z * PF_SROWS;
             if (row0 < j.ie && srow0 < j.rows)
-                pf_block<FMT, 1, 1, true, PIPE>(
+                pf_block<FMT, 1, 1, true>(
                     xb, reinterpret_cast<const float *>(j.x), ga.in_features,
                     reinterpret_cast<float *>(j.h), j.ie, j.rows, srow0, j.ie, row0,
                     reinterpret_cast<const unsigned char *>(j.wg),
@@ -455,7 +379,7 @@ moe_pf(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ntiles_a_row,
                     __threadfence();
                 }
                 // pf_block begins with a barrier: every thread waits for thread 0's spin.
-                pf_block<FMT, PF_MR, 1, false, PIPE>(
+                pf_block<FMT, PF_MR, 1, false>(
                     xb, reinterpret_cast<const float *>(j.h), j.ie,
                     reinterpret_cast<float *>(j.y), j.dout, j.rows, srow0, j.dout, row0,
                     reinterpret_cast<const unsigned char *>(j.wd),

@@ -3,9 +3,7 @@
 It serves int4 products (fmt 2, fmt 4 with group sizes that are multiples of 16) with more
 than 4 activation rows: matmuls and expert groups here, through CupyBackend. Shapes cross every
 tile edge: activation rows around the 32-row block (5, 17, 33, 64), weight rows not a multiple
-of the 64/128/256-row tiles, in_features not a multiple of the 512-element K tile. Every case
-runs with the weights in registers and through the cp.async ring (``matmul.PF_PIPELINE``): the
-same bits, and the reference within the bound.
+of the 64/128/256-row tiles, in_features not a multiple of the 512-element K tile.
 """
 
 from __future__ import annotations
@@ -34,26 +32,6 @@ def cupy_backend():
 
 
 @pytest.fixture
-def both_paths():
-    """Calls fn() with the ring off, then on; asserts the same bits and returns the ring's
-    result. The module switch is restored after the test."""
-    from coliworker.kernels import matmul
-
-    saved = matmul.PF_PIPELINE
-
-    def run(fn):
-        matmul.PF_PIPELINE = False
-        plain = fn()
-        matmul.PF_PIPELINE = True
-        ring = fn()
-        assert np.array_equal(plain, ring)
-        return ring
-
-    yield run
-    matmul.PF_PIPELINE = saved
-
-
-@pytest.fixture
 def fp32_path():
     """Runs the body with the fp32 kernels (gemv / moe) in place of the tensor-core ones."""
     from coliworker.kernels import matmul
@@ -75,100 +53,73 @@ def _experts(b, rng, n, d, ie, fmt, gs):
 @pytest.mark.parametrize("fmt,gs", FMT_GS)
 @pytest.mark.parametrize("s", [5, 17, 33, 64])
 @pytest.mark.parametrize("o,i", [(300, 2100), (300, 2101), (70, 512), (1000, 4096 + 96)])
-def test_matmul_many_rows(cupy_backend, rng, both_paths, fmt, gs, s, o, i):
-    # Few weight tiles: gemv_pf's 64-row blocks (k slices meeting in shared memory; i = 512:
-    # fewer ring steps per warp than slots). i = 2101: rows not 16-byte aligned, staged element
-    # by element.
+def test_matmul_many_rows(cupy_backend, rng, fmt, gs, s, o, i):
+    # Few weight tiles: gemv_pf's 64-row blocks (k slices meeting in shared memory). i = 2101:
+    # rows not 16-byte aligned, staged element by element.
     t = make_tensor(rng, fmt, o, i, gs)
-    w = cupy_backend.place(t, 0)
     x = rng.standard_normal((s, i)).astype(np.float32)
-    out = both_paths(lambda: cupy_backend.matmul(w, x).out)
-    assert out.shape == (s, o)
-    assert rel_err(out, reference.matmul(t, x)) < PF_TOL
+    res = cupy_backend.matmul(cupy_backend.place(t, 0), x)
+    assert res.out.shape == (s, o)
+    assert rel_err(res.out, reference.matmul(t, x)) < PF_TOL
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64)])
-def test_matmul_prefill_rows_fill_the_device(cupy_backend, rng, both_paths, fmt, gs):
+def test_matmul_prefill_rows_fill_the_device(cupy_backend, rng, fmt, gs):
     # 11 row blocks x 25 weight tiles of 256 rows: two blocks per SM of an H200 or more, so
     # gemv_pf runs 256-row blocks; rows 352 and 6184 end inside a tile.
     t = make_tensor(rng, fmt, 6184, 2100, gs)
-    w = cupy_backend.place(t, 0)
     x = rng.standard_normal((352, 2100)).astype(np.float32)
-    out = both_paths(lambda: cupy_backend.matmul(w, x).out)
-    assert rel_err(out, reference.matmul(t, x)) < PF_TOL
+    res = cupy_backend.matmul(cupy_backend.place(t, 0), x)
+    assert rel_err(res.out, reference.matmul(t, x)) < PF_TOL
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 16)])
-def test_matmul_wide_range_activations(cupy_backend, rng, both_paths, fmt, gs):
+def test_matmul_wide_range_activations(cupy_backend, rng, fmt, gs):
     # Rows spanning 1e-30 .. 1e30: bf16 has fp32's exponent range, so no per-row scaling.
     t = make_tensor(rng, fmt, 200, 1500, gs)
-    w = cupy_backend.place(t, 0)
     x = rng.standard_normal((9, 1500)) * 10.0 ** rng.uniform(-30, 30, (9, 1))
     x = x.astype(np.float32)
-    out = both_paths(lambda: cupy_backend.matmul(w, x).out)
+    res = cupy_backend.matmul(cupy_backend.place(t, 0), x)
     ref = reference.matmul(t, x)
     for k in range(9):
-        assert rel_err(out[k], ref[k]) < PF_TOL
+        assert rel_err(res.out[k], ref[k]) < PF_TOL
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,gs", FMT_GS)
 @pytest.mark.parametrize("rows", [[32, 0, 17, 5, 64, 1, 33, 0], [5] * 3, [0, 40, 0, 3], [64, 64]])
-def test_expert_group_many_rows(cupy_backend, rng, both_paths, fmt, gs, rows):
+def test_expert_group_many_rows(cupy_backend, rng, fmt, gs, rows):
     # d = 1100 (K tiles of 512: one partial), ie = 300 (gate+up tiles of 128, down of 256).
     b = cupy_backend
     host, dev = _experts(b, rng, len(rows), 1100, 300, fmt, gs)
     x = rng.standard_normal((sum(rows), 1100)).astype(np.float32)
-    out = both_paths(lambda: b.expert_group(dev, rows, x).out)
-    assert rel_err(out, reference.expert_group(host, rows, x)) < PF_TOL
-    assert np.array_equal(out, b.expert_group(dev, rows, x).out)  # same bits every call
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 32)])
-def test_expert_group_more_tiles_than_blocks(cupy_backend, rng, both_paths, fmt, gs):
-    # 16 experts x 2 row blocks x (8 gate+up + 8 down tiles) = 512 tiles, more than two blocks
-    # per SM of an H200: blocks of the persistent launch take several tiles, each starting its
-    # ring where the last one left it.
-    b = cupy_backend
-    rows = [40] * 16
-    host, dev = _experts(b, rng, 16, 2048, 1024, fmt, gs)
-    x = rng.standard_normal((sum(rows), 2048)).astype(np.float32)
-    out = both_paths(lambda: b.expert_group(dev, rows, x).out)
-    assert rel_err(out, reference.expert_group(host, rows, x)) < PF_TOL
+    res = b.expert_group(dev, rows, x)
+    assert rel_err(res.out, reference.expert_group(host, rows, x)) < PF_TOL
+    assert np.array_equal(res.out, b.expert_group(dev, rows, x).out)  # same bits every call
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64)])
-def test_expert_group_fp32_path_agrees(cupy_backend, rng, both_paths, fp32_path, fmt, gs):
-    # The ring switch does not reach the fp32 kernels.
+def test_expert_group_fp32_path_agrees(cupy_backend, rng, fp32_path, fmt, gs):
     b = cupy_backend
     rows = [9, 0, 33]
     host, dev = _experts(b, rng, 3, 700, 200, fmt, gs)
     x = rng.standard_normal((sum(rows), 700)).astype(np.float32)
-    out = both_paths(lambda: b.expert_group(dev, rows, x).out)
-    assert rel_err(out, reference.expert_group(host, rows, x)) < REL_TOL
+    res = b.expert_group(dev, rows, x)
+    assert rel_err(res.out, reference.expert_group(host, rows, x)) < REL_TOL
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64)])
-def test_expert_group_glm52_prefill(cupy_backend, rng, both_paths, fmt, gs):
+def test_expert_group_glm52_prefill(cupy_backend, rng, fmt, gs):
     # GLM-5.2 shapes: D = 6144, I = 2048, 32 rows per expert.
-    from coliworker.kernels import matmul
-
     b = cupy_backend
     rows = [32] * 4
     host, dev = _experts(b, rng, 4, 6144, 2048, fmt, gs)
     x = rng.standard_normal((sum(rows), 6144)).astype(np.float32)
-
-    def timed():
-        out = b.expert_group(dev, rows, x).out
-        kern = min(b.expert_group(dev, rows, x).phases.kernel_ns for _ in range(10))
-        ring = "ring" if matmul.PF_PIPELINE else "registers"
-        print(f"GLM-5.2 prefill 4x32 fmt {fmt}, weights {ring}: kernel {kern / 1e3:.1f} us")
-        return out
-
-    out = both_paths(timed)
-    assert rel_err(out, reference.expert_group(host, rows, x)) < PF_TOL
+    res = b.expert_group(dev, rows, x)
+    assert rel_err(res.out, reference.expert_group(host, rows, x)) < PF_TOL
+    kern = min(b.expert_group(dev, rows, x).phases.kernel_ns for _ in range(10))
+    print(f"GLM-5.2 prefill 4x32 fmt {fmt}: kernel {kern / 1e3:.1f} us")
