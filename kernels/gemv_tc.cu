@@ -197,87 +197,6 @@ __device__ __forceinline__ void tc_warp(float (&acc)[M][TcNT<SB>::value][4],
     }
 }
 
-// The weight ring of PIPE launches: per warp, TcPipe<SB>::P slots of one step each (M <= 2
-// matrices x rows a and b x 32 lanes x 16 bytes); a lane copies its own chunks into its own
-// 16-byte cells (cp.async) and reads only those, so no barrier guards the ring.
-template <int SB> struct TcPipe {
-    static constexpr int P = SB == 1 ? 3 : 2;                 // steps in flight per warp
-    static constexpr int SLOT = 2 * 2 * 32;                   // uint4 cells per slot
-    static constexpr int WARP = P * SLOT;                     // uint4 cells per warp
-};
-
-__device__ __forceinline__ void tc_cp16(uint4 *dst, const unsigned char *src) {
-    const unsigned int d = static_cast<unsigned int>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
-}
-
-__device__ __forceinline__ void tc_cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int N> __device__ __forceinline__ void tc_cp_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-
-// tc_warp for per-row scales (fmt 2) with the weights streamed through this warp's ring:
-// step j of the warp (st = ks + j * TC_KS) is copied P steps ahead of its use. Same mma
-// sequence and accumulation order as tc_warp, so the same bits.
-template <int SB, int M>
-__device__ __forceinline__ void tc_warp_pipe(float (&acc)[M][TcNT<SB>::value][4],
-                                             const unsigned short *xb, int cstride,
-                                             const unsigned char *const *pa,
-                                             const unsigned char *const *pb, uint4 *ring,
-                                             int nsteps, int ks, int lane) {
-    constexpr int NT = TcNT<SB>::value, NC = 3 * SB, P = TcPipe<SB>::P;
-    const int gid = lane >> 2, t = lane & 3;
-    const unsigned short *xcol[NT];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) xcol[nt] = xb + min(nt * 8 + gid, NC - 1) * cstride + t * 4;
-    const int n = nsteps > ks ? (nsteps - ks + TC_KS - 1) / TC_KS : 0;
-    auto issue = [&](int j) {
-        if (j < n) {
-            const int st = ks + j * TC_KS;
-            const size_t off = (size_t)((st >> 3) * 32 + (st & 7) * 4) * 16;
-            uint4 *slot = ring + (j % P) * TcPipe<SB>::SLOT + lane;
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-                tc_cp16(slot + (2 * m) * 32, pa[m] + off);
-                tc_cp16(slot + (2 * m + 1) * 32, pb[m] + off);
-            }
-        }
-        tc_cp_commit();  // empty groups too: wait_group counts stay uniform
-    };
-#pragma unroll
-    for (int j = 0; j < P; ++j) issue(j);
-    for (int j = 0; j < n; ++j) {
-        tc_cp_wait<P - 1>();  // step j's group is complete
-        const int st = ks + j * TC_KS;
-        const uint4 *slot = ring + (j % P) * TcPipe<SB>::SLOT + lane;
-        uint4 wa[M], wb[M];
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-            wa[m] = slot[(2 * m) * 32];
-            wb[m] = slot[(2 * m + 1) * 32];
-        }
-#pragma unroll
-        for (int q = 0; q < 8; ++q) {
-            uint2 bv[NT];
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
-                bv[nt] = *reinterpret_cast<const uint2 *>(xcol[nt] + st * 128 + q * 16);
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-                unsigned int a0, a1, a2, a3;
-                tc_quad(wa[m], q, a0, a2);
-                tc_quad(wb[m], q, a1, a3);
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-                    tc_mma(acc[m][nt], a0, a1, a2, a3, bv[nt], acc[m][nt]);
-            }
-        }
-        issue(j + P);  // into the slot just consumed: its values are in registers and used
-    }
-    tc_cp_wait<0>();
-}
-
 // Shared memory of one block: the k-slice partials, then the staged activations.
 template <int SB> __host__ __device__ constexpr int tc_red_floats() {
     return GEMV_WARPS * 2 * 16 * 8 * TcNT<SB>::value;  // TC_KS * TC_RG warps x M <= 2
@@ -286,8 +205,8 @@ template <int SB> __host__ __device__ constexpr int tc_red_floats() {
 // Rows [row0, row0 + TC_RG * 16) of one job over all K tiles, activation rows [srow0, +SB):
 // y[srow, row] = f(sum) (per-row scale; DUAL: silu(gate) * up). All threads of the block call
 // it (it has barriers).
-template <int FMT, int SB, bool DUAL, bool PIPE>
-__device__ __forceinline__ void tc_block(float *red, uint4 *ring, unsigned short *xb, int kt,
+template <int FMT, int SB, bool DUAL>
+__device__ __forceinline__ void tc_block(float *red, unsigned short *xb, int kt,
                                          const float *__restrict__ x, int x_stride,
                                          float *__restrict__ y, int y_stride, int rows_s,
                                          int srow0, int out_rows, int row0,
@@ -334,11 +253,7 @@ __device__ __forceinline__ void tc_block(float *red, uint4 *ring, unsigned short
             qa[m] = pa[m] + (size_t)(k0 >> 5) * 16;
             qb[m] = pb[m] + (size_t)(k0 >> 5) * 16;
         }
-        if constexpr (PIPE)
-            tc_warp_pipe<SB, M>(acc, xb, cstride, qa, qb, ring + warp * TcPipe<SB>::WARP,
-                                ktile >> 7, ks, lane);
-        else
-            tc_warp<FMT, SB, M>(acc, xb, cstride, qa, qb, sa, sbr, g, k0, ktile >> 7, ks, lane);
+        tc_warp<FMT, SB, M>(acc, xb, cstride, qa, qb, sa, sbr, g, k0, ktile >> 7, ks, lane);
     }
     // Partials [ks][rg][m][16 rows][NCOL columns] (c0, c1: row gid; c2, c3: row gid + 8).
 #pragma unroll
@@ -375,25 +290,9 @@ __device__ __forceinline__ void tc_block(float *red, uint4 *ring, unsigned short
     }
 }
 
-// Shared memory of a launch: the k-slice partials, the weight ring (PIPE only), the staged
-// activations; tc_carve splits it.
-template <int SB, bool PIPE> struct TcSmem {
-    float *red;
-    uint4 *ring;
-    unsigned short *xb;
-};
-
-template <int SB, bool PIPE> __device__ __forceinline__ TcSmem<SB, PIPE> tc_carve(float4 *smem) {
-    float *red = reinterpret_cast<float *>(smem);
-    uint4 *ring = reinterpret_cast<uint4 *>(red + tc_red_floats<SB>());
-    const int cells = PIPE ? GEMV_WARPS * TcPipe<SB>::WARP : 0;
-    return {red, ring, reinterpret_cast<unsigned short *>(ring + cells)};
-}
-
 // grid (ceil(max_out / (TC_RG * 16)), n_jobs, ceil(max_rows / SB)), block GEMV_WARPS * 32,
-// dynamic shared 4 * tc_red_floats<SB>() (+ 16 * GEMV_WARPS * TcPipe<SB>::WARP with PIPE)
-// + 2 * 3 * SB * (kt + 16) bytes. PIPE (fmt 2 only): weights through the cp.async ring.
-template <int FMT, int SB, bool PIPE>
+// dynamic shared 4 * tc_red_floats<SB>() + 2 * 3 * SB * (kt + 16) bytes.
+template <int FMT, int SB>
 __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)
 gemv_tc(const GemvJob *__restrict__ jobs, int in_features, int in_padded, int ld, int ngp,
         int gs, int gs_shift, int kt) {
@@ -402,10 +301,10 @@ gemv_tc(const GemvJob *__restrict__ jobs, int in_features, int in_padded, int ld
     const int row0 = blockIdx.x * (TC_RG * 16);
     const int srow0 = blockIdx.z * SB;
     if (row0 >= job.out_rows || srow0 >= job.rows) return;  // whole block: no barrier skipped
-    static_assert(!PIPE || FMT == 2, "the weight ring serves per-row scales");
     extern __shared__ float4 smem4[];
-    const TcSmem<SB, PIPE> sm = tc_carve<SB, PIPE>(smem4);
-    tc_block<FMT, SB, false, PIPE>(sm.red, sm.ring, sm.xb, kt, reinterpret_cast<const float *>(job.x), job.x_stride,
+    float *red = reinterpret_cast<float *>(smem4);
+    unsigned short *xb = reinterpret_cast<unsigned short *>(red + tc_red_floats<SB>());
+    tc_block<FMT, SB, false>(red, xb, kt, reinterpret_cast<const float *>(job.x), job.x_stride,
                              reinterpret_cast<float *>(job.y), job.y_stride, job.rows, srow0,
                              job.out_rows, row0, reinterpret_cast<const unsigned char *>(job.w0),
                              reinterpret_cast<const float *>(job.s0), nullptr, nullptr, g);
@@ -413,7 +312,7 @@ gemv_tc(const GemvJob *__restrict__ jobs, int in_features, int in_padded, int ld
 
 // A whole expert group in one persistent launch: moe in gemv.cu (the same queue of tiles, done
 // counters and arguments), with TC_RG * 16-row tiles in both phases.
-template <int FMT, int SB, bool PIPE>
+template <int FMT, int SB>
 __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)
 moe_tc(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ntiles_a_row,
        int ntiles_b_row, int nz, int a_in, int a_in_padded, int a_ld, int a_ngp, int a_gs,
@@ -421,11 +320,9 @@ moe_tc(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ntiles_a_row,
        int b_gs_shift, int kt) {
     const WGeom ga{a_in, a_in_padded, a_ld, a_ngp, a_gs, a_gs_shift};
     const WGeom gb{b_in, b_in_padded, b_ld, b_ngp, b_gs, b_gs_shift};
-    static_assert(!PIPE || FMT == 2, "the weight ring serves per-row scales");
     extern __shared__ float4 smem4[];
-    const TcSmem<SB, PIPE> sm = tc_carve<SB, PIPE>(smem4);
-    float *red = sm.red;
-    unsigned short *xb = sm.xb;
+    float *red = reinterpret_cast<float *>(smem4);
+    unsigned short *xb = reinterpret_cast<unsigned short *>(red + tc_red_floats<SB>());
     __shared__ int s_tile;
     const int per_a = ntiles_a_row * nz, per_b = ntiles_b_row * nz;
     const int total_a = per_a * n_jobs, total = total_a + per_b * n_jobs;
@@ -440,8 +337,8 @@ moe_tc(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ntiles_a_row,
             const MoeJob &j = jobs[e];
             const int row0 = rt * (TC_RG * 16), srow0 = z * SB;
             if (row0 < j.ie && srow0 < j.rows)
-                tc_block<FMT, SB, true, PIPE>(
-                    red, sm.ring, xb, kt, reinterpret_cast<const float *>(j.x), ga.in_features,
+                tc_block<FMT, SB, true>(
+                    red, xb, kt, reinterpret_cast<const float *>(j.x), ga.in_features,
                     reinterpret_cast<float *>(j.h), j.ie, j.rows, srow0, j.ie, row0,
                     reinterpret_cast<const unsigned char *>(j.wg),
                     reinterpret_cast<const float *>(j.sg),
@@ -463,8 +360,8 @@ moe_tc(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ntiles_a_row,
                     __threadfence();
                 }
                 // tc_block begins with a barrier: every thread waits for thread 0's spin.
-                tc_block<FMT, SB, false, PIPE>(
-                    red, sm.ring, xb, kt, reinterpret_cast<const float *>(j.h), j.ie,
+                tc_block<FMT, SB, false>(
+                    red, xb, kt, reinterpret_cast<const float *>(j.h), j.ie,
                     reinterpret_cast<float *>(j.y), j.dout, j.rows, srow0, j.dout, row0,
                     reinterpret_cast<const unsigned char *>(j.wd),
                     reinterpret_cast<const float *>(j.sd), nullptr, nullptr, gb);

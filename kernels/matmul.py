@@ -9,7 +9,6 @@ and whose down matrices share one spec of the same format.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import cupy
@@ -93,26 +92,9 @@ TENSOR_CORES = True
 TC_MAX_ROWS = 4
 TC_RG = 2  # 16-row groups per block tile (gemv_tc.cu)
 TC_STAGE_BUDGET = 48 * 1024  # bytes of staged bf16 activations per block; more K tiles beyond
-# Fmt 2 launches stream their weights through a cp.async ring in shared memory (more bytes in
-# flight than registers hold; same bits). COLIWORKER_TC_PIPELINE=1 / 0 overrides at import.
-TC_PIPELINE = os.environ.get("COLIWORKER_TC_PIPELINE", "0") == "1"
 TC_VARIANTS = tuple(
-    f"{k}<{f}, {sb}, {p}>"
-    for k in ("gemv_tc", "moe_tc")
-    for f in (2, 4)
-    for sb in (1, 4)
-    for p in (("false", "true") if f == 2 else ("false",))
+    f"{k}<{f}, {sb}>" for k in ("gemv_tc", "moe_tc") for f in (2, 4) for sb in (1, 4)
 )
-
-
-def _paths() -> tuple[bool, ...]:
-    """The module switches that pick kernels: part of every launch cache key."""
-    return (TENSOR_CORES, TC_PIPELINE)
-
-
-def _tc_pipe(fmt: int) -> str:
-    """The PIPE template argument of a tensor-core launch of this format."""
-    return "true" if TC_PIPELINE and fmt == 2 else "false"
 
 
 def tc_eligible(spec: WeightSpec, max_rows: int) -> bool:
@@ -122,15 +104,14 @@ def tc_eligible(spec: WeightSpec, max_rows: int) -> bool:
     return spec.fmt == 2 or (spec.fmt == 4 and spec.group_size % 16 == 0)
 
 
-def _tc_geometry(max_rows: int, in_padded: int, pipe: bool) -> tuple[int, int, int]:
+def _tc_geometry(max_rows: int, in_padded: int) -> tuple[int, int, int]:
     """(SB, kt, dynamic shared bytes) of a tensor-core launch."""
     sb = 1 if max_rows == 1 else 4
     nt = (3 * sb + 7) // 8
     kt = max(1024, TC_STAGE_BUDGET // (6 * sb) // 1024 * 1024)
     kt = min(kt, in_padded)
     red = 4 * WARPS * 2 * 16 * 8 * nt  # k-slice partials (tc_red_floats)
-    ring = 16 * WARPS * (3 if sb == 1 else 2) * 128 if pipe else 0  # TcPipe<SB>::WARP cells
-    return sb, kt, red + ring + 2 * 3 * sb * (kt + 16)
+    return sb, kt, red + 2 * 3 * sb * (kt + 16)
 
 
 # ---- tensor-core prefill path (prefill_tc.cu): the same formats, more than TC_MAX_ROWS rows ----
@@ -222,9 +203,8 @@ def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int) -> L
         if prefill_eligible(spec, max_rows):
             return _gemv_pf(spec, n_jobs, max_rows, max_out, _sm_count(dev))
         if tc_eligible(spec, max_rows):
-            pipe = _tc_pipe(spec.fmt)
-            sb, kt, smem = _tc_geometry(max_rows, lay.in_padded, pipe == "true")
-            fn = get_function("gemv_tc.cu", f"gemv_tc<{spec.fmt}, {sb}, {pipe}>", TC_VARIANTS)
+            sb, kt, smem = _tc_geometry(max_rows, lay.in_padded)
+            fn = get_function("gemv_tc.cu", f"gemv_tc<{spec.fmt}, {sb}>", TC_VARIANTS)
             grid = (-(-max_out // (TC_RG * 16)), n_jobs, -(-max_rows // sb))
             return Launch(fn, grid, (WARPS * 32,), (*spec.geom(), np.int32(kt)), smem)
         sb = pick_sb(max_rows)
@@ -234,7 +214,7 @@ def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int) -> L
         grid = (-(-max_out // (WARPS * r)), n_jobs, -(-max_rows // sb))
         return Launch(fn, grid, (WARPS * 32,), (*spec.geom(), np.int32(kt)), 4 * sb * kt)
 
-    return _cached((dev, "gemv", id(spec), n_jobs, max_rows, max_out, *_paths()), make)
+    return _cached((dev, "gemv", id(spec), n_jobs, max_rows, max_out, TENSOR_CORES), make)
 
 
 def _gemv_pf(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: int) -> Launch:
@@ -305,7 +285,7 @@ def moe_launch(
                 *dn.geom(), np.int32(kt))  # fmt: skip
         return Launch(fn, (blocks,), (WARPS * 32,), tail, smem)
 
-    key = (dev, "moe", id(gu), id(dn), n_jobs, max_rows, max_ie, max_dout, n_sm, *_paths())
+    key = (dev, "moe", id(gu), id(dn), n_jobs, max_rows, max_ie, max_dout, n_sm, TENSOR_CORES)
     return _cached(key, make)
 
 
@@ -314,11 +294,10 @@ def _moe_tc(
     n_sm: int,
 ) -> Launch | None:  # fmt: skip
     """moe_launch's launch on the tensor-core path (same arguments, same pointers)."""
-    pipe = _tc_pipe(gu.fmt)
-    sb, kt_a, smem_a = _tc_geometry(max_rows, gu.layout.in_padded, pipe == "true")
-    _, kt_b, smem_b = _tc_geometry(max_rows, dn.layout.in_padded, pipe == "true")
+    sb, kt_a, smem_a = _tc_geometry(max_rows, gu.layout.in_padded)
+    _, kt_b, smem_b = _tc_geometry(max_rows, dn.layout.in_padded)
     kt, smem = (kt_a, smem_a) if kt_a >= kt_b else (kt_b, smem_b)
-    name = f"moe_tc<{gu.fmt}, {sb}, {pipe}>"
+    name = f"moe_tc<{gu.fmt}, {sb}>"
     fn = get_function("gemv_tc.cu", name, TC_VARIANTS)
     nz = -(-max_rows // sb)
     ta = -(-max_ie // (TC_RG * 16))
