@@ -305,13 +305,14 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
         ("unary", "tcp", "unary", w, None, unary_packed, req_size(None, packed), out8),
         ("unary-routed", "tcp", "unary", w, None, unary_routed, req_size(None, routed), out1),
     ]
+    spin = {} if args.worker_spin_us is None else {"worker_spin_us": args.worker_spin_us}
     sessions = {
         "session": (w.session(), "tcp", "expert_group"),
         "routed": (w.session(), "tcp", "expert_group_routed"),
         "routed-uds": (wu.session(), "uds", "expert_group_routed"),
         "shm": (w.session(shm=True), "tcp", "expert_group_routed"),
         "shm-doorbell": (
-            w.session(shm=True, doorbell=True, worker_spin_us=args.worker_spin_us),
+            w.session(shm=True, doorbell=True, **spin),
             "fifo",
             "expert_group_routed",
         ),
@@ -626,7 +627,10 @@ def main() -> None:
         "--paths", default="", help="comma-separated substrings: time only the paths naming one"
     )
     p.add_argument(
-        "--worker-spin-us", type=int, default=1000, help="the doorbell worker's spin (sleeps after)"
+        "--worker-spin-us",
+        type=int,
+        default=None,
+        help="the doorbell worker's spin after an answer (default: the client library's)",
     )
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
