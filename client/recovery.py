@@ -14,9 +14,10 @@ UNAVAILABLE followed by a new instance once the worker is reachable again), the 
    ``start = 0`` with the retained rows in front of the new ones,
 3. retries the call, and recomputes expert groups whose tickets died with the old worker.
 
-The engine sees no error. Without ``retain`` or ``loader`` it raises ``WorkerRestarted``
-(an ``Unavailable``): fall back to the CPU path. KV rows sent are retained whenever recovery
-is possible (they are what the replay sends).
+The engine sees no error; ``session()`` streams recover the same way
+(``client/recovering_session.py``). Without ``retain`` or ``loader`` it raises
+``WorkerRestarted`` (an ``Unavailable``): fall back to the CPU path. KV rows sent are
+retained whenever recovery is possible (they are what the replay sends).
 
 Retries: a transport UNAVAILABLE is retried with exponential backoff (``backoff`` doubling
 up to ``max_backoff``) while the worker is unreachable, for at most ``recover_timeout``
@@ -40,6 +41,7 @@ import grpc
 import numpy as np
 
 from coliworker.client.errors import NotFound, Unavailable, WorkerRestarted, from_rpc_error
+from coliworker.client.recovering_session import RecoveringSession
 from coliworker.client.security import TLS, make_channel
 from coliworker.client.worker import INSTANCE_METADATA_KEY, ExpertGroupFuture, TensorRef
 from coliworker.client.worker import WorkerClient as _Base
@@ -383,6 +385,11 @@ class RecoveringClient(_Base):
     expert_group_routed = _retried(_Base.expert_group_routed, True)
     attention = _retried(_Base.attention, True)
 
+    def session(self, **options: Any) -> RecoveringSession:
+        """A Session stream that survives worker restarts too
+        (``client/recovering_session.py``); options as ``WorkerClient.session``'s."""
+        return RecoveringSession(self, **options)
+
     @functools.wraps(_Base.upload)
     def upload(self, weights: np.ndarray, scales: np.ndarray | None, **spec: Any) -> TensorRef:
         ref = self._retrying(lambda: _Base.upload(self, weights, scales, **spec), False)
@@ -441,17 +448,24 @@ class RecoveringClient(_Base):
             return _Base.attention_ragged(self, kv_b, o_proj, q, sequences=sent, **dims)
 
         out = self._retrying(attempt, True)
-        if ref is not None and self.can_recover:
-            with self._state:
-                for sid, start, lat, rop in seqs:
-                    key = (id(ref), sid)
-                    rows = self._kv.setdefault(key, _Rows())
-                    if lat.size:
-                        rows.put(start, lat.reshape(len(lat), -1), rop.reshape(len(lat), -1))
-                    elif start <= rows.length:
-                        rows.length = start
-                    self._kv_stale.discard(key)
+        self._record(ref, seqs)
         return out
+
+    def _record(
+        self, ref: TensorRef | None, seqs: Sequence[tuple[int, int, np.ndarray, np.ndarray]]
+    ) -> None:
+        """Keep the rows a ragged call sent (the sequences are now current on the worker)."""
+        if ref is None or not self.can_recover:
+            return
+        with self._state:
+            for sid, start, lat, rop in seqs:
+                key = (id(ref), sid)
+                rows = self._kv.setdefault(key, _Rows())
+                if lat.size:
+                    rows.put(start, lat.reshape(len(lat), -1), rop.reshape(len(lat), -1))
+                elif start <= rows.length:
+                    rows.length = start
+                self._kv_stale.discard(key)
 
     def _with_history(
         self, ref: TensorRef | None, sid: int, start: int, lat: np.ndarray, rop: np.ndarray

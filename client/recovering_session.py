@@ -1,0 +1,357 @@
+"""``RecoveringSession``: the Session stream of a ``RecoveringClient``, restart-proof.
+
+    with RecoveringClient(addr, retain=True) as w, w.session(shm=True, doorbell=True) as s:
+        fut = s.expert_group_routed(experts, x, routes, weights)
+        y = fut.result()            # the same result, even if the worker restarted meanwhile
+
+It wraps a plain ``Session`` (the inner stream) and keeps each call until it is answered.
+When the stream or its doorbell channel ends (a killed worker, a cancelled stream), every
+call in flight fails with that one error; the first ``result()`` or submit that meets it
+
+1. lets the client recover: one ``info()`` waits for the worker (up to the client's
+   ``recover_timeout``); if a new instance answers, the client re-uploads its tensors and
+   marks its KV sequences for replay (``client/recovery.py``); without ``retain`` or
+   ``loader`` those calls raise ``WorkerRestarted``, as the unary calls do,
+2. opens a fresh inner Session with the same options (shared-memory segment and doorbell
+   channel belong to one stream, so they are made anew),
+3. sends the calls that were in flight again, in the order first submitted: ``TensorRef``
+   handles were updated in place, raw handles go through the client's remap, and the first
+   ragged call of each sequence carries the sequence's retained rows in front of its own.
+
+The futures then resolve as if nothing happened. Every session call is idempotent (ragged
+attention sends rows from ``start``), so a stream that ends while the same instance is up is
+retried too, once per call. An error the worker answers for one request is raised by that
+call's future and never retried. Arrays are copied at submit, so the engine may reuse its
+buffers while a call is pending. Ragged calls record their rows in the client's KV history
+when they are sent (the worker runs the calls on one kv_b in that order).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from coliworker.client import errors
+from coliworker.client.session import Session, SessionFuture
+
+if TYPE_CHECKING:
+    from coliworker.client.recovery import RecoveringClient
+
+Send = Callable[[Session], SessionFuture]
+Sent = tuple[Session, SessionFuture]
+
+
+def _is_end(session: Session, err: BaseException | None) -> bool:
+    """Whether ``err`` says that ``session``'s stream or doorbell channel ended: it is the
+    error the session fails every pending and later call with, not one the worker answered."""
+    bell = session._bell
+    return err is not None and (err is session._broken or (bell is not None and err is bell.broken))
+
+
+def _ended(sent: Sent) -> bool:
+    session, fut = sent
+    return fut.done() and _is_end(session, fut._error)
+
+
+def _settled(sent: Sent) -> bool:
+    """Answered: a result, or an error the worker (or the client) gave for this call."""
+    return sent[1].done() and not _ended(sent)
+
+
+class _Call:
+    """One submitted call: how to send it, and the stream and future it was sent as."""
+
+    __slots__ = ("send", "sent", "error", "retried")
+
+    def __init__(self, send: Send, sent: Sent) -> None:
+        self.send = send
+        self.sent = sent  # replaced as a whole, so readers see a matching pair
+        self.error: BaseException | None = None  # why recovery gave up on it
+        self.retried = False  # sent again once after its stream ended on the same instance
+
+
+class RecoveringFuture:
+    """The pending result of one RecoveringSession call (SessionFuture's API)."""
+
+    __slots__ = ("_session", "_call")
+
+    def __init__(self, session: RecoveringSession, call: _Call) -> None:
+        self._session, self._call = session, call
+
+    @property
+    def request_id(self) -> int:
+        return self._call.sent[1].request_id
+
+    @property
+    def backend_ns(self) -> int:
+        return self._call.sent[1].backend_ns
+
+    @property
+    def lengths(self) -> list[int]:
+        return self._call.sent[1].lengths
+
+    def done(self) -> bool:
+        c = self._call
+        return c.error is not None or _settled(c.sent)
+
+    def result(self, timeout: float | None = None) -> Any:
+        """The decoded result, recovering first if the stream ended. ``timeout`` bounds
+        each wait for an answer (a recovery in between starts it again)."""
+        c = self._call
+        while True:
+            if c.error is not None:
+                raise c.error
+            sent = c.sent
+            try:
+                return sent[1].result(timeout)
+            except errors.WorkerError:
+                if not _ended(sent):
+                    raise
+            self._session._recover(sent[0])
+
+
+class RecoveringSession:
+    """A Session that survives worker restarts (use ``RecoveringClient.session()``; see the
+    module docstring). Options are Session's; several threads may share it."""
+
+    def __init__(self, client: RecoveringClient, **options: Any) -> None:
+        self._client = client
+        self._options = options
+        self._lock = threading.Lock()  # submits, and one recovery at a time
+        self._calls: list[_Call] = []  # submitted and not yet answered, in submission order
+        self._closed = False
+        if client.instance_id is None:
+            client.info()  # the instance the stream talks to, to tell a restart from a cancel
+        self._inner, self._instance = Session(client, **options), client.instance_id
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def __enter__(self) -> RecoveringSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Finish the stream (in-flight calls complete first) and release shared memory."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._inner.close(timeout)
+
+    @property
+    def shm(self) -> bool:
+        return self._inner.shm
+
+    @property
+    def doorbell(self) -> bool:
+        return self._inner.doorbell
+
+    @property
+    def timeout(self) -> float | None:
+        return self._inner.timeout
+
+    # -- submitting and recovering --------------------------------------------------------
+
+    def _submit(self, send: Send) -> RecoveringFuture:
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise errors.Cancelled("session is closed")
+                session = self._inner
+                try:
+                    call = _Call(send, (session, send(session)))
+                except errors.WorkerError as err:
+                    if not _is_end(session, err):
+                        raise
+                else:
+                    self._calls = [c for c in self._calls if not _settled(c.sent)]
+                    self._calls.append(call)
+                    return RecoveringFuture(self, call)
+            self._recover(session)
+
+    def _recover(self, dead: Session) -> None:
+        """Replace the ended inner session ``dead`` (once, whichever thread gets here first)
+        and send its calls in flight again; if that fails, they fail with the reason."""
+        with self._lock:
+            if self._inner is not dead:
+                return  # another thread recovered
+            try:
+                if self._closed:
+                    raise errors.Cancelled("session is closed")
+                self._reopen()
+            except BaseException as exc:
+                for c in self._calls:
+                    if c.error is None and not _settled(c.sent):
+                        c.error = exc
+                self._calls = []
+                raise  # ``dead`` stays: the next call meets its end and tries again
+            dead.close(1.0)  # its calls have failed: this only releases the stream
+
+    def _reopen(self) -> None:
+        client = self._client
+        deadline = time.monotonic() + client.recover_timeout
+        while True:
+            client.info()  # waits for the worker; restores the client on a new instance
+            restarted = client.instance_id != self._instance
+            calls = [c for c in self._calls if c.error is None and not _settled(c.sent)]
+            try:
+                new = Session(client, **self._options)
+            except errors.Unavailable:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(client.backoff)
+                continue  # the worker went away again
+            if self._resend(new, calls, restarted):
+                self._inner, self._instance = new, client.instance_id
+                self._calls = [c for c in self._calls if c.error is None]
+                return
+            new.close(1.0)
+            if time.monotonic() > deadline:
+                raise errors.Unavailable(
+                    f"session to {client.address}: no stream lasted through the "
+                    f"{client.recover_timeout:g} s of recover_timeout: fall back to the CPU path"
+                )
+
+    @staticmethod
+    def _resend(new: Session, calls: list[_Call], restarted: bool) -> bool:
+        """Send ``calls`` on ``new`` in order; False if ``new`` ended meanwhile."""
+        for c in calls:
+            if not restarted:
+                if c.retried:
+                    c.error = c.sent[1]._error  # ended twice on a live instance
+                    continue
+                c.retried = True
+            try:
+                c.sent = (new, c.send(new))
+            except errors.WorkerError as err:
+                if _is_end(new, err):
+                    return False
+                c.error = err
+            except Exception as exc:  # e.g. a replayed history too large for the segment
+                c.error = exc
+        return True
+
+    # -- calls ----------------------------------------------------------------------------
+
+    def _handle(self, t: Any) -> Any:
+        """A raw handle of a dead instance rewritten to its re-uploaded copy (TensorRef
+        objects are updated in place)."""
+        if t is None or hasattr(t, "handle"):
+            return t
+        return self._client._remap.get(int(t), int(t))
+
+    def _experts(self, experts: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        return [tuple(self._handle(t) for t in e) for e in experts]
+
+    def matmul(self, t: Any, x: np.ndarray) -> RecoveringFuture:
+        """x float32 [S, I] -> future of y float32 [S, O]."""
+        x = np.array(x, np.float32)
+        return self._submit(lambda s: s.matmul(self._handle(t), x))
+
+    def expert_mlp(self, gate: Any, up: Any, down: Any, x: np.ndarray) -> RecoveringFuture:
+        """x float32 [S, D] -> future of down(silu(gate x) * up x) float32 [S, D]."""
+        x = np.array(x, np.float32)
+        h = self._handle
+        return self._submit(lambda s: s.expert_mlp(h(gate), h(up), h(down), x))
+
+    def expert_group(
+        self, experts: Iterable[Sequence[Any]], rows: Sequence[int], x: np.ndarray
+    ) -> RecoveringFuture:
+        """The packed form: x float32 [sum(rows), D] -> future of y packed the same way."""
+        triples = [tuple(e) for e in experts]
+        rows, x = [int(r) for r in rows], np.array(x, np.float32)
+        return self._submit(lambda s: s.expert_group(self._experts(triples), rows, x))
+
+    def expert_group_routed(
+        self,
+        experts: Iterable[Sequence[Any]],
+        x: np.ndarray,
+        routes: np.ndarray,
+        weights: np.ndarray,
+    ) -> RecoveringFuture:
+        """x float32 [T, D]; routes int [T, K]; weights float32 [T, K] -> future of
+        y[t] = sum_j weights[t, j] * expert_{routes[t, j]}(x[t])."""
+        triples = [tuple(e) for e in experts]
+        x, w = np.array(x, np.float32), np.array(weights, np.float32)
+        r = np.array(routes, np.int32)
+        return self._submit(lambda s: s.expert_group_routed(self._experts(triples), x, r, w))
+
+    def attention(
+        self,
+        kv_b: Any,
+        q: np.ndarray,
+        latent: np.ndarray,
+        rope: np.ndarray,
+        *,
+        o_proj: Any = None,
+        **dims: Any,
+    ) -> RecoveringFuture:
+        """Causal MLA over one sequence (as ``Session.attention``), as a future."""
+        q, lat, rop = (np.array(a, np.float32) for a in (q, latent, rope))
+        h = self._handle
+        return self._submit(lambda s: s.attention(h(kv_b), q, lat, rop, o_proj=h(o_proj), **dims))
+
+    def attention_ragged(
+        self,
+        kv_b: Any,
+        o_proj: Any,
+        q: np.ndarray,
+        *,
+        sequences: Sequence[tuple[int, int, np.ndarray, np.ndarray]],
+        **dims: Any,
+    ) -> RecoveringFuture:
+        """Ragged MLA over resident KV (as ``Session.attention_ragged``), as a future; each
+        sequence's rows go into the client's KV history, to replay after a restart."""
+        c = self._client
+        ref = c._ref_of(kv_b)
+        q = np.array(q, np.float32)
+        seqs = [
+            (int(sid), int(start), np.array(lat, np.float32), np.array(rop, np.float32))
+            for sid, start, lat, rop in sequences
+        ]
+
+        def send(s: Session) -> SessionFuture:
+            sent = [c._with_history(ref, *seq) for seq in seqs]
+            h = self._handle
+            fut = s.attention_ragged(h(kv_b), h(o_proj), q, sequences=sent, **dims)
+            c._record(ref, seqs)
+            return fut
+
+        return self._submit(send)
+
+    # -- sync helpers ---------------------------------------------------------------------
+
+    def matmul_sync(self, t: Any, x: np.ndarray) -> np.ndarray:
+        return self.matmul(t, x).result(self.timeout)
+
+    def expert_mlp_sync(self, gate: Any, up: Any, down: Any, x: np.ndarray) -> np.ndarray:
+        return self.expert_mlp(gate, up, down, x).result(self.timeout)
+
+    def expert_group_sync(
+        self, experts: Iterable[Sequence[Any]], rows: Sequence[int], x: np.ndarray
+    ) -> np.ndarray:
+        return self.expert_group(experts, rows, x).result(self.timeout)
+
+    def expert_group_routed_sync(
+        self,
+        experts: Iterable[Sequence[Any]],
+        x: np.ndarray,
+        routes: np.ndarray,
+        weights: np.ndarray,
+    ) -> np.ndarray:
+        return self.expert_group_routed(experts, x, routes, weights).result(self.timeout)
+
+    def attention_sync(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        return self.attention(*args, **kwargs).result(self.timeout)
+
+    def attention_ragged_sync(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        return self.attention_ragged(*args, **kwargs).result(self.timeout)
+
+
+__all__ = ["RecoveringFuture", "RecoveringSession"]
