@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from coliworker.client import errors
-from coliworker.client.session import Session, SessionFuture
+from coliworker.client.session import Session, SessionFuture, SyncCalls
 
 if TYPE_CHECKING:
     from coliworker.client.recovery import RecoveringClient
@@ -114,7 +114,7 @@ class RecoveringFuture:
             self._session._recover(sent[0])
 
 
-class RecoveringSession:
+class RecoveringSession(SyncCalls):
     """A Session that survives worker restarts (use ``RecoveringClient.session()``; see the
     module docstring). Options are Session's; several threads may share it."""
 
@@ -324,34 +324,6 @@ class RecoveringSession:
             return fut
 
         return self._submit(send)
-
-    # -- sync helpers ---------------------------------------------------------------------
-
-    def matmul_sync(self, t: Any, x: np.ndarray) -> np.ndarray:
-        return self.matmul(t, x).result(self.timeout)
-
-    def expert_mlp_sync(self, gate: Any, up: Any, down: Any, x: np.ndarray) -> np.ndarray:
-        return self.expert_mlp(gate, up, down, x).result(self.timeout)
-
-    def expert_group_sync(
-        self, experts: Iterable[Sequence[Any]], rows: Sequence[int], x: np.ndarray
-    ) -> np.ndarray:
-        return self.expert_group(experts, rows, x).result(self.timeout)
-
-    def expert_group_routed_sync(
-        self,
-        experts: Iterable[Sequence[Any]],
-        x: np.ndarray,
-        routes: np.ndarray,
-        weights: np.ndarray,
-    ) -> np.ndarray:
-        return self.expert_group_routed(experts, x, routes, weights).result(self.timeout)
-
-    def attention_sync(self, *args: Any, **kwargs: Any) -> np.ndarray:
-        return self.attention(*args, **kwargs).result(self.timeout)
-
-    def attention_ragged_sync(self, *args: Any, **kwargs: Any) -> np.ndarray:
-        return self.attention_ragged(*args, **kwargs).result(self.timeout)
 
 
 __all__ = ["RecoveringFuture", "RecoveringSession"]

@@ -117,7 +117,46 @@ def _chunks(rid: int, pieces: list[memoryview]) -> Iterator[pb.SessionRequest]:
         yield pb.SessionRequest(request_id=rid, chunk=p.tobytes())
 
 
-class Session:
+class SyncCalls:
+    """The ``*_sync`` forms of the session calls: submit, then wait ``self.timeout`` for the
+    result (for ``Session`` and the recovering session alike)."""
+
+    timeout: float | None
+    matmul: Callable[..., Any]
+    expert_mlp: Callable[..., Any]
+    expert_group: Callable[..., Any]
+    expert_group_routed: Callable[..., Any]
+    attention: Callable[..., Any]
+    attention_ragged: Callable[..., Any]
+
+    def matmul_sync(self, t: Any, x: np.ndarray) -> np.ndarray:
+        return self.matmul(t, x).result(self.timeout)
+
+    def expert_mlp_sync(self, gate: Any, up: Any, down: Any, x: np.ndarray) -> np.ndarray:
+        return self.expert_mlp(gate, up, down, x).result(self.timeout)
+
+    def expert_group_sync(
+        self, experts: Iterable[Sequence[Any]], rows: Sequence[int], x: np.ndarray
+    ) -> np.ndarray:
+        return self.expert_group(experts, rows, x).result(self.timeout)
+
+    def expert_group_routed_sync(
+        self,
+        experts: Iterable[Sequence[Any]],
+        x: np.ndarray,
+        routes: np.ndarray,
+        weights: np.ndarray,
+    ) -> np.ndarray:
+        return self.expert_group_routed(experts, x, routes, weights).result(self.timeout)
+
+    def attention_sync(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        return self.attention(*args, **kwargs).result(self.timeout)
+
+    def attention_ragged_sync(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        return self.attention_ragged(*args, **kwargs).result(self.timeout)
+
+
+class Session(SyncCalls):
     """One Session stream of a ``WorkerClient`` (use ``WorkerClient.session()``).
 
     ``shm``: attach a shared-memory segment of ``shm_bytes`` (same host only; raises the
@@ -572,33 +611,5 @@ class Session:
         width = int(getattr(o_proj, "out_features", 0)) or h * v_dim
         return s * max(width, h * v_dim) * 4
 
-    # -- sync helpers ---------------------------------------------------------------------
 
-    def matmul_sync(self, t: Any, x: np.ndarray) -> np.ndarray:
-        return self.matmul(t, x).result(self.timeout)
-
-    def expert_mlp_sync(self, gate: Any, up: Any, down: Any, x: np.ndarray) -> np.ndarray:
-        return self.expert_mlp(gate, up, down, x).result(self.timeout)
-
-    def expert_group_sync(
-        self, experts: Iterable[Sequence[Any]], rows: Sequence[int], x: np.ndarray
-    ) -> np.ndarray:
-        return self.expert_group(experts, rows, x).result(self.timeout)
-
-    def expert_group_routed_sync(
-        self,
-        experts: Iterable[Sequence[Any]],
-        x: np.ndarray,
-        routes: np.ndarray,
-        weights: np.ndarray,
-    ) -> np.ndarray:
-        return self.expert_group_routed(experts, x, routes, weights).result(self.timeout)
-
-    def attention_sync(self, *args: Any, **kwargs: Any) -> np.ndarray:
-        return self.attention(*args, **kwargs).result(self.timeout)
-
-    def attention_ragged_sync(self, *args: Any, **kwargs: Any) -> np.ndarray:
-        return self.attention_ragged(*args, **kwargs).result(self.timeout)
-
-
-__all__ = ["Session", "SessionFuture"]
+__all__ = ["Session", "SessionFuture", "SyncCalls"]
