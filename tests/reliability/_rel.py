@@ -254,4 +254,48 @@ def stats_snapshot(w) -> list[tuple]:
     return [(d.device, d.tensors, d.tensor_bytes, d.handles, d.kv_sequences) for d in w.stats()]
 
 
+class DecodeLayer:
+    """int4 experts (16 -> 12 -> 16) and one MLA layer whose sequences' rows the host keeps:
+    what the restart tests upload, call and check against the float64 reference."""
+
+    def __init__(self, rng: np.random.Generator, n_experts: int, sequences: tuple[int, ...]):
+        self.rng = rng
+        self.sequences = sequences
+        self.experts = [
+            (
+                random_tensor(rng, 2, 16, 12),
+                random_tensor(rng, 2, 16, 12),
+                random_tensor(rng, 2, 12, 16),
+            )
+            for _ in range(n_experts)
+        ]
+        self.mla = Mla()
+        self.kv_b, self.o_proj = self.mla.tensors(rng)
+        self.latent = {s: np.zeros((0, self.mla.k), np.float32) for s in sequences}
+        self.rope = {s: np.zeros((0, self.mla.rope_dim), np.float32) for s in sequences}
+
+    def upload(self, w) -> None:
+        self.refs = [tuple(upload(w, t) for t in e) for e in self.experts]
+        self.kv_ref, self.o_ref = upload(w, self.kv_b), upload(w, self.o_proj)
+
+    def next_rows(self) -> tuple[np.ndarray, list[tuple]]:
+        """One decode step's ragged input: q and, per sequence, (id, start, latent, rope) of
+        one new row, which the host history keeps."""
+        m = self.mla
+        q = m.q(self.rng, len(self.sequences))
+        seqs = []
+        for sid in self.sequences:
+            lat, rop = m.rows(self.rng, 1)
+            seqs.append((sid, len(self.latent[sid]), lat, rop))
+            self.latent[sid] = np.concatenate([self.latent[sid], lat])
+            self.rope[sid] = np.concatenate([self.rope[sid], rop])
+        return q, seqs
+
+    def attention_reference(self, q: np.ndarray) -> np.ndarray:
+        """Ragged attention of q over every sequence's whole history."""
+        lats = [self.latent[s] for s in self.sequences]
+        ropes = [self.rope[s] for s in self.sequences]
+        return self.mla.reference(self.kv_b, self.o_proj, q, lats, ropes)
+
+
 __all__ = ["pb"]

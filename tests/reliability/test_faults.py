@@ -9,7 +9,16 @@ import time
 import grpc
 import numpy as np
 import pytest
-from _rel import Mla, WorkerProcess, arrays, random_tensor, rel_err, serve, stats_snapshot, upload
+from _rel import (
+    DecodeLayer,
+    WorkerProcess,
+    arrays,
+    random_tensor,
+    rel_err,
+    serve,
+    stats_snapshot,
+    upload,
+)
 
 from coliworker.client import Unavailable, WorkerClient
 from coliworker.client.errors import WorkerRestarted
@@ -21,40 +30,11 @@ from coliworker.v1 import worker_pb2_grpc as pb_grpc
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-def worker():
-    p = WorkerProcess().start()
-    yield p
-    p.stop()
-
-
-class Model:
+class Model(DecodeLayer):
     """Three experts and one MLA layer with two sequences, tracked on the host."""
 
     def __init__(self, rng: np.random.Generator) -> None:
-        self.rng = rng
-        self.experts = [
-            (
-                random_tensor(rng, 2, 16, 12),
-                random_tensor(rng, 2, 16, 12),
-                random_tensor(rng, 2, 12, 16),
-            )
-            for _ in range(3)
-        ]
-        self.mla = Mla()
-        self.kv_b, self.o_proj = self.mla.tensors(rng)
-        self.latent = {
-            1: np.zeros((0, self.mla.k), np.float32),
-            2: np.zeros((0, self.mla.k), np.float32),
-        }
-        self.rope = {
-            1: np.zeros((0, self.mla.rope_dim), np.float32),
-            2: np.zeros((0, self.mla.rope_dim), np.float32),
-        }
-
-    def upload(self, w) -> None:
-        self.refs = [tuple(upload(w, t) for t in e) for e in self.experts]
-        self.kv_ref, self.o_ref = upload(w, self.kv_b), upload(w, self.o_proj)
+        super().__init__(rng, 3, (1, 2))
 
     def step(self, w) -> None:
         """One decode step: an expert group and a ragged attention call, checked."""
@@ -62,23 +42,9 @@ class Model:
         x = self.rng.standard_normal((4, 16)).astype(np.float32)
         y = w.expert_group(self.refs, rows, x)
         assert rel_err(y, ref.expert_group(self.experts, rows, x)) < 1e-5
-        m = self.mla
-        q = m.q(self.rng, 2)
-        seqs = []
-        for sid in (1, 2):
-            lat, rop = m.rows(self.rng, 1)
-            seqs.append((sid, len(self.latent[sid]), lat, rop))
-            self.latent[sid] = np.concatenate([self.latent[sid], lat])
-            self.rope[sid] = np.concatenate([self.rope[sid], rop])
-        out = w.attention_ragged(self.kv_ref, self.o_ref, q, sequences=seqs, **m.dims())
-        want = m.reference(
-            self.kv_b,
-            self.o_proj,
-            q,
-            [self.latent[1], self.latent[2]],
-            [self.rope[1], self.rope[2]],
-        )
-        assert rel_err(out, want) < 1e-5
+        q, seqs = self.next_rows()
+        out = w.attention_ragged(self.kv_ref, self.o_ref, q, sequences=seqs, **self.mla.dims())
+        assert rel_err(out, self.attention_reference(q)) < 1e-5
 
 
 @pytest.mark.parametrize("means", ["retain", "loader"])

@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 import pytest
-from _rel import TOL, Mla, WorkerProcess, random_tensor, rel_err, serve, upload
+from _rel import TOL, DecodeLayer, random_tensor, rel_err, serve, upload
 
 from coliworker.client import InvalidArgument, Unavailable, WorkerRestarted
 from coliworker.client.recovery import RecoveringClient
@@ -27,68 +27,29 @@ MODES = {
 SEQUENCES = (7, 9)
 
 
-@pytest.fixture
-def worker():
-    p = WorkerProcess().start()
-    yield p
-    p.stop()
-
-
 def leftovers() -> list[str]:
     """This process's shared-memory segments and doorbell directories still named."""
     return [n for n in os.listdir(shm_dir()) if n.startswith(f"coliworker-{os.getpid()}-")]
 
 
-class Layer:
+class Layer(DecodeLayer):
     """Four experts and one MLA layer with two sequences whose rows the host keeps."""
 
     def __init__(self, rng: np.random.Generator) -> None:
-        self.rng = rng
-        self.experts = [
-            (
-                random_tensor(rng, 2, 16, 12),
-                random_tensor(rng, 2, 16, 12),
-                random_tensor(rng, 2, 12, 16),
-            )
-            for _ in range(4)
-        ]
-        self.mla = Mla()
-        self.kv_b, self.o_proj = self.mla.tensors(rng)
-        self.latent = {s: np.zeros((0, self.mla.k), np.float32) for s in SEQUENCES}
-        self.rope = {s: np.zeros((0, self.mla.rope_dim), np.float32) for s in SEQUENCES}
-
-    def upload(self, w) -> None:
-        self.refs = [tuple(upload(w, t) for t in e) for e in self.experts]
-        self.kv_ref, self.o_ref = upload(w, self.kv_b), upload(w, self.o_proj)
-
-    def routed(self, x, routes, weights) -> np.ndarray:
-        y = np.zeros(x.shape, np.float64)
-        for t in range(len(x)):
-            for j in range(routes.shape[1]):
-                y[t] += weights[t, j] * ref.expert_mlp(*self.experts[routes[t, j]], x[t : t + 1])[0]
-        return y
+        super().__init__(rng, 4, SEQUENCES)
 
     def step(self, s) -> list[tuple[object, np.ndarray]]:
         """Submit one decode step (a routed expert group, a ragged attention call appending
         a row to each sequence); returns (future, reference result) pairs."""
-        rng, m = self.rng, self.mla
+        rng = self.rng
         x = rng.standard_normal((3, 16)).astype(np.float32)
         routes = np.stack([rng.choice(4, size=2, replace=False) for _ in range(3)])
         weights = rng.random((3, 2)).astype(np.float32)
-        calls = [
-            (s.expert_group_routed(self.refs, x, routes, weights), self.routed(x, routes, weights))
-        ]
-        q = m.q(rng, len(SEQUENCES))
-        seqs = []
-        for sid in SEQUENCES:
-            lat, rop = m.rows(rng, 1)
-            seqs.append((sid, len(self.latent[sid]), lat, rop))
-            self.latent[sid] = np.concatenate([self.latent[sid], lat])
-            self.rope[sid] = np.concatenate([self.rope[sid], rop])
-        fut = s.attention_ragged(self.kv_ref, self.o_ref, q, sequences=seqs, **m.dims())
-        lats = [self.latent[sid] for sid in SEQUENCES]
-        ropes = [self.rope[sid] for sid in SEQUENCES]
-        calls.append((fut, m.reference(self.kv_b, self.o_proj, q, lats, ropes)))
+        want = ref.expert_group_routed(self.experts, x, routes, weights)
+        calls = [(s.expert_group_routed(self.refs, x, routes, weights), want)]
+        q, seqs = self.next_rows()
+        fut = s.attention_ragged(self.kv_ref, self.o_ref, q, sequences=seqs, **self.mla.dims())
+        calls.append((fut, self.attention_reference(q)))
         return calls
 
 
