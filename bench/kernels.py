@@ -229,6 +229,20 @@ def run_seed(seed_dir: Path, out: Path) -> dict[str, dict]:
     return {r["name"]: r for r in json.load(open(js))}
 
 
+def run_meta(command: str) -> dict:
+    """What a results file records about its run: GPU, date, commit, host, command."""
+    import cupy
+
+    return dict(
+        gpu=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+        date=datetime.date.today().isoformat(),
+        commit=_git_commit(),
+        host=platform.node(),
+        command=command,
+        read_bw_TBps=READ_BW / 1e12,
+    )
+
+
 def render(meta: dict, rows: list[dict]) -> str:
     """The markdown table of a run (``meta`` and ``rows`` as in the JSON file)."""
     md = [
@@ -313,18 +327,9 @@ def main() -> int:
         )
         rows.append(r)
         print(json.dumps(r), flush=True)
-    import cupy
 
-    gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    date = datetime.date.today().isoformat()
-    meta = dict(
-        gpu=gpu,
-        date=date,
-        commit=_git_commit(),
-        host=platform.node(),
-        command="PYTHONPATH=.dev python bench/kernels.py --seed-dir .seed --out $OUT",
-        read_bw_TBps=READ_BW / 1e12,
-    )
+    meta = run_meta("PYTHONPATH=.dev python bench/kernels.py --seed-dir .seed --out $OUT")
+    date = meta["date"]
     (a.out / f"kernels-{date}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     md = render(meta, rows)
     (a.out / f"kernels-{date}.md").write_text(md)

@@ -13,14 +13,13 @@ Writes ``prefill-scaling-<date>.json`` and ``.md`` into ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 from pathlib import Path
 
 import numpy as np
 
-from bench.kernels import READ_BW, _git_commit, bench_group  # run from the repository root
+from bench.kernels import bench_group, run_meta  # run from the repository root
 
 CASES = [  # (rows per expert, fmt, group size, also on the fp32 path)
     (4, 2, 0, False),
@@ -37,7 +36,6 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=64)
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    import cupy
 
     from coliworker.kernels import matmul
     from coliworker.server.backends import create_backend
@@ -54,15 +52,8 @@ def main() -> int:
             rows.append(res)
             print(json.dumps(res), flush=True)
     matmul.TENSOR_CORES = True
-    gpu = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
-    date = datetime.date.today().isoformat()
-    meta = dict(
-        gpu=gpu,
-        date=date,
-        commit=_git_commit(),
-        command="PYTHONPATH=.dev python bench/prefill_scaling.py --out $OUT",
-        read_bw_TBps=READ_BW / 1e12,
-    )
+    meta = run_meta("PYTHONPATH=.dev python bench/prefill_scaling.py --out $OUT")
+    gpu, date = meta["gpu"], meta["date"]
     (a.out / f"prefill-scaling-{date}.json").write_text(
         json.dumps(dict(meta=meta, rows=rows), indent=1) + "\n"
     )
