@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from coliworker.client import errors
-from coliworker.client.session import Session, SessionFuture, SyncCalls
+from coliworker.client.session import Session, SessionCalls, SessionFuture
 
 if TYPE_CHECKING:
     from coliworker.client.recovery import RecoveringClient
@@ -114,7 +114,7 @@ class RecoveringFuture:
             self._session._recover(sent[0])
 
 
-class RecoveringSession(SyncCalls):
+class RecoveringSession(SessionCalls):
     """A Session that survives worker restarts (use ``RecoveringClient.session()``; see the
     module docstring). Options are Session's; several threads may share it."""
 
@@ -129,12 +129,6 @@ class RecoveringSession(SyncCalls):
         self._inner, self._instance = Session(client, **options), client.instance_id
 
     # -- lifecycle ------------------------------------------------------------------------
-
-    def __enter__(self) -> RecoveringSession:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def close(self, timeout: float | None = 10.0) -> None:
         """Finish the stream (in-flight calls complete first) and release shared memory."""

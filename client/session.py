@@ -31,7 +31,7 @@ import math
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -44,6 +44,7 @@ from coliworker.v1 import worker_pb2 as pb
 _STATUS_OF = {c.value[0]: c for c in grpc.StatusCode}
 #: Turns a response body into the call's value; gets the future to fill backend_ns/lengths.
 Decoder = Callable[[Any, "SessionFuture"], Any]
+_S = TypeVar("_S", bound="SessionCalls")
 
 
 def _error(status: pb.Status) -> errors.WorkerError:
@@ -117,9 +118,9 @@ def _chunks(rid: int, pieces: list[memoryview]) -> Iterator[pb.SessionRequest]:
         yield pb.SessionRequest(request_id=rid, chunk=p.tobytes())
 
 
-class SyncCalls:
-    """The ``*_sync`` forms of the session calls: submit, then wait ``self.timeout`` for the
-    result (for ``Session`` and the recovering session alike)."""
+class SessionCalls:
+    """What ``Session`` and the recovering session share: the ``*_sync`` forms of the calls
+    (submit, then wait ``self.timeout`` for the result) and the context manager."""
 
     timeout: float | None
     matmul: Callable[..., Any]
@@ -128,6 +129,13 @@ class SyncCalls:
     expert_group_routed: Callable[..., Any]
     attention: Callable[..., Any]
     attention_ragged: Callable[..., Any]
+    close: Callable[..., None]
+
+    def __enter__(self: _S) -> _S:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def matmul_sync(self, t: Any, x: np.ndarray) -> np.ndarray:
         return self.matmul(t, x).result(self.timeout)
@@ -156,7 +164,7 @@ class SyncCalls:
         return self.attention_ragged(*args, **kwargs).result(self.timeout)
 
 
-class Session(SyncCalls):
+class Session(SessionCalls):
     """One Session stream of a ``WorkerClient`` (use ``WorkerClient.session()``).
 
     ``shm``: attach a shared-memory segment of ``shm_bytes`` (same host only; raises the
@@ -208,12 +216,6 @@ class Session(SyncCalls):
                 raise
 
     # -- lifecycle ------------------------------------------------------------------------
-
-    def __enter__(self) -> Session:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def close(self, timeout: float | None = 10.0) -> None:
         """Finish the stream (in-flight calls complete first) and release shared memory."""
@@ -612,4 +614,4 @@ class Session(SyncCalls):
         return s * max(width, h * v_dim) * 4
 
 
-__all__ = ["Session", "SessionFuture", "SyncCalls"]
+__all__ = ["Session", "SessionFuture", "SessionCalls"]
