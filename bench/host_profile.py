@@ -24,6 +24,40 @@ import numpy as np
 from bench.kernels import make_tensor  # noqa: E402  (run from the repository root)
 
 
+def _stage_timers() -> dict[str, int]:
+    """Wrap the CuPy backend's per-call steps with wall-time accumulators (ns, by step).
+    Nested steps count in both (``finish`` includes the wait for the GPU)."""
+    from coliworker.kernels import launch, route
+    from coliworker.server import backend_cupy as bc
+
+    acc: dict[str, int] = {}
+
+    def wrap(owner, name: str, label: str) -> None:
+        fn = getattr(owner, name)
+
+        def timed(*args, **kw):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*args, **kw)
+            finally:
+                acc[label] = acc.get(label, 0) + time.perf_counter_ns() - t0
+
+        setattr(owner, name, timed)
+
+    for name in ("plan_group", "write_group", "_put"):
+        wrap(bc, name, name)
+    for name in ("_group", "_group_launches"):
+        wrap(bc.CupyBackend, name, name)
+    for name in ("reserve", "send", "receive", "mark", "finish", "__enter__", "__exit__"):
+        wrap(bc._Call, name, f"_Call.{name}")
+    wrap(bc.cupy.cuda.runtime, "eventSynchronize", "eventSynchronize (GPU wait)")
+    wrap(bc.cupy.cuda.runtime, "eventElapsedTime", "eventElapsedTime")
+    wrap(launch.Launch, "__call__", "kernel launches")
+    for name in ("combine_launch", "gather_launch"):
+        wrap(route, name, f"route.{name}")
+    return acc
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=300)
@@ -34,6 +68,11 @@ def main() -> None:
         help="idle microseconds between calls; s<us>: the thread spins through the gap",
     )
     p.add_argument("--profile", action="store_true")
+    p.add_argument(
+        "--stages",
+        action="store_true",
+        help="also time the steps of each call (wrapped backend functions, us per call)",
+    )
     a = p.parse_args()
     from coliworker.server.backends import create_backend
 
@@ -66,6 +105,7 @@ def main() -> None:
             kv_b, o_proj, qs, [cache], q, rd, v, 1 / np.sqrt(q + rd)
         ),
     }
+    stages = _stage_timers() if a.stages else None
     pool = ThreadPoolExecutor(1)
     gaps = a.gaps.split(",")
     table = []
@@ -94,6 +134,15 @@ def main() -> None:
             main_w, main_k = loop(fn, gap)
             thr_w, _ = pool.submit(loop, fn, gap).result()
             table.append((name, gap, main_w, thr_w, main_k))
+        if stages is not None:
+            stages.clear()
+            t0 = time.perf_counter_ns()
+            for _ in range(a.calls):
+                fn()
+            wall = (time.perf_counter_ns() - t0) / a.calls / 1e3
+            print(f"== {name}: steps, us per call (back to back; wall {wall:.1f})")
+            for step, ns in sorted(stages.items(), key=lambda kv: -kv[1]):
+                print(f"  {step:34s} {ns / a.calls / 1e3:8.1f}")
         if a.profile:
             prof = cProfile.Profile()
             prof.enable()
