@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 # ``struct GemvJob`` (gemv.cu): w0 s0 w1 s1 x y (u64), rows out_rows x_stride y_stride (i32).
 GEMV_JOB = struct.Struct("<6Q4i")
 # ``struct MoeJob`` (gemv.cu): wg sg wu su wd sd x h y (u64), rows ie dout pad (i32).
@@ -21,6 +23,76 @@ MOE_JOB = struct.Struct("<9Q4i")
 # ``struct KvDesc`` (attention.cu): latent rope (u64), len src (i32).
 KV_DESC = struct.Struct("<2Q2i")
 assert GEMV_JOB.size == 64 and MOE_JOB.size == 88 and KV_DESC.size == 24
+
+
+#: Routed groups of at most this many (token, expert) pairs are planned in plain Python: at
+#: decode (8 pairs) a dozen small NumPy calls cost several times more than the loop.
+SMALL_ROUTES = 64
+
+
+@dataclass
+class RoutePlan:
+    """A routed group as a packed one: the experts used (ascending), their packed row counts,
+    the token of each packed row (``src``) and the packed row of each (token, slot) pair
+    (``pos``, flat index t * K + j). Each expert's packed rows are its tokens in ascending
+    order; ``x_rows[c]`` is the token the rows of used expert c start at when every expert's
+    tokens are consecutive (always at one token: the tables then read x in place), else None."""
+
+    used: list[int]
+    rows: list[int]
+    src: np.ndarray  # int32 [T * K]
+    pos: np.ndarray  # int32 [T * K]
+    x_rows: list[int] | None
+
+
+def route_plan(routes: np.ndarray, n_experts: int, small: bool | None = None) -> RoutePlan:
+    """Plan routes int [T, K] (indexes below ``n_experts``, already checked) as packed rows.
+    ``small``: plain Python (True) or NumPy (False); None picks by size (``SMALL_ROUTES``)."""
+    T, K = routes.shape
+    n = T * K
+    if small is None:
+        small = n <= SMALL_ROUTES
+    if small:
+        flat = routes.ravel().tolist()
+        counts = [0] * n_experts
+        for e in flat:
+            counts[e] += 1
+        used = [e for e, c in enumerate(counts) if c]
+        rows = [counts[e] for e in used]
+        nxt = [0] * n_experts
+        p = 0
+        for e in used:
+            nxt[e] = p
+            p += counts[e]
+        pos, src = [0] * n, [0] * n
+        for i, e in enumerate(flat):  # flat order is token order: each expert's rows ascend
+            q = nxt[e]
+            nxt[e] = q + 1
+            pos[i] = q
+            src[q] = i // K
+        x_rows: list[int] | None = []
+        q = 0
+        for c in rows:
+            first = src[q]
+            if c > 1 and src[q : q + c] != list(range(first, first + c)):
+                x_rows = None
+                break
+            x_rows.append(first)  # type: ignore[union-attr]
+            q += c
+        return RoutePlan(used, rows, np.array(src, np.int32), np.array(pos, np.int32), x_rows)
+    flat_a = np.ascontiguousarray(routes, np.int64).reshape(-1)
+    order = np.argsort(flat_a, kind="stable")  # packed row p holds (t, j) = divmod(order[p], K)
+    counts_a = np.bincount(flat_a, minlength=n_experts)
+    used_a = np.flatnonzero(counts_a)
+    rows_a = counts_a[used_a]
+    src_a = (order // K).astype(np.int32)
+    pos_a = np.empty(n, np.int32)
+    pos_a[order] = np.arange(n, dtype=np.int32)
+    starts = np.cumsum(rows_a) - rows_a
+    step = np.diff(src_a) == 1
+    step[starts[1:] - 1] = True
+    x_rows = src_a[starts].tolist() if step.all() else None
+    return RoutePlan(used_a.tolist(), rows_a.tolist(), src_a, pos_a, x_rows)
 
 
 def counter_bytes(n_jobs: int) -> int:

@@ -32,7 +32,14 @@ from coliworker.kernels import attention as att
 from coliworker.kernels import layout, route
 from coliworker.kernels.matmul import WeightSpec, gemv_launch, moe_launch
 from coliworker.kernels.qtensor import QTensor
-from coliworker.kernels.tables import GEMV_JOB, KV_DESC, counter_bytes, plan_group, write_group
+from coliworker.kernels.tables import (
+    GEMV_JOB,
+    KV_DESC,
+    counter_bytes,
+    plan_group,
+    route_plan,
+    write_group,
+)
 from coliworker.server.backend import DeviceInfo, ExpertTriple, Phases, Result
 from coliworker.server.errors import InvalidArgument, OutOfDeviceMemory
 
@@ -547,21 +554,9 @@ class CupyBackend:
         T, K = routes.shape
         D = x.shape[1]
         n = T * K
-        flat = np.ascontiguousarray(routes, np.int64).reshape(-1)
-        order = np.argsort(flat, kind="stable")  # packed row p holds (t, j) = divmod(order[p], K)
-        counts = np.bincount(flat, minlength=len(experts))
-        used = np.flatnonzero(counts)
-        rows = counts[used].tolist()
-        sel = [experts[e] for e in used.tolist()]
-        src = (order // K).astype(np.int32)  # token of packed row p
-        pos = np.empty(n, np.int32)
-        pos[order] = np.arange(n, dtype=np.int32)
-        # Each expert's packed rows are tokens in ascending order (stable sort): where they are
-        # consecutive for every expert (always at T = 1) the tables read x in place.
-        starts = np.cumsum(counts[used]) - counts[used]
-        step = np.diff(src) == 1
-        step[starts[1:] - 1] = True
-        x_rows = src[starts].tolist() if step.all() else None
+        plan = route_plan(routes, len(experts))
+        rows, src, pos, x_rows = plan.rows, plan.src, plan.pos, plan.x_rows
+        sel = [experts[e] for e in plan.used]
         d_out = experts[0][2].out_features
         extra = _align(4 * n) * 2 + (0 if x_rows is not None else 4 * n)  # pos, w (, src)
         with _Call(self, experts[0][0].device, "expert_group_routed") as call:
