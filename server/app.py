@@ -9,6 +9,7 @@ from concurrent import futures
 import grpc
 
 from coliworker import __version__
+from coliworker.server import upload
 from coliworker.server.auth import AuthInterceptor, check_exposure, server_credentials
 from coliworker.server.backend import Backend
 from coliworker.server.backends import create_backend
@@ -18,6 +19,36 @@ from coliworker.server.servicer import WorkerServicer
 from coliworker.v1 import worker_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+
+class _Collected:
+    """Stands in for the server while the generated code registers the handlers."""
+
+    service = ""
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        pass
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        self.service, self.handlers = service, dict(handlers)
+
+
+def _add_servicer(server: grpc.Server, servicer: WorkerServicer) -> None:
+    """The generated registration, except that the upload RPCs get their messages as bytes
+    (``server/upload.py`` reads the data chunks in place, without protobuf)."""
+    got = _Collected()
+    pb_grpc.add_WorkerServicer_to_server(servicer, got)
+    handlers = dict(got.handlers)
+    for name in upload.RAW_METHODS:
+        h = handlers[name]
+        handlers[name] = grpc.stream_unary_rpc_method_handler(
+            h.stream_unary, request_deserializer=None, response_serializer=h.response_serializer
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(got.service, handlers),))
+    server.add_registered_method_handlers(got.service, handlers)
 
 
 class WorkerServer:
@@ -53,7 +84,7 @@ class WorkerServer:
             options=options,
             maximum_concurrent_rpcs=config.max_in_flight,
         )
-        pb_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
+        _add_servicer(self.server, self.servicer)
         from coliworker.server.health import Health, enable_reflection
 
         self.health = Health()

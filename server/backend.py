@@ -89,6 +89,35 @@ class KVCache(Protocol):
         """Return the memory; the cache is unusable afterwards."""
 
 
+class Placement(Protocol):
+    """A tensor placed while its bytes arrive (``Backend.begin_place``): device memory is
+    allocated up front and each block is copied in as soon as it is here, so the device
+    copy overlaps the rest of the stream instead of following it."""
+
+    def write(self, offset: int, data: np.ndarray) -> None:
+        """Bytes ``[offset, offset + len(data))`` of weights || scales, as the client sends
+        them. data: uint8 [n], host memory the caller reuses once this returns (fastest from
+        ``Backend.staging``). Called in order, by one thread at a time."""
+
+    def finish(self) -> Resident:
+        """Every byte written: the resident tensor, laid out as ``place`` lays it out. On an
+        error nothing stays allocated."""
+
+    def abort(self) -> None:
+        """Free what was allocated; the placement is unusable afterwards. Idempotent."""
+
+
+def split_write(weights: np.ndarray, scales: np.ndarray, offset: int, data: np.ndarray) -> None:
+    """Copy bytes ``[offset, offset + len(data))`` of weights || scales (both uint8 views)
+    into the two arrays; NumPy drops the GIL while it copies."""
+    n, wb = len(data), len(weights)
+    k = max(0, min(n, wb - offset))  # how many of them are weights
+    if k:
+        weights[offset : offset + k] = data[:k]
+    if k < n:
+        scales[offset + k - wb : offset + n - wb] = data[k:]
+
+
 class Pending(Protocol):
     """An expert group started by ``expert_group_issue``."""
 
@@ -107,6 +136,16 @@ class Backend(Protocol):
 
     def place(self, tensor: QTensor, device: int) -> Resident:
         """Copy a tensor to ``device``. Raises OutOfDeviceMemory."""
+
+    def begin_place(
+        self, fmt: int, in_features: int, out_features: int, group_size: int, device: int
+    ) -> Placement:
+        """Allocate a tensor of this spec on ``device`` whose bytes ``Placement.write`` will
+        bring. Raises OutOfDeviceMemory."""
+
+    def staging(self, nbytes: int) -> np.ndarray:
+        """A host buffer uint8 [nbytes] that ``Placement.write`` copies from fastest (page-
+        locked memory for a GPU backend); callers keep and reuse it."""
 
     def replace(self, resident: Resident, tensor: QTensor) -> None:
         """Overwrite a resident tensor's contents in place (same spec)."""

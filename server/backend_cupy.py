@@ -31,7 +31,7 @@ import numpy as np
 from coliworker.kernels import attention as att
 from coliworker.kernels import layout, route
 from coliworker.kernels.matmul import WeightSpec, gemv_launch, moe_launch
-from coliworker.kernels.qtensor import QTensor
+from coliworker.kernels.qtensor import QTensor, row_bytes, scale_count
 from coliworker.kernels.tables import (
     GEMV_JOB,
     KV_DESC,
@@ -82,6 +82,54 @@ class CupyResident:
         """Device addresses of row ``row``'s weights and scales."""
         s_stride = self.layout.ngp * 4 if self.fmt else 0
         return self.w.data.ptr + row * self.layout.ld, self.s.data.ptr + row * s_stride
+
+
+class CupyPlacement:
+    """A tensor arriving block by block (``Backend.begin_place``): the client's weight bytes
+    go straight into device memory (uint8 [O * row_bytes], allocated up front), the scales
+    into a small host array; ``finish`` lays both out on the device as ``place`` does."""
+
+    def __init__(self, backend: CupyBackend, fmt: int, i: int, o: int, gs: int, device: int):
+        self._backend = backend
+        self.spec = (fmt, i, o, gs)
+        self.device = device
+        wbytes = row_bytes(fmt, i) * o
+        stream = backend._stream(device)
+        with cupy.cuda.Device(device), stream:
+            with _oom_guard(device, f"place {wbytes} bytes"):
+                self._raw: Any = cupy.empty(wbytes, cupy.uint8)
+            # Pool memory may still be read by work queued earlier on this stream, and the
+            # blocks are written from other threads: let that work finish first.
+            stream.synchronize()
+        self._ptr = self._raw.data.ptr
+        self._scales: Any = np.empty(scale_count(fmt, i, o, gs), np.float32)
+
+    def write(self, offset: int, data: np.ndarray) -> None:
+        n, wb = len(data), self._raw.nbytes
+        k = max(0, min(n, wb - offset))  # how many of them are weights
+        if k:
+            # On this thread's stream, waited for (the caller reuses ``data`` at once), both
+            # without the GIL; from pinned memory at PCIe speed (4 MiB: ~0.1 ms).
+            stream = self._backend._stream(self.device)
+            with cupy.cuda.Device(self.device):
+                cupy.cuda.runtime.memcpyAsync(
+                    self._ptr + offset, data.ctypes.data, k, _H2D, stream.ptr
+                )
+                stream.synchronize()
+        if k < n:
+            self._scales.view(np.uint8)[offset + k - wb : offset + n - wb] = data[k:]
+
+    def finish(self) -> CupyResident:
+        tensor = QTensor(*self.spec, self._raw, self._scales)
+        try:
+            w, s = self._backend._layout_on_device(tensor, self.device)
+        finally:
+            self.abort()
+        return CupyResident(tensor, self.device, w, s)
+
+    def abort(self) -> None:
+        self._raw = self._scales = None
+        self._ptr = 0
 
 
 class CupyKVCache:
@@ -410,6 +458,14 @@ class CupyBackend:
     def place(self, tensor: QTensor, device: int) -> CupyResident:
         w, s = self._layout_on_device(tensor, device)
         return CupyResident(tensor, device, w, s)
+
+    def begin_place(
+        self, fmt: int, in_features: int, out_features: int, group_size: int, device: int
+    ) -> CupyPlacement:
+        return CupyPlacement(self, fmt, in_features, out_features, group_size, device)
+
+    def staging(self, nbytes: int) -> np.ndarray:
+        return cupyx.empty_pinned((nbytes,), np.uint8)
 
     def replace(self, resident: CupyResident, tensor: QTensor) -> None:
         w, s = self._layout_on_device(tensor, resident.device)

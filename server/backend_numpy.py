@@ -20,12 +20,13 @@ from typing import TypeVar
 import numpy as np
 
 from coliworker.kernels import reference
-from coliworker.kernels.qtensor import QTensor
+from coliworker.kernels.qtensor import QTensor, row_bytes, scale_count
 from coliworker.server.backend import (
     DeviceInfo,
     ExpertTriple,
     Phases,
     Result,
+    split_write,
 )
 from coliworker.server.errors import FailedPrecondition, InvalidArgument, OutOfDeviceMemory
 
@@ -92,6 +93,30 @@ class NumpyResident:
             f"NumpyResident(fmt={t.fmt}, shape=[{t.out_features}, {t.in_features}], "
             f"device={self.device}, nbytes={self.nbytes})"
         )
+
+
+class NumpyPlacement:
+    """A tensor arriving block by block into its own fresh arrays (``Backend.begin_place``)."""
+
+    def __init__(self, fmt: int, i: int, o: int, gs: int, device: int) -> None:
+        self.spec = (fmt, i, o, gs)
+        self.device = device
+        wbytes = row_bytes(fmt, i) * o
+        self._w: np.ndarray | None = _allocate("place", lambda: np.empty(wbytes, np.uint8))
+        self._s: np.ndarray | None = np.empty(scale_count(fmt, i, o, gs), np.float32)
+
+    def write(self, offset: int, data: np.ndarray) -> None:
+        assert self._w is not None and self._s is not None, "write after finish/abort"
+        split_write(self._w, self._s.view(np.uint8), offset, data)
+
+    def finish(self) -> NumpyResident:
+        assert self._w is not None and self._s is not None, "finish after finish/abort"
+        tensor = QTensor(*self.spec, self._w, self._s)
+        self._w = self._s = None
+        return NumpyResident(tensor, self.device)
+
+    def abort(self) -> None:
+        self._w = self._s = None
 
 
 class NumpyKVCache:
@@ -231,6 +256,15 @@ class NumpyBackend:
     def place(self, tensor: QTensor, device: int) -> NumpyResident:
         self._check_device("place", device)
         return NumpyResident(_allocate("place", lambda: _copy(tensor)), device)
+
+    def begin_place(
+        self, fmt: int, in_features: int, out_features: int, group_size: int, device: int
+    ) -> NumpyPlacement:
+        self._check_device("place", device)
+        return NumpyPlacement(fmt, in_features, out_features, group_size, device)
+
+    def staging(self, nbytes: int) -> np.ndarray:
+        return np.empty(nbytes, np.uint8)
 
     def replace(self, resident: NumpyResident, tensor: QTensor) -> None:
         resident.tensor = _allocate("replace", lambda: _copy(tensor))

@@ -14,16 +14,13 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
-import numpy as np
 
 from coliworker import __version__
 from coliworker.client import codec
-from coliworker.kernels.qtensor import QTensor
-from coliworker.server import validate
+from coliworker.server import upload
 from coliworker.server.auth import TokenTable
 from coliworker.server.backend import Backend, Pending, Phases, Result
 from coliworker.server.compute import ComputeOps
@@ -45,18 +42,6 @@ from coliworker.v1 import worker_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 INSTANCE_METADATA_KEY = "coliworker-instance"
-
-
-#: Upload bytes hashed per step on the hashing thread.
-_HASH_BLOCK = 16 << 20
-_hash_executor: ThreadPoolExecutor | None = None
-
-
-def _hash_pool() -> ThreadPoolExecutor:
-    global _hash_executor
-    if _hash_executor is None:
-        _hash_executor = ThreadPoolExecutor(4, thread_name_prefix="upload-hash")
-    return _hash_executor
 
 
 class Hooks:
@@ -125,6 +110,7 @@ class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
         self.tokens = TokenTable.from_config(config)  # None: authentication off
         self.quota = Quota(config.quota)
         self.store = TensorStore(backend, self.devices, self.budget, self.quota)
+        self.staging = upload.Staging(backend)
         self.sequences = SequenceStore(
             backend,
             self.budget,
@@ -236,89 +222,30 @@ class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
             return pb.LookupResponse(found=True, tensor=self._info(h))
         return pb.LookupResponse(found=True)
 
-    def _receive(self, chunks: Iterator[pb.UploadChunk], op: str, owner: str = ""):
-        """Read a header and its data; returns (spec, hash, QTensor, handle field)."""
-        first = next(chunks, None)
-        if first is None or first.WhichOneof("part") != "header":
-            what = "nothing" if first is None else "a data chunk"
-            raise InvalidArgument(f"{op}: expected a header as the first message, got {what}")
-        header = first.header
-        spec = validate.spec(header.spec, self.devices, f"{op}.header.spec")
-        wbytes, sbytes = validate.sizes(spec)
-        if header.weight_bytes != wbytes:
-            raise InvalidArgument(
-                f"{op}.header.weight_bytes: expected {wbytes} ({spec.out_features} rows x "
-                f"{wbytes // spec.out_features} bytes for fmt {spec.fmt}, in_features "
-                f"{spec.in_features}), got {header.weight_bytes}"
-            )
-        if header.scale_bytes != sbytes:
-            raise InvalidArgument(
-                f"{op}.header.scale_bytes: expected {sbytes} ({sbytes // 4} float32 scales), "
-                f"got {header.scale_bytes}"
-            )
-        if len(header.content_hash) != 32:
-            raise InvalidArgument(
-                f"{op}.header.content_hash: expected 32 bytes (SHA-256), "
-                f"got {len(header.content_hash)}"
-            )
-        if self.config.memory_limit and wbytes + sbytes > self.config.memory_limit:
-            raise ResourceExhausted(
-                f"{op}: tensor of {wbytes + sbytes} bytes exceeds the per-device budget of "
-                f"{self.config.memory_limit} bytes (--memory-limit)"
-            )
-        total = wbytes + sbytes
-        if self.store.lookup(header.content_hash, spec.device, False) is None:
-            check_upload(self.quota, self.budget, self.backend, spec.device, total, owner, op)
-        buf = bytearray(total)
-        view = memoryview(buf)
-        got = 0
-        # Hash as the bytes arrive, on another thread (hashlib drops the GIL on large
-        # blocks): a 1 GB upload then costs about max(receive, hash), not their sum.
-        hasher = codec.content_hasher(
-            spec.fmt, spec.in_features, spec.out_features, spec.group_size
-        )
-        hashed, hashing = 0, None
-        for i, msg in enumerate(chunks, start=1):
-            if msg.WhichOneof("part") != "data":
-                raise InvalidArgument(f"{op}: message {i}: expected a data chunk, got a header")
-            data = msg.data  # each read of a bytes field copies it: read once
-            n = len(data)
-            if got + n > total:
-                raise InvalidArgument(
-                    f"{op}: data: expected {total} bytes in all, got more "
-                    f"({got + n} after message {i})"
-                )
-            view[got : got + n] = data
-            got += n
-            if got - hashed >= _HASH_BLOCK:
-                if hashing is not None:
-                    hashing.result()  # one block at a time, in order
-                hashing = _hash_pool().submit(hasher.update, view[hashed:got])
-                hashed = got
-        if got != total:
-            raise InvalidArgument(f"{op}: data: expected {total} bytes, stream ended after {got}")
-        if hashing is not None:
-            hashing.result()
-        hasher.update(view[hashed:])
-        digest = hasher.digest()
-        if digest != header.content_hash:
-            raise InvalidArgument(
-                f"{op}.header.content_hash: expected {digest.hex()} (SHA-256 of "
-                f"the data received), got {header.content_hash.hex()}"
-            )
-        weights = np.frombuffer(buf, np.uint8, count=wbytes)
-        scales = np.frombuffer(buf, np.float32, count=sbytes // 4, offset=wbytes)
-        tensor = QTensor(
-            spec.fmt, spec.in_features, spec.out_features, spec.group_size, weights, scales
-        )
-        return spec, digest, tensor, header
+    def _header(self, messages: Iterator, op: str) -> upload.Header:
+        return upload.read_header(messages, op, self.devices, self.config.memory_limit)
 
     @_guard
     def Upload(self, request_iterator, context):
         owner = self.owner(context)
-        spec, digest, tensor, _ = self._receive(request_iterator, "upload", owner)
-        handle, dedup, phases = self.store.upload(spec, digest, tensor, owner)
-        self.hooks.record_upload(spec.device, 0 if dedup else tensor.nbytes, dedup)
+        header = self._header(request_iterator, "upload")
+        spec, digest = header.spec, header.content_hash
+        if self.store.lookup(digest, spec.device, False) is not None:
+            # Resident already (a client that did not probe first): check the bytes, then
+            # take a reference, or place them after all should that copy go meanwhile.
+            tensor = upload.receive_host(request_iterator, header, "upload", self.staging)
+            handle, dedup, phases = self.store.upload(spec, digest, tensor, owner)
+        else:
+            check_upload(
+                self.quota, self.budget, self.backend, spec.device, header.total, owner, "upload"
+            )
+            incoming = self.store.begin_upload(spec, digest, header.total, owner)
+            try:
+                upload.receive(request_iterator, header, "upload", incoming, self.staging)
+                handle, dedup, phases = incoming.commit()
+            finally:
+                incoming.abort()  # a no-op once committed
+        self.hooks.record_upload(spec.device, 0 if dedup else header.total, dedup)
         return pb.UploadResponse(
             tensor=self._info(handle), deduplicated=dedup, backend_ns=phases.total_ns
         )
@@ -326,14 +253,20 @@ class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
     @_guard
     def Update(self, request_iterator, context):
         owner = self.owner(context)
-        spec, digest, tensor, header = self._receive(request_iterator, "update", owner)
+        header = self._header(request_iterator, "update")
+        spec = header.spec
+        if self.store.lookup(header.content_hash, spec.device, False) is None:
+            check_upload(
+                self.quota, self.budget, self.backend, spec.device, header.total, owner, "update"
+            )
+        tensor = upload.receive_host(request_iterator, header, "update", self.staging)
         handle = self._tensor(header.handle, "update.header.handle", owner)
         if handle.spec != spec:
             raise InvalidArgument(
                 f"update.header.spec: expected {handle.spec} (the handle's spec), got {spec}"
             )
         self._settle_tickets(handle)
-        phases = self.store.update(handle, digest, tensor)
+        phases = self.store.update(handle, header.content_hash, tensor)
         self.hooks.record_upload(spec.device, tensor.nbytes, False)
         return pb.UpdateResponse(tensor=self._info(handle), backend_ns=phases.total_ns)
 

@@ -15,8 +15,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from coliworker.kernels.qtensor import QTensor
-from coliworker.server.backend import Backend, Phases, Resident
+from coliworker.server.backend import Backend, Phases, Placement, Resident
 from coliworker.server.errors import NotFound, ResourceExhausted
 from coliworker.server.limits import Quota
 
@@ -107,6 +109,65 @@ class Budget:
             self.used[device] -= nbytes
 
 
+class Incoming:
+    """A tensor being placed while its bytes arrive (``TensorStore.begin_upload``): its bytes
+    are reserved and its device memory allocated; exactly one of ``commit`` / ``abort``
+    ends it, and after an abort nothing of it is resident or reserved."""
+
+    def __init__(
+        self,
+        store: TensorStore,
+        spec: Spec,
+        content_hash: bytes,
+        nbytes: int,
+        owner: str,
+        placement: Placement,
+    ) -> None:
+        self.store, self.spec, self.content_hash = store, spec, content_hash
+        self.nbytes, self.owner = nbytes, owner
+        self._placement: Placement | None = placement
+        self.write_ns = 0  # time spent copying blocks in (overlapped with the stream)
+
+    def write(self, offset: int, data: np.ndarray) -> None:
+        """Bytes ``[offset, offset + len(data))`` of weights || scales (uint8 [n])."""
+        if self._placement is None:
+            raise RuntimeError("write on an ended upload")
+        t0 = time.perf_counter_ns()
+        self._placement.write(offset, data)
+        self.write_ns += time.perf_counter_ns() - t0
+
+    def commit(self) -> tuple[Handle, bool, Phases]:
+        """Every byte written and the content hash checked: (handle, deduplicated, phases:
+        h2d = the block copies, kernel = the layout after the last block)."""
+        placement, self._placement = self._placement, None
+        if placement is None:
+            raise RuntimeError("commit on an ended upload")
+        try:
+            t0 = time.perf_counter_ns()
+            resident = placement.finish()
+            phases = Phases(h2d_ns=self.write_ns, kernel_ns=time.perf_counter_ns() - t0)
+        except BaseException:
+            self._unreserve()
+            raise
+        handle, dedup = self.store._register(
+            self.spec, self.content_hash, resident, self.nbytes, self.owner
+        )
+        return handle, dedup, phases
+
+    def abort(self) -> None:
+        """Free the device memory and the reservations (a no-op once ended)."""
+        placement, self._placement = self._placement, None
+        if placement is not None:
+            try:
+                placement.abort()
+            finally:
+                self._unreserve()
+
+    def _unreserve(self) -> None:
+        self.store.budget.release(self.spec.device, self.nbytes)
+        self.store.quota.unreserve(self.owner, self.nbytes)
+
+
 class TensorStore:
     def __init__(
         self,
@@ -168,7 +229,6 @@ class TensorStore:
         self, spec: Spec, content_hash: bytes, tensor: QTensor, owner: str = ""
     ) -> tuple[Handle, bool, Phases]:
         """A new handle on this content; places a copy only if none is resident yet."""
-        key = (spec.device, content_hash)
         hit = self.lookup(content_hash, spec.device, acquire=True, owner=owner)
         if hit is not None:
             return hit, True, Phases()
@@ -187,13 +247,43 @@ class TensorStore:
             self.budget.release(spec.device, nbytes)
             self.quota.unreserve(owner, nbytes)
             raise
+        handle, dedup = self._register(spec, content_hash, resident, nbytes, owner)
+        return handle, dedup, phases
+
+    def begin_upload(self, spec: Spec, content_hash: bytes, nbytes: int, owner: str) -> Incoming:
+        """Reserve ``nbytes`` (quota, device budget) and the device memory of a tensor whose
+        bytes are still arriving; ``Incoming.commit`` makes it a handle once they are all
+        here and verified, ``Incoming.abort`` undoes everything."""
+        self.quota.reserve(owner, nbytes, "upload")
+        try:
+            self.budget.reserve(spec.device, nbytes, "upload")
+        except BaseException:
+            self.quota.unreserve(owner, nbytes)
+            raise
+        try:
+            placement = self.backend.begin_place(
+                spec.fmt, spec.in_features, spec.out_features, spec.group_size, spec.device
+            )
+        except BaseException:
+            self.budget.release(spec.device, nbytes)
+            self.quota.unreserve(owner, nbytes)
+            raise
+        return Incoming(self, spec, content_hash, nbytes, owner, placement)
+
+    def _register(
+        self, spec: Spec, content_hash: bytes, resident: Resident, nbytes: int, owner: str
+    ) -> tuple[Handle, bool]:
+        """A placed copy whose ``nbytes`` are reserved becomes the first handle on its
+        content, or, when an identical upload finished first, is dropped for a reference
+        to that one (True: deduplicated)."""
+        key = (spec.device, content_hash)
         with self._lock:
             raced = self._by_key.get(key)
             if raced is None:
                 data = TensorData(spec, content_hash, resident, nbytes)
                 self._by_key[key] = data
                 self.quota.bind(owner, data)
-                return self._new_handle(owner, data), False, phases
+                return self._new_handle(owner, data), False
             # Same content, same bytes: the reservation becomes a reference (never raises).
             self.quota.unreserve(owner, nbytes)
             self.quota.acquire(owner, raced, "upload")
@@ -201,7 +291,7 @@ class TensorStore:
         # An identical upload finished first: keep its copy, drop ours.
         self.backend.release(resident)
         self.budget.release(spec.device, nbytes)
-        return handle, True, phases
+        return handle, True
 
     def update(self, handle: Handle, content_hash: bytes, tensor: QTensor) -> Phases:
         """Point ``handle`` at new content (same spec). Other handles keep the old data."""
