@@ -27,6 +27,7 @@ from coliworker.client.worker import (
     DeviceStats,
     ExpertGroupFuture,
     TensorRef,
+    UploadItem,
     WorkerClient,
     WorkerInfo,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "TensorRef",
     "Unauthenticated",
     "Unavailable",
+    "UploadItem",
     "WorkerClient",
     "WorkerError",
     "WorkerInfo",

@@ -43,6 +43,7 @@ import numpy as np
 from coliworker.client.errors import NotFound, Unavailable, WorkerRestarted, from_rpc_error
 from coliworker.client.recovering_session import RecoveringSession
 from coliworker.client.security import TLS, make_channel
+from coliworker.client.uploads import UploadItem
 from coliworker.client.worker import INSTANCE_METADATA_KEY, ExpertGroupFuture, TensorRef
 from coliworker.client.worker import WorkerClient as _Base
 from coliworker.v1 import worker_pb2 as pb
@@ -395,6 +396,14 @@ class RecoveringClient(_Base):
         ref = self._retrying(lambda: _Base.upload(self, weights, scales, **spec), False)
         self._track(ref, weights, scales)
         return ref
+
+    @functools.wraps(_Base.upload_many)
+    def upload_many(self, items: Iterable[UploadItem], **kw: Any) -> list[TensorRef]:
+        items = list(items)
+        refs = self._retrying(lambda: _Base.upload_many(self, items, **kw), False)
+        for ref, item in zip(refs, items, strict=True):
+            self._track(ref, item.weights, item.scales)
+        return refs
 
     @functools.wraps(_Base.update)
     def update(self, t: TensorRef, weights: np.ndarray, scales: np.ndarray | None, **kw: Any):

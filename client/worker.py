@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -16,9 +15,10 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from coliworker.client import codec, requests
+from coliworker.client import codec, requests, uploads
 from coliworker.client.errors import WorkerError, from_rpc_error
 from coliworker.client.security import TLS, make_channel
+from coliworker.client.uploads import UploadItem, _Progress
 from coliworker.kernels.qtensor import row_bytes, scale_count
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.v1 import worker_pb2_grpc as pb_grpc
@@ -124,32 +124,6 @@ def _varint(n: int) -> bytes:
 
 def _serialize(m: Any) -> bytes:
     return m if isinstance(m, bytes) else m.SerializeToString()
-
-
-class _Progress:
-    """A one-line progress bar on stderr when it is a terminal (or when forced)."""
-
-    def __init__(self, total: int, label: str, enabled: bool) -> None:
-        self.total, self.label, self.enabled = total, label, enabled
-        self.done = 0
-        self.t0 = time.perf_counter()
-        self._last = 0.0
-
-    def advance(self, n: int) -> None:
-        self.done += n
-        now = time.perf_counter()
-        if self.enabled and (now - self._last > 0.1 or self.done >= self.total):
-            self._last = now
-            frac = self.done / self.total if self.total else 1.0
-            rate = self.done / max(now - self.t0, 1e-9) / 1e6
-            bar = "#" * int(frac * 30)
-            sys.stderr.write(
-                f"\r{self.label} [{bar:<30}] {frac:6.1%} "
-                f"{self.done / 1e6:8.1f}/{self.total / 1e6:.1f} MB {rate:7.1f} MB/s"
-            )
-            if self.done >= self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
 
 
 class ExpertGroupFuture:
@@ -320,7 +294,8 @@ class WorkerClient:
         )
         if hit.found:
             return TensorRef._from(hit.tensor, deduplicated=True)
-        r = self._stream(self._stub.Upload, spec, digest, w, s, 0, progress, "upload")
+        bar = self._bar(len(w) + len(s), "upload", progress)
+        r = self._stream(self._stub.Upload, spec, digest, w, s, 0, bar)
         self.last_call.backend_ns = r.backend_ns  # placing the bytes on the device
         return TensorRef._from(r.tensor, r.deduplicated)
 
@@ -342,9 +317,32 @@ class WorkerClient:
         )
         w, s = self._payload(weights, scales)
         digest = codec.content_hash(t.fmt, t.in_features, t.out_features, t.group_size, w, s)
-        r = self._stream(self._stub.Update, spec, digest, w, s, t.handle, progress, "update")
+        bar = self._bar(len(w) + len(s), "update", progress)
+        r = self._stream(self._stub.Update, spec, digest, w, s, t.handle, bar)
         t.content_hash, t.nbytes = r.tensor.content_hash, r.tensor.nbytes
         return t
+
+    def upload_many(
+        self,
+        items: Iterable[UploadItem],
+        *,
+        streams: int = 2,
+        hash_threads: int = 4,
+        progress: bool | None = None,
+    ) -> list[TensorRef]:
+        """Make a set of tensors resident; returns their references in item order.
+
+        Pipelined (``client/uploads.py``): items are hashed on ``hash_threads`` threads
+        while earlier ones stream, ``streams`` uploads are in flight at once, content the
+        worker (or an earlier item) already holds is not resent. All or nothing: an item
+        that fails releases what the call took and raises with ``upload_many.items[k]`` in
+        its message and ``index`` = k.
+        """
+        bar = self._bar(0, "upload_many", progress)
+        return uploads.upload_many(self, items, streams=streams, hash_threads=hash_threads, bar=bar)
+
+    def _bar(self, total: int, label: str, progress: bool | None) -> _Progress:
+        return _Progress(total, label, self.progress if progress is None else progress)
 
     @staticmethod
     def _payload(weights: np.ndarray, scales: np.ndarray | None) -> tuple[memoryview, memoryview]:
@@ -360,11 +358,9 @@ class WorkerClient:
         w: memoryview,
         s: memoryview,
         handle: int,
-        progress: bool | None,
-        label: str,
+        bar: _Progress,
     ) -> Any:
         total = len(w) + len(s)
-        bar = _Progress(total, label, self.progress if progress is None else progress)
 
         def messages() -> Iterator[pb.UploadChunk]:
             yield pb.UploadChunk(
@@ -550,6 +546,7 @@ __all__ = [
     "DeviceStats",
     "ExpertGroupFuture",
     "TensorRef",
+    "UploadItem",
     "WorkerClient",
     "WorkerError",
     "WorkerInfo",
