@@ -17,8 +17,9 @@ out [1, 6144] through o_proj). Paths:
 For each: p50/p99 end to end, the worker's backend time, and overhead = end to end minus
 backend time, compared with the p50 of a raw gRPC echo (bytes in, bytes out, no protobuf,
 no work) of the same request/response sizes on the same transport (unary or stream).
-Then the throughput of a 50 MB activation batch (chunked stream, shared memory), and of a
-1 GB upload and its re-upload (hash + Lookup probe only).
+Then the throughput of a 50 MB activation batch (chunked stream, shared memory), of a
+1 GB upload and its re-upload (hash + Lookup probe only), and of a 1 GB set of int4 expert
+tensors through ``upload_many`` and its re-upload.
 
 The expert intermediate width only changes compute, never the wire: the NumPy backend
 dequantizes every weight in float64 on every call, so ``--expert-inter`` defaults to 16
@@ -445,7 +446,7 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
         s.close()
 
     # -- 1 GB upload and re-upload -----------------------------------------------------------
-    if args.upload_gb > 0:
+    if args.upload_gb > 0 and _wanted(args, "upload"):
         cols = 65536
         o = int(args.upload_gb * (1 << 30)) // cols
         wq = rng.integers(0, 256, size=(o, cols), dtype=np.uint8)
@@ -476,10 +477,79 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
         print(r, flush=True)
         w.free(again)
         w.free(ref)
+        del wq
+    if args.upload_gb > 0 and _wanted(args, "upload-set"):
+        r = _upload_set(w, rng, args.upload_gb)
+        thr.append(r)
+        print(r, flush=True)
     w.close()
     wu.close()
     return {"worker": {"backend": info.backend, "devices": [d.name for d in info.devices]},
             "latency": results, "throughput": thr}  # fmt: skip
+
+
+def _upload_set(w, rng, gb: float) -> dict:
+    """A set of GLM-5.2 int4 experts (gate, up [2048, 6144], down [6144, 2048]: 6.3 MB each)
+    totalling ``gb`` GiB of fresh random bytes through ``upload_many`` (2 streams), then
+    again (every item a Lookup hit), against the client's SHA-256 of the set on one thread
+    and on the 4 hash threads ``upload_many`` uses; then freed and sent with 1 and 3
+    streams."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from coliworker.client import UploadItem, codec
+
+    inter = 2048
+    shapes = [(D, inter), (D, inter), (inter, D)]  # (in_features, out_features)
+    per_expert = sum(o * ((i + 1) // 2) + 4 * o for i, o in shapes)
+    n = max(1, round(gb * (1 << 30) / per_expert))
+    items = []
+    for _ in range(n):
+        for i, o in shapes:
+            q = np.frombuffer(rng.bytes(o * ((i + 1) // 2)), np.uint8).reshape(o, -1)
+            sc = (rng.random(o) * 0.02 + 0.005).astype(np.float32)
+            items.append(UploadItem(q, sc, fmt=2, in_features=i, out_features=o))
+    nbytes = sum(it.weights.nbytes + it.scales.nbytes for it in items)
+    t0 = time.perf_counter()
+    refs = w.upload_many(items)
+    t_up = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    again = w.upload_many(items)
+    t_re = time.perf_counter() - t0
+
+    def digest(it):
+        return codec.content_hash(2, it.in_features, it.out_features, 0, it.weights, it.scales)
+
+    t0 = time.perf_counter()
+    for it in items:
+        digest(it)
+    t_hash = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(digest, items))
+    t_hash4 = time.perf_counter() - t0
+    for ref in refs + again:
+        w.free(ref)
+    others = {}
+    for streams in (1, 3):  # the same bytes again, resident no more: the default's neighbours
+        t0 = time.perf_counter()
+        refs = w.upload_many(items, streams=streams)
+        others[streams] = time.perf_counter() - t0
+        for ref in refs:
+            w.free(ref)
+    return {
+        "path": "upload-set",
+        "tensors": len(items),
+        "bytes": int(nbytes),
+        "upload_s": t_up,
+        "upload_GBps": nbytes / t_up / 1e9,
+        "upload_1_stream_s": others[1],
+        "upload_3_streams_s": others[3],
+        "reupload_s": t_re,
+        "reupload_deduplicated": all(r.deduplicated for r in again),
+        "client_hash_s": t_hash,
+        "client_hash_4_threads_s": t_hash4,
+        "reupload_minus_hash_4_threads_ms": (t_re - t_hash4) * 1e3,
+    }
 
 
 def _work_us(backend_ns: list[int]) -> int:
