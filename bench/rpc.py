@@ -418,6 +418,8 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
     )  # fmt: skip
     big = rng.standard_normal((50 * 1024 * 1024 // 256, 64)).astype(np.float32)
     for name in ("stream-chunks", "shm", "shm-doorbell") if args.big_iters else ():
+        if not _wanted(args, f"batch-50MB/{name}"):
+            continue
         s = sessions["routed" if name == "stream-chunks" else name][0]
         times, back = [], []
         for _ in range(args.big_iters + 1):
