@@ -340,7 +340,7 @@ class Session(SessionCalls):
         seg = self.segment
         if staging.check(body, staged, seg.check if seg is not None else None, "result"):
             # decode reads the bytes straight from the chunks / one copy out of the segment
-            codec.bind(staging.source(staged, seg.read if seg else None, "result"), None)
+            codec.bind(staging.source(staged, seg.read_array if seg else None, "result"), None)
             try:
                 return decode(body, fut)
             finally:

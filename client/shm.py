@@ -15,11 +15,15 @@ Life of a segment (the design the README's hot-path section describes):
    client of the same uid removes such files whose process is gone (``sweep_stale``).
 
 Arrays are placed in the segment by a first-fit allocator over 64-byte aligned blocks
-(``Allocator``); the first ``HEADER_BYTES`` hold the nonce.
+(``Allocator``); the first ``HEADER_BYTES`` hold the nonce. Copies of ``PARALLEL_BYTES`` or
+more in or out of a segment (``write``, ``read_array``) run on several threads: one thread
+moves 6-10 GB/s on an H200 host, and a 50 MB activation batch is copied three times.
 """
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import mmap
 import os
 import re
@@ -27,14 +31,55 @@ import secrets
 import stat
 import tempfile
 import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 HEADER_BYTES = 64
 ALIGN = 64
 NONCE_BYTES = 16
 PREFIX = "coliworker-"
 _NAME = re.compile(r"^coliworker-(\d+)-([0-9a-f]{16})$")
+
+#: Copies of at least this many bytes run in slices on COPY_THREADS threads; smaller ones
+#: (a decode call's arrays, doorbell messages) stay on the calling thread: no hand-off.
+PARALLEL_BYTES = 4 << 20
+COPY_THREADS = max(1, min(8, os.cpu_count() or 1))
+_SLICE_ALIGN = 64 << 10  # slice boundaries on whole pages (and cache lines)
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def copy(dst: int, src: int, n: int) -> None:
+    """Copy ``n`` bytes from address ``src`` to address ``dst`` (regions must not overlap).
+
+    From ``PARALLEL_BYTES`` on, the calling thread copies the first slice and
+    ``COPY_THREADS - 1`` pool threads the others (``ctypes.memmove`` releases the GIL);
+    first touches of fresh destination pages fault in parallel too. The pool threads see
+    addresses only: the caller keeps both buffers alive (and mapped) until this returns.
+    """
+    if n < PARALLEL_BYTES or COPY_THREADS == 1:
+        ctypes.memmove(dst, src, n)
+        return
+    global _pool
+    if _pool is None:
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="shm-copy")
+    step = -(-n // COPY_THREADS)
+    step = -(-step // _SLICE_ALIGN) * _SLICE_ALIGN
+    futures = [
+        _pool.submit(ctypes.memmove, dst + i, src + i, min(step, n - i))
+        for i in range(step, n, step)
+    ]
+    try:
+        ctypes.memmove(dst, src, min(step, n))
+    finally:
+        for f in futures:
+            f.result()
 
 
 class ShmError(Exception):
@@ -90,7 +135,9 @@ class Segment:
     def __init__(self, mm: mmap.mmap, size: int, name: str, fd: int = -1, path: str = "") -> None:
         self.mm, self.size, self.name, self.fd, self.path = mm, size, name, fd, path
         self.buf = np.frombuffer(mm, np.uint8, count=size)
+        self.address = self.buf.ctypes.data  # of byte 0; valid while mapped (0 after close)
         self._lock = threading.Lock()
+        self._on_close: list[Callable[[], None]] = []
 
     @classmethod
     def create(cls, size: int, directory: str | None = None) -> Segment:
@@ -187,6 +234,18 @@ class Segment:
                 raise ShmError("invalid", f"{field}: the segment is detached")
             return self.mm[offset : offset + length]
 
+    def read_array(self, offset: int, length: int, field: str) -> np.ndarray:
+        """A copy of ``length`` bytes at ``offset`` as a fresh, writable uint8 [length] array
+        (large ones copied on several threads, see ``copy``); ShmError("invalid") when out of
+        range."""
+        self._check(offset, length, field)
+        out = np.empty(length, np.uint8)
+        with self._lock:
+            if self.mm is None:
+                raise ShmError("invalid", f"{field}: the segment is detached")
+            copy(out.ctypes.data, self.address + offset, length)
+        return out
+
     def view(self, offset: int, length: int, field: str) -> memoryview:
         """A read-only view of ``length`` bytes at ``offset`` (no copy; valid while mapped:
         an unmap waits for the last view, see ``close``)."""
@@ -197,23 +256,40 @@ class Segment:
             return memoryview(self.mm)[offset : offset + length].toreadonly()
 
     def write(self, offset: int, data: bytes | memoryview) -> None:
-        self._check(offset, len(data), "output_shm")
+        """Copy ``data`` (C-contiguous bytes) to ``offset``; large copies on several threads
+        (``copy``). ShmError("invalid") when out of range or detached."""
+        n = len(data) if isinstance(data, bytes) else memoryview(data).nbytes
+        self._check(offset, n, "output_shm")
+        src = np.frombuffer(data, np.uint8) if n >= PARALLEL_BYTES else None
         with self._lock:
             if self.mm is None:
                 raise ShmError("invalid", "output_shm: the segment is detached")
-            self.mm[offset : offset + len(data)] = data
+            if src is None:
+                self.mm[offset : offset + n] = data
+            else:
+                copy(self.address + offset, src.ctypes.data, n)
 
     def check(self, offset: int, length: int, field: str) -> None:
         """ShmError("invalid") naming ``field`` when the slice is outside the segment."""
         self._check(offset, length, field)
 
     def _check(self, offset: int, length: int, field: str) -> None:
-        if offset < HEADER_BYTES or offset + length > self.size:
+        if offset < HEADER_BYTES or length < 0 or offset + length > self.size:
             raise ShmError(
                 "invalid",
                 f"{field}: expected a slice inside {HEADER_BYTES}..{self.size}, "
                 f"got offset {offset} length {length}",
             )
+
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once when the segment closes, before it is unmapped (the worker's CUDA
+        backend unregisters it there); at once when it is closed already. ``fn`` runs under
+        the segment's lock: it must not call the segment's methods."""
+        with self._lock:
+            if self.mm is not None:
+                self._on_close.append(fn)
+                return
+        fn()
 
     def close(self) -> None:
         """Unmap (and unlink, if still named); idempotent."""
@@ -221,6 +297,13 @@ class Segment:
         with self._lock:
             mm, self.mm = self.mm, None  # type: ignore[assignment]
             self.buf = None  # type: ignore[assignment]
+            self.address = 0
+            hooks, self._on_close = self._on_close, []
+            for fn in hooks:
+                try:
+                    fn()
+                except Exception:
+                    log.exception("segment %s: a close hook failed", self.name)
             if mm is not None:
                 try:
                     mm.close()
@@ -280,4 +363,4 @@ class Allocator:
             return sum(n for _, n in self._free)
 
 
-__all__ = ["Allocator", "Segment", "ShmError", "shm_dir", "sweep_stale"]
+__all__ = ["PARALLEL_BYTES", "Allocator", "Segment", "ShmError", "copy", "shm_dir", "sweep_stale"]

@@ -18,11 +18,12 @@ scratch.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cupy
 import cupyx
@@ -42,6 +43,11 @@ from coliworker.kernels.tables import (
 )
 from coliworker.server.backend import DeviceInfo, ExpertTriple, Phases, Result
 from coliworker.server.errors import InvalidArgument, OutOfDeviceMemory
+
+if TYPE_CHECKING:
+    from coliworker.client.shm import Segment
+
+log = logging.getLogger(__name__)
 
 KV_PAGE_ROWS = 256
 
@@ -202,6 +208,10 @@ ARENAS_PER_THREAD = 4  # free arenas a thread keeps per device (one per call it 
 DETACH_BYTES = 1 << 20
 # Inputs of at least this many bytes are copied into the pinned buffer by several threads.
 SPLIT_COPY_BYTES = 8 << 20
+# float32 inputs of at least this many bytes that lie in a session's shared-memory segment go
+# to the device straight from it (registered with CUDA on the first such input), not through
+# a copy into the pinned buffer.
+DIRECT_BYTES = 8 << 20
 _COPY_THREADS = 4
 _copy_pool: ThreadPoolExecutor | None = None
 _copy_pool_lock = threading.Lock()
@@ -257,7 +267,7 @@ class _Call:
     and an arena. Layout of the arena: [inputs | outputs] mirrored on host and device (the
     inputs go up in one copy, the outputs come back in one), then device-only scratch."""
 
-    __slots__ = ("backend", "device", "what", "stream", "arena", "_prev", "out")
+    __slots__ = ("backend", "device", "what", "stream", "arena", "_prev", "out", "direct")
 
     def __init__(self, backend: CupyBackend, device: int, what: str) -> None:
         self.backend = backend
@@ -265,6 +275,7 @@ class _Call:
         self.what = what
         self.stream = backend._stream(device)
         self.arena: Any = None  # _Arena while the call owns one
+        self.direct: list[tuple[int, int, int]] = []  # (arena offset, host address, bytes)
 
     def __enter__(self) -> _Call:
         self._prev = cupy.cuda.runtime.getDevice()
@@ -293,10 +304,31 @@ class _Call:
         self.arena = a
         return a
 
+    def put(self, off: int, a: np.ndarray, nbytes: int) -> None:
+        """float32 array ``a`` (``nbytes`` bytes) as the inputs' bytes [off, off + nbytes):
+        ``send`` reads it where it lies when that is a registered shared-memory segment
+        (``CupyBackend.attach_segment``), else it is copied into the arena (``_put``)."""
+        if nbytes >= DIRECT_BYTES and a.dtype == np.float32 and a.flags.c_contiguous:
+            ptr = a.ctypes.data
+            if self.backend._registered(ptr, nbytes):
+                self.direct.append((off, ptr, nbytes))
+                return
+        _put(self.arena.host, off, a, nbytes)
+
     def send(self, nbytes: int) -> None:
-        """The inputs, bytes [0, nbytes) of the arena, host -> device."""
+        """The inputs, bytes [0, nbytes) of the arena, host -> device (the ranges ``put``
+        left in a registered segment from there)."""
         a = self.arena
-        cupy.cuda.runtime.memcpyAsync(a.dptr, a.hptr, nbytes, _H2D, self.stream.ptr)
+        rt, sp = cupy.cuda.runtime, self.stream.ptr
+        pos = 0
+        for off, ptr, n in sorted(self.direct):
+            if off > pos:
+                rt.memcpyAsync(a.dptr + pos, a.hptr + pos, off - pos, _H2D, sp)
+            rt.memcpyAsync(a.dptr + off, ptr, n, _H2D, sp)
+            pos = off + n
+        if pos < nbytes:
+            rt.memcpyAsync(a.dptr + pos, a.hptr + pos, nbytes - pos, _H2D, sp)
+        self.direct = []
 
     def receive(self, off: int, shape: tuple[int, ...]) -> None:
         """The output float32 ``shape`` at ``off`` device -> host (same offset)."""
@@ -359,6 +391,30 @@ class CupyPending:
         return self._result
 
 
+_UNREGISTERED, _REGISTERED, _FAILED, _GONE = range(4)
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every device
+
+
+class _Segment:
+    """A shared-memory segment a session maps, and whether CUDA has it registered."""
+
+    __slots__ = ("name", "address", "size", "state")
+
+    def __init__(self, name: str, address: int, size: int) -> None:
+        self.name, self.address, self.size = name, address, size
+        self.state = _UNREGISTERED
+
+
+def _register(m: _Segment) -> int:
+    """cudaHostRegister the segment; _REGISTERED, or _FAILED (logged) when CUDA refuses."""
+    try:
+        cupy.cuda.runtime.hostRegister(m.address, m.size, _HOST_REGISTER_PORTABLE)
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        log.info("segment %s: cudaHostRegister failed, inputs are copied: %s", m.name, exc)
+        return _FAILED
+    return _REGISTERED
+
+
 def _put(host: np.ndarray, off: int, a: np.ndarray, nbytes: int, dtype: Any = np.float32) -> None:
     """Copy array ``a`` (as ``dtype``, C order, ``nbytes`` bytes) into pinned ``host`` at off;
     large copies in slices on several threads (NumPy releases the GIL while it copies)."""
@@ -408,6 +464,53 @@ class CupyBackend:
             d: cupy.cuda.Device(d).attributes["MultiProcessorCount"] for d in self._devices
         }
         self._jobs_cache: dict[tuple, bytes] = {}
+        self._segments: list[_Segment] = []
+        self._segments_lock = threading.Lock()
+
+    # -- shared-memory segments --------------------------------------------------------------
+    #
+    # A session's segment holds the client's inputs; read through a view (no copy), a large
+    # one would still be copied into the pinned arena before it goes up. Registered with CUDA
+    # (page-locked), the device reads it directly. Registration pins every page of the
+    # segment, so it waits for the first large input: a decode-only session pins nothing.
+
+    def attach_segment(self, seg: Segment) -> None:
+        """A session mapped ``seg`` (``server/session.py``); see the comment above. It is
+        unregistered before it is unmapped (``Segment.on_close``)."""
+        m = _Segment(seg.name, seg.address, seg.size)
+        with self._segments_lock:
+            self._segments.append(m)
+        seg.on_close(lambda: self._detach_segment(m))
+
+    def _registered(self, ptr: int, n: int) -> bool:
+        """Whether [ptr, ptr + n) lies in a registered segment (registering it on first use;
+        a segment CUDA refuses stays unregistered and its inputs are copied)."""
+        for m in self._segments:
+            if m.address <= ptr and ptr + n <= m.address + m.size:
+                if m.state == _UNREGISTERED:
+                    with self._segments_lock:
+                        if m.state == _UNREGISTERED:
+                            m.state = _register(m)
+                return m.state == _REGISTERED
+        return False
+
+    def _detach_segment(self, m: _Segment) -> None:
+        with self._segments_lock:
+            if m in self._segments:
+                self._segments.remove(m)
+            state, m.state = m.state, _GONE
+        if state != _REGISTERED:
+            return
+        # Copies issued from it may still run: let every device finish them first. A call
+        # that found it registered and copies later reads pageable memory (still mapped:
+        # its view holds the mapping, see Segment.close), which CUDA stages itself.
+        for d in self._devices:
+            with cupy.cuda.Device(d):
+                cupy.cuda.runtime.deviceSynchronize()
+        try:
+            cupy.cuda.runtime.hostUnregister(m.address)
+        except cupy.cuda.runtime.CUDARuntimeError as exc:
+            log.warning("segment %s: cudaHostUnregister failed: %s", m.name, exc)
 
     # -- devices and streams ---------------------------------------------------------------
 
@@ -490,7 +593,7 @@ class CupyBackend:
         with _Call(self, w.device, "matmul") as call:
             go = gemv_launch(w.spec, 1, s, n_out)
             a = call.reserve(y_off + 4 * s * n_out, y_off + 4 * s * n_out)
-            _put(a.host, 0, x, xb)
+            call.put(0, x, xb)
             GEMV_JOB.pack_into(a.host, j_off, *w.ptrs, 0, 0, a.dptr, a.dptr + y_off, s, n_out,
                                n_in, n_out)  # fmt: skip
             call.mark(0)
@@ -568,7 +671,7 @@ class CupyBackend:
         packed = bool(extra_in) and x_rows is None
         end = xp_off + (4 * N * D if packed else 0)
         a = call.reserve(end, out_end)
-        _put(a.host, 0, x, 4 * T * D)
+        call.put(0, x, 4 * T * D)
         base = a.dptr
         x_at = None if x_rows is None else [base + 4 * D * r for r in x_rows]
         launches = write_group(a.host, t_off, plan, experts, D, dout,
@@ -719,7 +822,7 @@ class CupyBackend:
         qfull, cl, ctx, pm, pl, pacc = (base + o for o in scratch)
         if o_proj is None:
             ctx = base + out_off
-        _put(host, 0, q, qb)
+        call.put(0, q, qb)
         if n_up:
             _stack_into(host, l_off, latents, n_up, K)
             _stack_into(host, r_off, ropes, n_up, R)

@@ -466,6 +466,9 @@ class SessionStream:
                 seg.close()
                 return self._error(rid, grpc.StatusCode.CANCELLED, "attach_shm: stream ended")
             self.segment = seg
+            attach = getattr(self.servicer.backend, "attach_segment", None)
+            if attach is not None:  # the CUDA backend reads large inputs straight from it
+                attach(seg)
         return pb.SessionResponse(request_id=rid, shm_attached=pb.ShmAttached(size=seg.size))
 
     def _attach_doorbell(self, rid: int, msg: pb.DoorbellAttach) -> pb.SessionResponse:

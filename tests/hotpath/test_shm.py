@@ -36,12 +36,17 @@ def _wait(cond, timeout: float = 10.0) -> bool:
 
 
 def test_round_trip_both_directions(client, model, rng, monkeypatch):
-    calls = {"read": 0, "view": 0, "write": 0}
-    read, view, write = Segment.read, Segment.view, Segment.write
+    calls = {"read": 0, "read_array": 0, "view": 0, "write": 0}
+    read, read_array = Segment.read, Segment.read_array
+    view, write = Segment.view, Segment.write
 
     def counting_read(self, *a):
         calls["read"] += 1
         return read(self, *a)
+
+    def counting_read_array(self, *a):
+        calls["read_array"] += 1
+        return read_array(self, *a)
 
     def counting_view(self, *a):
         calls["view"] += 1
@@ -52,6 +57,7 @@ def test_round_trip_both_directions(client, model, rng, monkeypatch):
         return write(self, *a)
 
     monkeypatch.setattr(Segment, "read", counting_read)
+    monkeypatch.setattr(Segment, "read_array", counting_read_array)
     monkeypatch.setattr(Segment, "view", counting_view)
     monkeypatch.setattr(Segment, "write", counting_write)
     x = rng.standard_normal((3, D)).astype(np.float32)
@@ -60,7 +66,7 @@ def test_round_trip_both_directions(client, model, rng, monkeypatch):
     np.testing.assert_array_equal(y, client.matmul(model.mat, x))
     # client writes x, worker reads it in place (a view: no copy); worker writes y, client
     # reads it (a copy: the region is reused by later calls)
-    assert calls == {"read": 1, "view": 1, "write": 2}
+    assert calls == {"read": 0, "read_array": 1, "view": 1, "write": 2}
 
 
 def test_segment_is_private_and_unlinked(client, server):
