@@ -5,11 +5,13 @@ whether it holds the content), and SHA-256 is sequential: one 1 GB tensor costs 
 and then its stream. A set of tensors overlaps them:
 
     hash threads      hash items 0, 1, 2, ... in parallel (hashlib drops the GIL)
-    stream threads    (2 by default) take items in order: wait for the item's hash, probe
+    stream threads    (3 by default) take items in order: wait for the item's hash, probe
                       (Lookup with acquire), stream it unless the worker holds it already
 
-so while item i streams, item i+1 is hashed, and with two streams in flight the worker
-hashes and places one tensor while the next arrives. Identical items of one set are sent
+so while item i streams, item i+1 is hashed, and with several streams in flight the worker
+hashes and places one tensor while the next arrives, and the round trips of one item's
+probe and response hide behind the others' bytes (H200 host, 171 tensors of 6.3 MB: 1, 2,
+3 streams took 2.22, 1.23, 1.04 s). Identical items of one set are sent
 once: a later one waits for the first, then takes a reference to it.
 
 All or nothing: when an item fails, no further item is started, every reference the call
@@ -141,7 +143,7 @@ def upload_many(
     client: WorkerClient,
     items: Iterable[UploadItem],
     *,
-    streams: int = 2,
+    streams: int = 3,
     hash_threads: int = 4,
     bar: _Progress,
 ) -> list[TensorRef]:

@@ -326,7 +326,7 @@ class WorkerClient:
         self,
         items: Iterable[UploadItem],
         *,
-        streams: int = 2,
+        streams: int = 3,
         hash_threads: int = 4,
         progress: bool | None = None,
     ) -> list[TensorRef]:
