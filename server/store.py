@@ -10,9 +10,11 @@ is off).
 from __future__ import annotations
 
 import collections
+import contextlib
 import secrets
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -164,8 +166,7 @@ class Incoming:
                 self._unreserve()
 
     def _unreserve(self) -> None:
-        self.store.budget.release(self.spec.device, self.nbytes)
-        self.store.quota.unreserve(self.owner, self.nbytes)
+        self.store._unreserve(self.owner, self.spec.device, self.nbytes)
 
 
 class TensorStore:
@@ -233,20 +234,10 @@ class TensorStore:
         if hit is not None:
             return hit, True, Phases()
         nbytes = tensor.nbytes
-        self.quota.reserve(owner, nbytes, "upload")
-        try:
-            self.budget.reserve(spec.device, nbytes, "upload")
-        except BaseException:
-            self.quota.unreserve(owner, nbytes)
-            raise
-        try:
+        with self._reserved(owner, spec.device, nbytes, "upload"):
             t0 = time.perf_counter_ns()
             resident = self.backend.place(tensor, spec.device)
             phases = Phases(h2d_ns=time.perf_counter_ns() - t0)
-        except BaseException:
-            self.budget.release(spec.device, nbytes)
-            self.quota.unreserve(owner, nbytes)
-            raise
         handle, dedup = self._register(spec, content_hash, resident, nbytes, owner)
         return handle, dedup, phases
 
@@ -254,21 +245,31 @@ class TensorStore:
         """Reserve ``nbytes`` (quota, device budget) and the device memory of a tensor whose
         bytes are still arriving; ``Incoming.commit`` makes it a handle once they are all
         here and verified, ``Incoming.abort`` undoes everything."""
-        self.quota.reserve(owner, nbytes, "upload")
-        try:
-            self.budget.reserve(spec.device, nbytes, "upload")
-        except BaseException:
-            self.quota.unreserve(owner, nbytes)
-            raise
-        try:
+        with self._reserved(owner, spec.device, nbytes, "upload"):
             placement = self.backend.begin_place(
                 spec.fmt, spec.in_features, spec.out_features, spec.group_size, spec.device
             )
+        return Incoming(self, spec, content_hash, nbytes, owner, placement)
+
+    @contextlib.contextmanager
+    def _reserved(self, owner: str, device: int, nbytes: int, op: str) -> Iterator[None]:
+        """Hold ``nbytes`` of the owner's quota and the device's budget for the body; both
+        are given back if it raises (on success the caller keeps them)."""
+        self.quota.reserve(owner, nbytes, op)
+        try:
+            self.budget.reserve(device, nbytes, op)
         except BaseException:
-            self.budget.release(spec.device, nbytes)
             self.quota.unreserve(owner, nbytes)
             raise
-        return Incoming(self, spec, content_hash, nbytes, owner, placement)
+        try:
+            yield
+        except BaseException:
+            self._unreserve(owner, device, nbytes)
+            raise
+
+    def _unreserve(self, owner: str, device: int, nbytes: int) -> None:
+        self.budget.release(device, nbytes)
+        self.quota.unreserve(owner, nbytes)
 
     def _register(
         self, spec: Spec, content_hash: bytes, resident: Resident, nbytes: int, owner: str
@@ -319,20 +320,10 @@ class TensorStore:
                 self._by_key[key] = old
                 return Phases(h2d_ns=time.perf_counter_ns() - t0)
         # Shared: copy on write.
-        self.quota.reserve(handle.owner, tensor.nbytes, "update")
-        try:
-            self.budget.reserve(spec.device, tensor.nbytes, "update")
-        except BaseException:
-            self.quota.unreserve(handle.owner, tensor.nbytes)
-            raise
-        try:
+        with self._reserved(handle.owner, spec.device, tensor.nbytes, "update"):
             t0 = time.perf_counter_ns()
             resident = self.backend.place(tensor, spec.device)
             phases = Phases(h2d_ns=time.perf_counter_ns() - t0)
-        except BaseException:
-            self.budget.release(spec.device, tensor.nbytes)
-            self.quota.unreserve(handle.owner, tensor.nbytes)
-            raise
         with self._lock:
             self.generation += 1
             data = TensorData(spec, content_hash, resident, tensor.nbytes, refs=1)

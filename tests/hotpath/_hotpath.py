@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,6 +13,22 @@ from coliworker.kernels.qtensor import QTensor, row_bytes
 
 D, I_E = 48, 24  # hidden and expert widths (odd-ish sizes, not tile multiples)
 H, Q, R, V, K, D_OUT = 2, 8, 4, 8, 16, 20  # MLA dims
+
+
+def wait_for(cond, timeout: float = 10.0) -> bool:
+    """Poll ``cond`` until it holds or ``timeout`` seconds pass; its last value."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def mapped(name: str) -> bool:
+    """Whether this process maps a file whose path contains ``name`` (a shm segment)."""
+    with open("/proc/self/maps") as f:
+        return name in f.read()
 
 
 def int4_tensor(rng: np.random.Generator, i: int, o: int) -> QTensor:

@@ -14,7 +14,7 @@ import time
 import grpc
 import numpy as np
 import pytest
-from _hotpath import D, check_ragged_order, check_results_equal_unary
+from _hotpath import D, check_ragged_order, check_results_equal_unary, mapped, wait_for
 
 from coliworker.client import (
     FailedPrecondition,
@@ -32,20 +32,6 @@ from coliworker.server import doorbell as server_bell
 from coliworker.server.app import build_server
 from coliworker.server.config import Config
 from coliworker.v1 import worker_pb2 as pb
-
-
-def _wait(cond, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
-
-
-def _mapped(name: str) -> bool:
-    with open("/proc/self/maps") as f:
-        return name in f.read()
 
 
 def _ours(pid: int) -> list[str]:
@@ -143,7 +129,7 @@ def test_fifos_are_private_and_removed(client, server):
         assert name.startswith(f"coliworker-{os.getpid()}-") and name.endswith(".bell")
         assert not os.path.exists(os.path.join(shm_dir(), name))  # removed once connected
         assert [t.name for t in server.servicer.sessions.doorbell_threads()] == [f"doorbell-{name}"]
-    assert _wait(lambda: server.servicer.sessions.doorbell_threads() == [])
+    assert wait_for(lambda: server.servicer.sessions.doorbell_threads() == [])
     assert not _ours(os.getpid())
 
 
@@ -235,15 +221,15 @@ def test_killed_client_leaves_nothing(server, model):
     sessions = server.servicer.sessions
     try:
         seg, name = child.stdout.readline().split()
-        assert _wait(lambda: f"doorbell-{name}" in [t.name for t in sessions.doorbell_threads()])
+        assert wait_for(lambda: f"doorbell-{name}" in [t.name for t in sessions.doorbell_threads()])
         child.send_signal(signal.SIGKILL)  # mid-session, most likely mid-call
         child.wait(10)
-        assert _wait(
+        assert wait_for(
             lambda: f"doorbell-{name}" not in [t.name for t in sessions.doorbell_threads()]
         )
         assert not [t for t in threading.enumerate() if t.name == f"doorbell-{name}"]
-        assert _wait(lambda: seg not in sessions.attached_segments())
-        assert _wait(lambda: not _mapped(seg))
+        assert wait_for(lambda: seg not in sessions.attached_segments())
+        assert wait_for(lambda: not mapped(seg))
         assert not _ours(child.pid)
     finally:
         child.kill()
@@ -271,7 +257,7 @@ def test_worker_stop_fails_pending_call_with_unavailable(rng):
         fut.result(10)
     with pytest.raises(Unavailable):
         s.matmul(1, rng.standard_normal((1, D)).astype(np.float32))
-    assert _wait(lambda: not [t for t in threading.enumerate() if t.name == f"doorbell-{name}"])
+    assert wait_for(lambda: not [t for t in threading.enumerate() if t.name == f"doorbell-{name}"])
     s.close()
     w.close()
-    assert _wait(lambda: not _ours(os.getpid()))
+    assert wait_for(lambda: not _ours(os.getpid()))

@@ -7,11 +7,10 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
-from _hotpath import D
+from _hotpath import D, mapped, wait_for
 
 from coliworker.client import FailedPrecondition, PermissionDenied, WorkerClient
 from coliworker.client import shm as shm_mod
@@ -19,20 +18,6 @@ from coliworker.client.shm import Segment, shm_dir
 from coliworker.server.app import build_server
 from coliworker.server.config import Config
 from coliworker.v1 import worker_pb2 as pb
-
-
-def _mapped(name: str) -> bool:
-    with open("/proc/self/maps") as f:
-        return name in f.read()
-
-
-def _wait(cond, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def test_round_trip_both_directions(client, model, rng, monkeypatch):
@@ -76,9 +61,9 @@ def test_segment_is_private_and_unlinked(client, server):
         assert seg.name.startswith(f"coliworker-{os.getpid()}-")
         assert not os.path.exists(os.path.join(shm_dir(), seg.name))  # unlinked once attached
         assert server.servicer.sessions.attached_segments() == [seg.name]
-        assert _mapped(seg.name)
-    assert _wait(lambda: not _mapped(seg.name))
-    assert _wait(lambda: server.servicer.sessions.attached_segments() == [])
+        assert mapped(seg.name)
+    assert wait_for(lambda: not mapped(seg.name))
+    assert wait_for(lambda: server.servicer.sessions.attached_segments() == [])
 
 
 def _attach(s, seg, nonce=None):
@@ -132,12 +117,12 @@ def test_dead_client_leaks_nothing(server):
     try:
         name = child.stdout.readline().strip()
         assert name.startswith(f"coliworker-{child.pid}-")
-        assert _wait(lambda: name in server.servicer.sessions.attached_segments())
-        assert _mapped(name)
+        assert wait_for(lambda: name in server.servicer.sessions.attached_segments())
+        assert mapped(name)
         child.send_signal(signal.SIGKILL)
         child.wait(10)
-        assert _wait(lambda: name not in server.servicer.sessions.attached_segments())
-        assert _wait(lambda: not _mapped(name))
+        assert wait_for(lambda: name not in server.servicer.sessions.attached_segments())
+        assert wait_for(lambda: not mapped(name))
         assert not os.path.exists(os.path.join(shm_dir(), name))
     finally:
         child.kill()
@@ -163,14 +148,14 @@ def test_worker_stop_releases_segment(rng):
     w = WorkerClient(srv.address, timeout=10)
     s = w.session(shm=True)
     name = s.segment.name
-    assert _mapped(name)
+    assert mapped(name)
     srv.stop(0)
-    assert _wait(lambda: srv.servicer.sessions.attached_segments() == [])
+    assert wait_for(lambda: srv.servicer.sessions.attached_segments() == [])
     with pytest.raises(Exception):  # noqa: B017 - Unavailable or Cancelled, by timing
         s.matmul(1, rng.standard_normal((1, D)).astype(np.float32)).result(10)
     s.close()
     w.close()
-    assert _wait(lambda: not _mapped(name))
+    assert wait_for(lambda: not mapped(name))
     assert not [n for n in os.listdir(shm_dir()) if n.startswith(f"coliworker-{os.getpid()}-")]
 
 

@@ -13,11 +13,10 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import numpy as np
 import pytest
-from _hotpath import f32_tensor, int4_tensor, upload
+from _hotpath import f32_tensor, int4_tensor, mapped, upload, wait_for
 
 from coliworker.client import WorkerClient
 from coliworker.client import shm as shm_mod
@@ -31,20 +30,6 @@ TOL = 1e-4  # CuPy kernels vs the float64 reference (fp32 activations); NumPy is
 # 4.7 MB (past PARALLEL_BYTES); odd widths, so no row is a multiple of a tile or a page
 S, IN, OUT = 9001, 257, 131
 D, IE, T = 48, 24, 45_001  # expert group: x and y [T, D] float32, 8.6 MB each
-
-
-def _wait(cond, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
-
-
-def _mapped(name: str) -> bool:
-    with open("/proc/self/maps") as f:
-        return name in f.read()
 
 
 def rel_err(y: np.ndarray, want: np.ndarray) -> float:
@@ -113,13 +98,13 @@ def test_out_of_range_and_closed_are_refused(rng):
 def test_close_hooks_run_once_before_the_unmap():
     seg = Segment.create(1 << 16)
     seen: list[tuple[str, bool]] = []
-    seg.on_close(lambda: seen.append(("a", _mapped(seg.name))))
+    seg.on_close(lambda: seen.append(("a", mapped(seg.name))))
     seg.on_close(lambda: 1 / 0)  # a failing hook is logged; the others run, the unmap happens
-    seg.on_close(lambda: seen.append(("b", _mapped(seg.name))))
+    seg.on_close(lambda: seen.append(("b", mapped(seg.name))))
     name = seg.name
     seg.close()
     seg.close()
-    assert seen == [("a", True), ("b", True)] and not _mapped(name)
+    assert seen == [("a", True), ("b", True)] and not mapped(name)
     seg.on_close(lambda: seen.append(("late", False)))  # closed already: runs at once
     assert seen[-1] == ("late", False)
 
@@ -172,7 +157,7 @@ def test_large_calls_exact_both_directions(worker, doorbell, rng):
             from coliworker.server import backend_cupy
 
             assert [m.state for m in _segments(srv)] == [backend_cupy._REGISTERED]
-    assert _wait(lambda: _segments(srv) == [])
+    assert wait_for(lambda: _segments(srv) == [])
     assert rel_err(y_chunks, ref.matmul(mat_t, x)) < TOL
     want, start = [], 0
     for (gt, ut, dt), n in zip(tensors, rows, strict=True):
@@ -198,8 +183,8 @@ def test_close_while_registered_with_calls_in_flight(worker, rng):
             f.result(60)
         except Exception:
             pass  # cancelled by the close: fine, the worker must just stay sound
-    assert _wait(lambda: _segments(srv) == [])
-    assert _wait(lambda: not _mapped(name))
+    assert wait_for(lambda: _segments(srv) == [])
+    assert wait_for(lambda: not mapped(name))
     with w.session(shm=True) as again:  # the worker goes on, exact, with a fresh segment
         for x, y in zip(xs, want, strict=True):
             np.testing.assert_array_equal(again.matmul_sync(mat, x), y)
@@ -227,7 +212,7 @@ def test_falls_back_when_registration_fails(worker, rng, monkeypatch):
         assert [m.state for m in _segments(srv)] == [backend_cupy._FAILED]
         np.testing.assert_array_equal(s.matmul_sync(mat, x), want)
     assert rel_err(want, ref.matmul(mat_t, x)) < TOL
-    assert _wait(lambda: _segments(srv) == [])
+    assert wait_for(lambda: _segments(srv) == [])
 
 
 _CHILD = textwrap.dedent(
@@ -257,12 +242,12 @@ def test_killed_client_leaves_no_registered_segment(worker):
     try:
         name = child.stdout.readline().strip()
         assert name.startswith(f"coliworker-{child.pid}-")
-        assert _mapped(name)
+        assert mapped(name)
         assert len(_segments(srv)) == (1 if srv.servicer.backend.name == "cupy" else 0)
         child.send_signal(signal.SIGKILL)
         child.wait(10)
-        assert _wait(lambda: name not in srv.servicer.sessions.attached_segments())
-        assert _wait(lambda: not _mapped(name))
+        assert wait_for(lambda: name not in srv.servicer.sessions.attached_segments())
+        assert wait_for(lambda: not mapped(name))
         assert _segments(srv) == []
         assert not os.path.exists(os.path.join(shm_mod.shm_dir(), name))
     finally:
