@@ -23,6 +23,7 @@ from _rel import (
 from coliworker.client import Unavailable, WorkerClient
 from coliworker.client.errors import WorkerRestarted
 from coliworker.client.recovery import RecoveringClient
+from coliworker.client.uploads import UploadItem
 from coliworker.kernels import reference as ref
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.v1 import worker_pb2_grpc as pb_grpc
@@ -75,6 +76,37 @@ def test_kill_9_and_restart_is_invisible_to_the_engine(worker, rng, means):
         assert w.restarts == 1 and w.instance_id != first
         assert rel_err(pending.result(), ref.expert_group(model.experts[:1], [3], x)) < 1e-5
         assert [s.handles for s in w.stats()][0] == 11  # 9 expert tensors + kv_b + o_proj
+
+
+@pytest.mark.parametrize("means", ["retain", "loader"])
+def test_a_set_uploaded_with_upload_many_is_restored_after_kill_9(worker, rng, means):
+    """upload_many's references are tracked like upload's: after kill -9 and a restart the
+    whole set (one item twice: one resident copy) is back and computes the same."""
+    model = Model(rng)
+    tensors = [t for e in model.experts for t in e]
+    tensors.append(tensors[0])  # identical content: one copy, two references
+    items = [
+        UploadItem(*arrays(t), fmt=t.fmt, in_features=t.in_features, out_features=t.out_features)
+        for t in tensors
+    ]
+    kept = {}
+    kw = {"retain": True} if means == "retain" else {"loader": lambda r: kept[r.content_hash]}
+    with RecoveringClient(worker.address, timeout=10, progress=False, **kw) as w:
+        refs = w.upload_many(items)
+        for t, r in zip(tensors, refs, strict=True):
+            kept[r.content_hash] = arrays(t)
+        triples = [tuple(refs[3 * c : 3 * c + 3]) for c in range(len(model.experts))]
+        x = rng.standard_normal((4, 16)).astype(np.float32)
+        want = ref.expert_group(model.experts, [1, 2, 1], x)
+        assert rel_err(w.expert_group(triples, [1, 2, 1], x), want) < 1e-5
+        first = w.instance_id
+        worker.kill()
+        worker.start()
+        assert rel_err(w.expert_group(triples, [1, 2, 1], x), want) < 1e-5
+        assert w.restarts == 1 and w.instance_id != first
+        y = w.matmul(refs[-1], x)  # the duplicate item's reference survived too
+        assert rel_err(y, ref.matmul(tensors[0], x)) < 1e-5
+        assert [s.handles for s in w.stats()][0] == len(tensors)
 
 
 def test_restart_while_calls_are_in_flight(worker, rng):
