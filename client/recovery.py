@@ -7,9 +7,10 @@ Every worker response carries the worker's instance id (``coliworker-instance`` 
 When a call meets a new instance (an answer from a restarted worker, or a transport
 UNAVAILABLE followed by a new instance once the worker is reachable again), the client
 
-1. re-uploads every tensor it holds (from its retained copies or ``loader``) and points the
-   engine's ``TensorRef`` objects at the new handles (``ref.handle`` changes in place; stale
-   integer handles in requests are rewritten too),
+1. re-uploads every tensor it holds (from its retained copies or ``loader``; through
+   ``upload_many`` in sets of about ``RESTORE_SET_BYTES``, so hashing and streams overlap)
+   and points the engine's ``TensorRef`` objects at the new handles (``ref.handle`` changes
+   in place; stale integer handles in requests are rewritten too),
 2. marks every KV sequence for replay: the next ragged call of each sequence is rewritten to
    ``start = 0`` with the retained rows in front of the new ones,
 3. retries the call, and recomputes expert groups whose tickets died with the old worker.
@@ -30,6 +31,7 @@ a draining worker) is never retried: it means "use the CPU path".
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import threading
 import time
@@ -52,6 +54,15 @@ T = TypeVar("T")
 Loader = Callable[[TensorRef], tuple[np.ndarray, "np.ndarray | None"]]
 
 _HANDLE_FIELDS = ("handle", "gate", "up", "down", "kv_b", "o_proj")
+#: (id of the client, instance) while a recovery restores that instance. A context variable,
+#: not a thread-local: ``upload_many``'s stream threads run in a copy of the caller's
+#: context, so the re-uploads of a recovery expect the new instance on every thread.
+_RECOVERING: contextvars.ContextVar[tuple[int, str] | None] = contextvars.ContextVar(
+    "coliworker_recovering", default=None
+)
+#: A recovery re-uploads in upload_many sets of about this many bytes (a loader's arrays
+#: for one set are held at once).
+RESTORE_SET_BYTES = 1 << 30
 # Reconnect fast once the worker is back (gRPC's default first backoff is 1 s).
 _RECONNECT = [
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -176,7 +187,7 @@ class RecoveringClient(_Base):
         self._state = threading.RLock()
         self._recover_lock = threading.Lock()
         self._generation = 0
-        self._r = threading.local()  # .recovering_to: instance a recovery is restoring
+        self._r = threading.local()  # .pending: a new instance answered this thread's call
 
     @property
     def can_recover(self) -> bool:
@@ -184,8 +195,13 @@ class RecoveringClient(_Base):
 
     # -- detection ----------------------------------------------------------------------
 
+    def _recovering_to(self) -> str | None:
+        """The instance this context's recovery is restoring, if it is inside one."""
+        r = _RECOVERING.get()
+        return r[1] if r is not None and r[0] == id(self) else None
+
     def _expected(self) -> str | None:
-        return getattr(self._r, "recovering_to", None) or self.instance_id
+        return self._recovering_to() or self.instance_id
 
     def _call(self, method: Any, request: Any, timeout: float | None = None) -> Any:
         if self._remap:
@@ -231,7 +247,7 @@ class RecoveringClient(_Base):
     # -- retry and recovery -------------------------------------------------------------
 
     def _retrying(self, attempt: Callable[[], T], idempotent: bool) -> T:
-        if getattr(self._r, "recovering_to", None):
+        if self._recovering_to():
             return attempt()  # inside a recovery: its caller handles failures
         tries = 0
         while True:
@@ -314,45 +330,60 @@ class RecoveringClient(_Base):
                 f"client keeps no means to restore them (retain=True or loader=); fall "
                 f"back to the CPU path"
             )
-        self._r.recovering_to = instance
+        token = _RECOVERING.set((id(self), instance))
         try:
+            batch: list[_Tracked] = []
+            size = 0
             for t in tracked:
-                self._reupload(t)
+                batch.append(t)
+                size += t.ref.nbytes
+                if size >= RESTORE_SET_BYTES:
+                    self._reupload(batch)
+                    batch, size = [], 0
+            if batch:
+                self._reupload(batch)
         finally:
-            self._r.recovering_to = None
+            _RECOVERING.reset(token)
         with self._state:
             self._kv_stale = set(self._kv)
         self.instance_id = instance
         self._generation += 1
         self.restarts += 1
 
-    def _reupload(self, t: _Tracked) -> None:
-        ref = t.ref
-        if t.weights is not None:
-            weights, scales = t.weights, t.scales
-        else:
-            assert self.loader is not None
-            weights, scales = self.loader(ref)
-        new = _Base.upload(
-            self,
-            weights,
-            scales,
-            fmt=ref.fmt,
-            in_features=ref.in_features,
-            out_features=ref.out_features,
-            group_size=ref.group_size,
-            device=ref.device,
-            progress=False,
-        )
+    def _reupload(self, batch: list[_Tracked]) -> None:
+        """Upload a set of tracked tensors again (one upload_many pipeline) and point their
+        refs, and stale integer handles, at the new handles."""
+        items = []
+        for t in batch:
+            ref = t.ref
+            if t.weights is not None:
+                weights, scales = t.weights, t.scales
+            else:
+                assert self.loader is not None
+                weights, scales = self.loader(ref)
+            items.append(
+                UploadItem(
+                    weights,
+                    scales,
+                    fmt=ref.fmt,
+                    in_features=ref.in_features,
+                    out_features=ref.out_features,
+                    group_size=ref.group_size,
+                    device=ref.device,
+                )
+            )
+        news = _Base.upload_many(self, items, progress=False)
         with self._state:
-            old = ref.handle
-            self._by_handle.pop(old, None)
-            for k, v in self._remap.items():
-                if v == old:
-                    self._remap[k] = new.handle
-            self._remap[old] = new.handle
-            ref.handle, ref.content_hash, ref.nbytes = new.handle, new.content_hash, new.nbytes
-            self._by_handle[ref.handle] = ref
+            for t, new in zip(batch, news, strict=True):
+                ref = t.ref
+                old = ref.handle
+                self._by_handle.pop(old, None)
+                for k, v in self._remap.items():
+                    if v == old:
+                        self._remap[k] = new.handle
+                self._remap[old] = new.handle
+                ref.handle, ref.content_hash, ref.nbytes = new.handle, new.content_hash, new.nbytes
+                self._by_handle[ref.handle] = ref
 
     # -- tracking -----------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ its message and ``index`` = k.
 
 from __future__ import annotations
 
+import contextvars
 import sys
 import threading
 import time
@@ -237,8 +238,15 @@ def upload_many(
                 device=item.device,
             )
             jobs.append(_Job(spec, w, s, digest, threading.Event()))
+        # each stream thread runs in a copy of the caller's context (a RecoveringClient's
+        # recovery marks its re-uploads there)
         threads = [
-            threading.Thread(target=sender, name=f"upload-stream-{i}", daemon=True)
+            threading.Thread(
+                target=contextvars.copy_context().run,
+                args=(sender,),
+                name=f"upload-stream-{i}",
+                daemon=True,
+            )
             for i in range(min(streams, len(jobs)))
         ]
         for t in threads:

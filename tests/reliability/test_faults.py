@@ -20,7 +20,7 @@ from _rel import (
     upload,
 )
 
-from coliworker.client import Unavailable, WorkerClient
+from coliworker.client import ResourceExhausted, Unavailable, WorkerClient
 from coliworker.client.errors import WorkerRestarted
 from coliworker.client.recovery import RecoveringClient
 from coliworker.client.uploads import UploadItem
@@ -107,6 +107,21 @@ def test_a_set_uploaded_with_upload_many_is_restored_after_kill_9(worker, rng, m
         y = w.matmul(refs[-1], x)  # the duplicate item's reference survived too
         assert rel_err(y, ref.matmul(tensors[0], x)) < 1e-5
         assert [s.handles for s in w.stats()][0] == len(tensors)
+
+
+def test_a_restore_the_new_worker_refuses_raises_its_error(worker, rng):
+    """The restore's re-uploads run on upload_many's threads; they must expect the new
+    instance there too, so its refusal (a smaller --memory-limit) reaches the caller as
+    that error instead of being taken for yet another restart."""
+    model = Model(rng)
+    with RecoveringClient(worker.address, timeout=10, progress=False, retain=True) as w:
+        model.upload(w)
+        model.step(w)
+        worker.kill()
+        worker.args = ("--memory-limit", "1000")
+        worker.start()
+        with pytest.raises(ResourceExhausted, match=r"upload_many\.items\[\d+\].*memory-limit"):
+            model.step(w)
 
 
 def test_restart_while_calls_are_in_flight(worker, rng):
