@@ -81,3 +81,8 @@ __device__ __forceinline__ float warp_sum(float v) {
     for (int m = 16; m; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
     return v;
 }
+
+// What an output tile stores: the sum, or for a DUAL tile (gate and up) silu(gate) * up.
+template <bool DUAL> __device__ __forceinline__ float coli_out(float gate, float up) {
+    return DUAL ? gate / (1.f + expf(-gate)) * up : gate;
+}

@@ -192,9 +192,7 @@ __device__ __forceinline__ void block_rows(float *xs, int kt, const float *__res
                     gv *= sc0[row];
                     if (DUAL) u *= sc1[row];
                 }
-                float out = gv;
-                if (DUAL) out = gv / (1.f + expf(-gv)) * u;  // silu(gate) * up
-                y[(size_t)srow * y_stride + row] = out;
+                y[(size_t)srow * y_stride + row] = coli_out<DUAL>(gv, u);
             }
         }
     }
@@ -225,12 +223,8 @@ gemv(const GemvJob *__restrict__ jobs, int in_features, int in_padded, int ld, i
 
 // ---- moe: a whole expert group, gate+up and down, in one persistent launch -------------------
 //
-// Work is a queue of tiles taken with one atomicAdd each: first every gate+up tile (phase A:
-// GEMV_WARPS * MOE_RA hidden rows x SB activation rows of one expert, silu(gate x) * (up x) into
-// the hidden buffer h), then every down tile (phase B: GEMV_WARPS * MoeRB<FMT, SB>::value output rows of one
-// expert, h -> y). A phase-A tile bumps its expert's done counter after its stores are fenced; a
-// phase-B tile waits until its expert's counter is complete. No deadlock: a B tile is taken
-// only after every A tile has been taken, by a block that is running and never waits.
+// The queue of moe_queue (jobs.cuh): phase-A tiles are GEMV_WARPS * MOE_RA hidden rows x SB
+// activation rows of one expert, phase-B tiles GEMV_WARPS * MoeRB<FMT, SB>::value output rows.
 
 #define MOE_RA 2
 // Down rows per warp: many for decode (short rows: more loads per tile), fewer with more
@@ -241,61 +235,20 @@ template <int FMT, int SB> struct MoeRB {
 };
 
 
-// ctr: int32 [1 + n_jobs], zero at launch: [0] the tile queue, [1 + e] expert e's A tiles done.
-// a_*: geometry of gate and up (identical), b_*: of down (struct WGeom's fields). grid: resident blocks only (persistent).
+// ctr: int32 [1 + n_jobs], zero at launch (moe_queue). a_*: geometry of gate and up
+// (identical), b_*: of down (struct WGeom's fields). grid: resident blocks only (persistent).
 template <int FMT, int SB>
 __global__ void __launch_bounds__(GEMV_WARPS * 32, SB == 1 ? 2 : 1)
 moe(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ntiles_a_row, int ntiles_b_row,
     int nz, int a_in, int a_in_padded, int a_ld, int a_ngp, int a_gs, int a_gs_shift, int b_in,
     int b_in_padded, int b_ld, int b_ngp, int b_gs, int b_gs_shift, int kt) {
+    constexpr int RB = MoeRB<FMT, SB>::value;
     const WGeom ga{a_in, a_in_padded, a_ld, a_ngp, a_gs, a_gs_shift};
     const WGeom gb{b_in, b_in_padded, b_ld, b_ngp, b_gs, b_gs_shift};
     extern __shared__ float4 smem4[];
     float *xs = reinterpret_cast<float *>(smem4);
-    __shared__ int s_tile;
-    const int per_a = ntiles_a_row * nz, per_b = ntiles_b_row * nz;
-    const int total_a = per_a * n_jobs, total = total_a + per_b * n_jobs;
-    for (;;) {
-        if (threadIdx.x == 0) s_tile = atomicAdd(ctr, 1);
-        __syncthreads();
-        const int tile = s_tile;
-        if (tile >= total) break;
-        if (tile < total_a) {
-            const int e = tile / per_a, rem = tile - e * per_a;
-            const int z = rem / ntiles_a_row, rt = rem - z * ntiles_a_row;
-            const MoeJob &j = jobs[e];
-            const int row0 = rt * (GEMV_WARPS * MOE_RA), srow0 = z * SB;
-            if (row0 < j.ie && srow0 < j.rows)
-                block_rows<FMT, MOE_RA, SB, true>(
-                    xs, kt, reinterpret_cast<const float *>(j.x), ga.in_features,
-                    reinterpret_cast<float *>(j.h), j.ie, j.rows, srow0, j.ie, row0,
-                    reinterpret_cast<const unsigned char *>(j.wg),
-                    reinterpret_cast<const float *>(j.sg),
-                    reinterpret_cast<const unsigned char *>(j.wu),
-                    reinterpret_cast<const float *>(j.su), ga);
-            __threadfence();  // this thread's h stores are visible device-wide ...
-            __syncthreads();  // ... before thread 0 publishes the whole tile
-            if (threadIdx.x == 0) atomicAdd(ctr + 1 + e, 1);
-        } else {
-            const int tb = tile - total_a;
-            const int e = tb / per_b, rem = tb - e * per_b;
-            const int z = rem / ntiles_b_row, rt = rem - z * ntiles_b_row;
-            const MoeJob &j = jobs[e];
-            const int row0 = rt * (GEMV_WARPS * MoeRB<FMT, SB>::value), srow0 = z * SB;
-            if (row0 < j.dout && srow0 < j.rows) {
-                if (threadIdx.x == 0) {
-                    const volatile int *done = ctr + 1 + e;
-                    while (*done < per_a) __nanosleep(128);
-                    __threadfence();
-                }
-                // block_rows begins with a barrier: every thread waits for thread 0's spin.
-                block_rows<FMT, MoeRB<FMT, SB>::value, SB, false>(
-                    xs, kt, reinterpret_cast<const float *>(j.h), j.ie,
-                    reinterpret_cast<float *>(j.y), j.dout, j.rows, srow0, j.dout, row0,
-                    reinterpret_cast<const unsigned char *>(j.wd),
-                    reinterpret_cast<const float *>(j.sd), nullptr, nullptr, gb);
-            }
-        }
-        __syncthreads();  // s_tile and xs are free for the next tile
-    }
+    moe_queue<GEMV_WARPS * MOE_RA, GEMV_WARPS * RB, SB>(
+        jobs, ctr, n_jobs, ntiles_a_row, ntiles_b_row, nz, ga, gb,
+        [&](auto... a) { block_rows<FMT, MOE_RA, SB, true>(xs, kt, a...); },
+        [&](auto... a) { block_rows<FMT, RB, SB, false>(xs, kt, a...); });
 }

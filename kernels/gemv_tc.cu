@@ -71,34 +71,18 @@ __device__ __forceinline__ void tc_stage(unsigned short *xb, int cstride,
                 const int gi = k0 + e0 + j * blockDim.x * 4;
                 v[j] = make_float4(0.f, 0.f, 0.f, 0.f);
                 if (!ok || e0 + j * (int)blockDim.x * 4 >= ktile) continue;
-                if (vec && gi + 4 <= in_features) {
-                    v[j] = __ldcg(reinterpret_cast<const float4 *>(xr + gi));
-                } else {
-                    if (gi < in_features) v[j].x = __ldcg(xr + gi);
-                    if (gi + 1 < in_features) v[j].y = __ldcg(xr + gi + 1);
-                    if (gi + 2 < in_features) v[j].z = __ldcg(xr + gi + 2);
-                    if (gi + 3 < in_features) v[j].w = __ldcg(xr + gi + 3);
-                }
+                tc_load4(v[j], xr, gi, in_features, vec);
             }
 #pragma unroll
             for (int j = 0; j < TC_STAGE_LOADS; ++j) {
                 const int e = e0 + j * blockDim.x * 4;
                 if (e >= ktile) break;
-                const float f[4] = {v[j].x, v[j].z, v[j].y, v[j].w};  // (k0, k2, k1, k3)
-                unsigned short p[3][4];
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    p[0][k] = tc_bf16(f[k]);
-                    const float r = f[k] - tc_f32(p[0][k]);
-                    p[1][k] = tc_bf16(r);
-                    p[2][k] = tc_bf16(r - tc_f32(p[1][k]));
-                }
+                unsigned short p[3][4];  // hi, mid, lo
+                tc_split<3>(v[j], p);
                 const int i = tc_stage_index(e);  // a multiple of 4: 8-byte aligned
 #pragma unroll
                 for (int c = 0; c < 3; ++c)
-                    *reinterpret_cast<uint2 *>(d + c * cstride + i) =
-                        make_uint2(p[c][0] | (unsigned int)p[c][1] << 16,
-                                   p[c][2] | (unsigned int)p[c][3] << 16);
+                    *reinterpret_cast<uint2 *>(d + c * cstride + i) = tc_slot(p[c]);
             }
         }
     }
@@ -284,9 +268,7 @@ __device__ __forceinline__ void tc_block(float *red, unsigned short *xb, int kt,
             if (FMT == 2) sum *= (m ? sc1 : sc0)[row];
             v[m] = sum;
         }
-        float out = v[0];
-        if (DUAL) out = v[0] / (1.f + expf(-v[0])) * v[M - 1];  // silu(gate) * up
-        y[(size_t)srow * y_stride + row] = out;
+        y[(size_t)srow * y_stride + row] = coli_out<DUAL>(v[0], v[M - 1]);
     }
 }
 
@@ -310,8 +292,8 @@ gemv_tc(const GemvJob *__restrict__ jobs, int in_features, int in_padded, int ld
                              reinterpret_cast<const float *>(job.s0), nullptr, nullptr, g);
 }
 
-// A whole expert group in one persistent launch: moe in gemv.cu (the same queue of tiles, done
-// counters and arguments), with TC_RG * 16-row tiles in both phases.
+// A whole expert group in one persistent launch: moe in gemv.cu (the same queue of tiles,
+// moe_queue in jobs.cuh, and arguments), with TC_RG * 16-row tiles in both phases.
 template <int FMT, int SB>
 __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)
 moe_tc(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ntiles_a_row,
@@ -323,50 +305,8 @@ moe_tc(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ntiles_a_row,
     extern __shared__ float4 smem4[];
     float *red = reinterpret_cast<float *>(smem4);
     unsigned short *xb = reinterpret_cast<unsigned short *>(red + tc_red_floats<SB>());
-    __shared__ int s_tile;
-    const int per_a = ntiles_a_row * nz, per_b = ntiles_b_row * nz;
-    const int total_a = per_a * n_jobs, total = total_a + per_b * n_jobs;
-    for (;;) {
-        if (threadIdx.x == 0) s_tile = atomicAdd(ctr, 1);
-        __syncthreads();
-        const int tile = s_tile;
-        if (tile >= total) break;
-        if (tile < total_a) {
-            const int e = tile / per_a, rem = tile - e * per_a;
-            const int z = rem / ntiles_a_row, rt = rem - z * ntiles_a_row;
-            const MoeJob &j = jobs[e];
-            const int row0 = rt * (TC_RG * 16), srow0 = z * SB;
-            if (row0 < j.ie && srow0 < j.rows)
-                tc_block<FMT, SB, true>(
-                    red, xb, kt, reinterpret_cast<const float *>(j.x), ga.in_features,
-                    reinterpret_cast<float *>(j.h), j.ie, j.rows, srow0, j.ie, row0,
-                    reinterpret_cast<const unsigned char *>(j.wg),
-                    reinterpret_cast<const float *>(j.sg),
-                    reinterpret_cast<const unsigned char *>(j.wu),
-                    reinterpret_cast<const float *>(j.su), ga);
-            __threadfence();  // this thread's h stores are visible device-wide ...
-            __syncthreads();  // ... before thread 0 publishes the whole tile
-            if (threadIdx.x == 0) atomicAdd(ctr + 1 + e, 1);
-        } else {
-            const int tb = tile - total_a;
-            const int e = tb / per_b, rem = tb - e * per_b;
-            const int z = rem / ntiles_b_row, rt = rem - z * ntiles_b_row;
-            const MoeJob &j = jobs[e];
-            const int row0 = rt * (TC_RG * 16), srow0 = z * SB;
-            if (row0 < j.dout && srow0 < j.rows) {
-                if (threadIdx.x == 0) {
-                    const volatile int *done = ctr + 1 + e;
-                    while (*done < per_a) __nanosleep(128);
-                    __threadfence();
-                }
-                // tc_block begins with a barrier: every thread waits for thread 0's spin.
-                tc_block<FMT, SB, false>(
-                    red, xb, kt, reinterpret_cast<const float *>(j.h), j.ie,
-                    reinterpret_cast<float *>(j.y), j.dout, j.rows, srow0, j.dout, row0,
-                    reinterpret_cast<const unsigned char *>(j.wd),
-                    reinterpret_cast<const float *>(j.sd), nullptr, nullptr, gb);
-            }
-        }
-        __syncthreads();  // s_tile and shared memory are free for the next tile
-    }
+    moe_queue<TC_RG * 16, TC_RG * 16, SB>(
+        jobs, ctr, n_jobs, ntiles_a_row, ntiles_b_row, nz, ga, gb,
+        [&](auto... a) { tc_block<FMT, SB, true>(red, xb, kt, a...); },
+        [&](auto... a) { tc_block<FMT, SB, false>(red, xb, kt, a...); });
 }

@@ -49,6 +49,17 @@ template <int MR, int KS> struct PfTile {
     static constexpr int NS = 8 / KS;                // steps per warp per K tile
 };
 
+// fn(m, f, r) for each of a lane's weight rows: row gid + 8 r of 16-row fragment f of matrix m
+// (unrolled, so arrays indexed by m, f, r stay in registers).
+template <int M, int MR, class Fn> __device__ __forceinline__ void pf_rows(Fn fn) {
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int f = 0; f < MR; ++f)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) fn(m, f, r);
+}
+
 // Rows [srow0, srow0 + nrows) of x (float32 [rows, x_stride]; zero past `rows` and past
 // in_features) x columns [k0, k0 + PF_KT) -> xb (bf16 bits [2 * nrows][PF_CSTRIDE]): column
 // 2s = hi, 2s + 1 = lo. ld.cg: moe's hidden activations were written earlier in the same launch
@@ -66,33 +77,18 @@ __device__ __forceinline__ void pf_stage(unsigned short *xb, const float *__rest
             v[j] = make_float4(0.f, 0.f, 0.f, 0.f);
             const int s = f / (PF_KT / 4), gi = k0 + (f % (PF_KT / 4)) * 4;
             if (f >= items || srow0 + s >= rows) continue;
-            const float *xr = x + (size_t)(srow0 + s) * x_stride;
-            if (vec && gi + 4 <= in_features) {
-                v[j] = __ldcg(reinterpret_cast<const float4 *>(xr + gi));
-            } else {
-                if (gi < in_features) v[j].x = __ldcg(xr + gi);
-                if (gi + 1 < in_features) v[j].y = __ldcg(xr + gi + 1);
-                if (gi + 2 < in_features) v[j].z = __ldcg(xr + gi + 2);
-                if (gi + 3 < in_features) v[j].w = __ldcg(xr + gi + 3);
-            }
+            tc_load4(v[j], x + (size_t)(srow0 + s) * x_stride, gi, in_features, vec);
         }
 #pragma unroll
         for (int j = 0; j < PF_STAGE_LOADS; ++j) {
             const int f = f0 + j * blockDim.x;
             if (f >= items) break;
             const int s = f / (PF_KT / 4), e = (f % (PF_KT / 4)) * 4;
-            const float in[4] = {v[j].x, v[j].z, v[j].y, v[j].w};  // (k0, k2, k1, k3)
-            unsigned short hi[4], lo[4];
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                hi[k] = tc_bf16(in[k]);
-                lo[k] = tc_bf16(in[k] - tc_f32(hi[k]));
-            }
+            unsigned short p[2][4];  // hi, lo
+            tc_split<2>(v[j], p);
             unsigned short *d = xb + 2 * s * PF_CSTRIDE + e;
-            *reinterpret_cast<uint2 *>(d) =
-                make_uint2(hi[0] | (unsigned int)hi[1] << 16, hi[2] | (unsigned int)hi[3] << 16);
-            *reinterpret_cast<uint2 *>(d + PF_CSTRIDE) =
-                make_uint2(lo[0] | (unsigned int)lo[1] << 16, lo[2] | (unsigned int)lo[3] << 16);
+            *reinterpret_cast<uint2 *>(d) = tc_slot(p[0]);
+            *reinterpret_cast<uint2 *>(d + PF_CSTRIDE) = tc_slot(p[1]);
         }
     }
 }
@@ -102,13 +98,9 @@ __device__ __forceinline__ void pf_stage(unsigned short *xb, const float *__rest
 template <int M, int MR>
 __device__ __forceinline__ void pf_prefetch(const unsigned char *const (&pw)[M][MR][2], int off,
                                             int t) {
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-        for (int f = 0; f < MR; ++f)
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(pw[m][f][r] - t * 16 + off + t * 128));
+    pf_rows<M, MR>([&](int m, int f, int r) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(pw[m][f][r] - t * 16 + off + t * 128));
+    });
 }
 
 // One warp, one staged K tile at element k0, steps ks, ks + KS, ...: acc[m][f][nt] += W x B
@@ -126,14 +118,10 @@ __device__ __forceinline__ void pf_tile(float (&acc)[M][MR][8][4], const unsigne
     const float zero[4] = {0.f, 0.f, 0.f, 0.f};
     uint2 wr[2][M][MR][2];
     auto load = [&](int buf, int st) {
-#pragma unroll
-        for (int m = 0; m < M; ++m)
-#pragma unroll
-            for (int f = 0; f < MR; ++f)
-#pragma unroll
-                for (int r = 0; r < 2; ++r)
-                    wr[buf][m][f][r] =
-                        __ldg(reinterpret_cast<const uint2 *>(pw[m][f][r] + tile_off + st * 64));
+        pf_rows<M, MR>([&](int m, int f, int r) {
+            wr[buf][m][f][r] =
+                __ldg(reinterpret_cast<const uint2 *>(pw[m][f][r] + tile_off + st * 64));
+        });
     };
     load(0, ks);
 #pragma unroll
@@ -141,18 +129,13 @@ __device__ __forceinline__ void pf_tile(float (&acc)[M][MR][8][4], const unsigne
         const int st = ks + i * KS, cur = i & 1;
         if (i + 1 < NS) load(cur ^ 1, st + KS);
         float sr[M][MR][2][QS];  // fmt 4: the scales of each quad's group
-        if (FMT == 4) {
+        if (FMT == 4)
+            pf_rows<M, MR>([&](int m, int f, int r) {
 #pragma unroll
-            for (int m = 0; m < M; ++m)
-#pragma unroll
-                for (int f = 0; f < MR; ++f)
-#pragma unroll
-                    for (int r = 0; r < 2; ++r)
-#pragma unroll
-                        for (int q = 0; q < QS; ++q)
-                            sr[m][f][r][q] = __ldg(ps[m][f][r] + coli_group(k0 + q * 128 + st * 16,
-                                                                           g.gs, g.gs_shift));
-        }
+                for (int q = 0; q < QS; ++q)
+                    sr[m][f][r][q] =
+                        __ldg(ps[m][f][r] + coli_group(k0 + q * 128 + st * 16, g.gs, g.gs_shift));
+            });
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
             unsigned int fa[M][MR][4];
@@ -209,25 +192,12 @@ __device__ __forceinline__ void pf_block(unsigned short *xb, const float *__rest
     // Rows past out_rows load row out_rows - 1 (in bounds) and are never written.
     const unsigned char *pw[M][MR][2];
     const float *ps[M][MR][2];
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-        for (int f = 0; f < MR; ++f)
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = min(row0 + (rg * MR + f) * 16 + gid + 8 * r, out_rows - 1);
-                pw[m][f][r] = (m ? w1 : w0) + (size_t)row * g.ld + t * 16;
-                ps[m][f][r] = (m ? sc1 : sc0) + (size_t)row * g.ngp;
-            }
-    float acc[M][MR][8][4];
-#pragma unroll
-    for (int m = 0; m < M; ++m)
-#pragma unroll
-        for (int f = 0; f < MR; ++f)
-#pragma unroll
-            for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-                for (int j = 0; j < 4; ++j) acc[m][f][nt][j] = 0.f;
+    pf_rows<M, MR>([&](int m, int f, int r) {
+        const int row = min(row0 + (rg * MR + f) * 16 + gid + 8 * r, out_rows - 1);
+        pw[m][f][r] = (m ? w1 : w0) + (size_t)row * g.ld + t * 16;
+        ps[m][f][r] = (m ? sc1 : sc0) + (size_t)row * g.ngp;
+    });
+    float acc[M][MR][8][4] = {};
 
     if (ks == 0) pf_prefetch<M, MR>(pw, 0, t);
     // Tiles past in_features hold only padding (x = 0 there): skipped.
@@ -260,9 +230,7 @@ __device__ __forceinline__ void pf_block(unsigned short *xb, const float *__rest
                         v[m] = acc[m][f][nt][2 * r] + acc[m][f][nt][2 * r + 1];
                         if (FMT == 2) v[m] *= (m ? sc1 : sc0)[row];
                     }
-                    float out = v[0];
-                    if (DUAL) out = v[0] / (1.f + expf(-v[0])) * v[M - 1];  // silu(gate) * up
-                    y[(size_t)srow * y_stride + row] = out;
+                    y[(size_t)srow * y_stride + row] = coli_out<DUAL>(v[0], v[M - 1]);
                 }
         return;
     }
@@ -300,9 +268,7 @@ __device__ __forceinline__ void pf_block(unsigned short *xb, const float *__rest
             if (FMT == 2) sum *= (m ? sc1 : sc0)[row];
             v[m] = sum;
         }
-        float out = v[0];
-        if (DUAL) out = v[0] / (1.f + expf(-v[0])) * v[M - 1];
-        y[(size_t)srow * y_stride + row] = out;
+        y[(size_t)srow * y_stride + row] = coli_out<DUAL>(v[0], v[M - 1]);
     }
 }
 
@@ -328,10 +294,10 @@ gemv_pf(const GemvJob *__restrict__ jobs, int in_features, int in_padded, int ld
         reinterpret_cast<const float *>(job.s0), nullptr, nullptr, g);
 }
 
-// A whole expert group in one persistent launch: moe in gemv.cu (the same queue of tiles, done
-// counters and arguments). Gate+up tiles are PfTile<1, 1>::ROWS hidden rows (gate and up in
-// each warp), down tiles PfTile<PF_MR, 1>::ROWS output rows, both x PF_SROWS activation rows.
-// Before waiting for its expert's hidden rows a down tile asks L2 for its first weights.
+// A whole expert group in one persistent launch: moe in gemv.cu (the same queue of tiles,
+// moe_queue in jobs.cuh, and arguments). Gate+up tiles are PfTile<1, 1>::ROWS hidden rows (gate
+// and up in each warp), down tiles PfTile<PF_MR, 1>::ROWS output rows, both x PF_SROWS
+// activation rows.
 template <int FMT>
 __global__ void __launch_bounds__(GEMV_WARPS * 32, FMT == 4 ? 1 : 2)
 moe_pf(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ntiles_a_row,
@@ -342,50 +308,8 @@ moe_pf(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ntiles_a_row,
     const WGeom gb{b_in, b_in_padded, b_ld, b_ngp, b_gs, b_gs_shift};
     extern __shared__ float4 smem4[];
     unsigned short *xb = reinterpret_cast<unsigned short *>(smem4);
-    __shared__ int s_tile;
-    const int per_a = ntiles_a_row * nz, per_b = ntiles_b_row * nz;
-    const int total_a = per_a * n_jobs, total = total_a + per_b * n_jobs;
-    for (;;) {
-        if (threadIdx.x == 0) s_tile = atomicAdd(ctr, 1);
-        __syncthreads();
-        const int tile = s_tile;
-        if (tile >= total) break;
-        if (tile < total_a) {
-            const int e = tile / per_a, rem = tile - e * per_a;
-            const int z = rem / ntiles_a_row, rt = rem - z * ntiles_a_row;
-            const MoeJob &j = jobs[e];
-            const int row0 = rt * PfTile<1, 1>::ROWS, srow0 = z * PF_SROWS;
-            if (row0 < j.ie && srow0 < j.rows)
-                pf_block<FMT, 1, 1, true>(
-                    xb, reinterpret_cast<const float *>(j.x), ga.in_features,
-                    reinterpret_cast<float *>(j.h), j.ie, j.rows, srow0, j.ie, row0,
-                    reinterpret_cast<const unsigned char *>(j.wg),
-                    reinterpret_cast<const float *>(j.sg),
-                    reinterpret_cast<const unsigned char *>(j.wu),
-                    reinterpret_cast<const float *>(j.su), ga);
-            __threadfence();  // this thread's h stores are visible device-wide ...
-            __syncthreads();  // ... before thread 0 publishes the whole tile
-            if (threadIdx.x == 0) atomicAdd(ctr + 1 + e, 1);
-        } else {
-            const int tb = tile - total_a;
-            const int e = tb / per_b, rem = tb - e * per_b;
-            const int z = rem / ntiles_b_row, rt = rem - z * ntiles_b_row;
-            const MoeJob &j = jobs[e];
-            const int row0 = rt * PfTile<PF_MR, 1>::ROWS, srow0 = z * PF_SROWS;
-            if (row0 < j.dout && srow0 < j.rows) {
-                if (threadIdx.x == 0) {
-                    const volatile int *done = ctr + 1 + e;
-                    while (*done < per_a) __nanosleep(128);
-                    __threadfence();
-                }
-                // pf_block begins with a barrier: every thread waits for thread 0's spin.
-                pf_block<FMT, PF_MR, 1, false>(
-                    xb, reinterpret_cast<const float *>(j.h), j.ie,
-                    reinterpret_cast<float *>(j.y), j.dout, j.rows, srow0, j.dout, row0,
-                    reinterpret_cast<const unsigned char *>(j.wd),
-                    reinterpret_cast<const float *>(j.sd), nullptr, nullptr, gb);
-            }
-        }
-        __syncthreads();  // s_tile and shared memory are free for the next tile
-    }
+    moe_queue<PfTile<1, 1>::ROWS, PfTile<PF_MR, 1>::ROWS, PF_SROWS>(
+        jobs, ctr, n_jobs, ntiles_a_row, ntiles_b_row, nz, ga, gb,
+        [&](auto... a) { pf_block<FMT, 1, 1, true>(xb, a...); },
+        [&](auto... a) { pf_block<FMT, PF_MR, 1, false>(xb, a...); });
 }

@@ -1,6 +1,7 @@
-// Tensor-core primitives of the int4 kernels (gemv_tc.cu, and any kernel that feeds int4
-// weights to mma.sync as bf16): float <-> bf16 bits, the nibble-to-bf16 magic and the
-// m16n8k16 bf16 mma with fp32 accumulate. See gemv_tc.cu's header for the numerics.
+// Tensor-core primitives of the int4 kernels (gemv_tc.cu, prefill_tc.cu, and any kernel that
+// feeds int4 weights to mma.sync as bf16): float <-> bf16 bits, the nibble-to-bf16 magic, the
+// m16n8k16 bf16 mma with fp32 accumulate, and the pieces of their activation staging (a quad
+// of x, split into bf16 parts). See gemv_tc.cu's header for the numerics.
 #pragma once
 
 __device__ __forceinline__ unsigned short tc_bf16(float v) {
@@ -38,4 +39,41 @@ __device__ __forceinline__ void tc_mma(float (&d)[4], unsigned int a0, unsigned 
         : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y), "f"(c[0]), "f"(c[1]),
           "f"(c[2]), "f"(c[3]));
+}
+
+// v = x[gi, gi + 4) of one float32 row where it lies before in_features (v is zero on entry):
+// one 16-byte load where rows are 16-byte aligned (vec) and all 4 lie before in_features.
+// ld.cg: moe's hidden activations were written earlier in the same launch by other blocks.
+__device__ __forceinline__ void tc_load4(float4 &v, const float *__restrict__ xr, int gi,
+                                         int in_features, bool vec) {
+    if (vec && gi + 4 <= in_features) {
+        v = __ldcg(reinterpret_cast<const float4 *>(xr + gi));
+    } else {
+        if (gi < in_features) v.x = __ldcg(xr + gi);
+        if (gi + 1 < in_features) v.y = __ldcg(xr + gi + 1);
+        if (gi + 2 < in_features) v.z = __ldcg(xr + gi + 2);
+        if (gi + 3 < in_features) v.w = __ldcg(xr + gi + 3);
+    }
+}
+
+// The 4 values k0..k3 of one quad split into N bf16 parts, x = p0 + p1 + ... (each remainder
+// exact in fp32), each in the order (k0, k2, k1, k3) of a staged column's 8-byte slot: the B
+// fragment order of gemv_tc.cu and prefill_tc.cu.
+template <int N>
+__device__ __forceinline__ void tc_split(const float4 &v, unsigned short (&p)[N][4]) {
+    const float f[4] = {v.x, v.z, v.y, v.w};  // (k0, k2, k1, k3)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        float r = f[k];
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+            p[n][k] = tc_bf16(r);
+            if (n + 1 < N) r -= tc_f32(p[n][k]);
+        }
+    }
+}
+
+// One part of tc_split as the 8 bytes of its slot.
+__device__ __forceinline__ uint2 tc_slot(const unsigned short (&p)[4]) {
+    return make_uint2(p[0] | (unsigned int)p[1] << 16, p[2] | (unsigned int)p[3] << 16);
 }
