@@ -29,6 +29,7 @@ def _stage_timers() -> dict[str, int]:
     Nested steps count in both (``finish`` includes the wait for the GPU)."""
     from coliworker.kernels import launch, route
     from coliworker.server import backend_cupy as bc
+    from coliworker.server import cupy_calls
 
     acc: dict[str, int] = {}
 
@@ -44,14 +45,14 @@ def _stage_timers() -> dict[str, int]:
 
         setattr(owner, name, timed)
 
-    for name in ("plan_group", "write_group", "_put"):
+    for name in ("plan_group", "write_group", "put_host"):
         wrap(bc, name, name)
     for name in ("_group", "_group_launches"):
         wrap(bc.CupyBackend, name, name)
     for name in ("reserve", "send", "receive", "mark", "finish", "__enter__", "__exit__"):
-        wrap(bc._Call, name, f"_Call.{name}")
-    wrap(bc.cupy.cuda.runtime, "eventSynchronize", "eventSynchronize (GPU wait)")
-    wrap(bc.cupy.cuda.runtime, "eventElapsedTime", "eventElapsedTime")
+        wrap(cupy_calls.Call, name, f"Call.{name}")
+    wrap(cupy_calls.cupy.cuda.runtime, "eventSynchronize", "eventSynchronize (GPU wait)")
+    wrap(cupy_calls.cupy.cuda.runtime, "eventElapsedTime", "eventElapsedTime")
     wrap(launch.Launch, "__call__", "kernel launches")
     for name in ("combine_launch", "gather_launch"):
         wrap(route, name, f"route.{name}")

@@ -134,7 +134,7 @@ def worker(request):
 
 def _segments(srv):
     """The CuPy backend's record of the segments it maps (empty list for NumPy)."""
-    return getattr(srv.servicer.backend, "_segments", [])
+    return list(getattr(srv.servicer.backend, "_segments", []))
 
 
 @pytest.mark.parametrize("doorbell", [False, True], ids=["stream", "doorbell"])
@@ -154,9 +154,9 @@ def test_large_calls_exact_both_directions(worker, doorbell, rng):
             np.testing.assert_array_equal(g, g_chunks)
         assert y.flags.writeable and y.shape == (S, OUT)
         if srv.servicer.backend.name == "cupy":
-            from coliworker.server import backend_cupy
+            from coliworker.server import cupy_calls
 
-            assert [m.state for m in _segments(srv)] == [backend_cupy._REGISTERED]
+            assert [m.state for m in _segments(srv)] == [cupy_calls.REGISTERED]
     assert wait_for(lambda: _segments(srv) == [])
     assert rel_err(y_chunks, ref.matmul(mat_t, x)) < TOL
     want, start = [], 0
@@ -196,7 +196,7 @@ def test_close_while_registered_with_calls_in_flight(worker, rng):
 def test_falls_back_when_registration_fails(worker, rng, monkeypatch):
     import cupy
 
-    from coliworker.server import backend_cupy
+    from coliworker.server import cupy_calls
 
     srv, w, mat_t, _, (mat, _) = worker
 
@@ -209,7 +209,7 @@ def test_falls_back_when_registration_fails(worker, rng, monkeypatch):
         want = plain.matmul_sync(mat, x)
     with w.session(shm=True) as s:
         np.testing.assert_array_equal(s.matmul_sync(mat, x), want)
-        assert [m.state for m in _segments(srv)] == [backend_cupy._FAILED]
+        assert [m.state for m in _segments(srv)] == [cupy_calls.FAILED]
         np.testing.assert_array_equal(s.matmul_sync(mat, x), want)
     assert rel_err(want, ref.matmul(mat_t, x)) < TOL
     assert wait_for(lambda: _segments(srv) == [])

@@ -1,0 +1,350 @@
+"""The CuPy backend's per-call plumbing (``server/backend_cupy.py`` runs the operations).
+
+Host time per call is kept near the floor: every buffer of a call (inputs, outputs, scratch,
+on the device and pinned on the host) lies in one reusable ``Arena`` with its own timing
+events; a ``Call`` makes the device current (only when it differs), takes the thread's stream
+and an arena, sends the inputs up in one copy, records the phase events and brings the
+outputs back in one copy. Large inputs are copied into pinned memory on several threads, or
+read by the device straight from a session's shared-memory segment once CUDA has it
+registered (``HostSegments``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import cupy
+import cupyx
+import numpy as np
+
+from coliworker.server.backend import Phases, Result
+from coliworker.server.errors import OutOfDeviceMemory
+
+if TYPE_CHECKING:
+    from coliworker.client.shm import Segment
+    from coliworker.server.backend_cupy import CupyBackend
+
+log = logging.getLogger(__name__)
+
+
+def oom_error(exc: BaseException, device: int, what: str) -> OutOfDeviceMemory | None:
+    """CuPy's device / pinned out-of-memory errors as OutOfDeviceMemory (else None)."""
+    if isinstance(exc, cupy.cuda.memory.OutOfMemoryError):
+        return OutOfDeviceMemory(f"{what}: device {device} is out of memory ({exc})")
+    if isinstance(exc, cupy.cuda.runtime.CUDARuntimeError) and "MemoryAllocation" in str(exc):
+        return OutOfDeviceMemory(
+            f"{what}: device {device} (or pinned host memory) is out of memory ({exc})"
+        )
+    return None
+
+
+@contextlib.contextmanager
+def oom_guard(device: int, what: str) -> Iterator[None]:
+    """Turn CuPy's device / pinned out-of-memory errors into OutOfDeviceMemory."""
+    try:
+        yield
+    except Exception as exc:
+        err = oom_error(exc, device, what)
+        if err is not None:
+            raise err from None
+        raise
+
+
+def align(n: int) -> int:
+    return -(-n // 256) * 256
+
+
+# Arenas above this many bytes (device or pinned) are freed after their call rather than kept.
+ARENA_KEEP_BYTES = 64 << 20
+ARENAS_PER_THREAD = 4  # free arenas a thread keeps per device (one per call it has in flight)
+# Outputs of at least this many bytes are handed over in their pinned buffer, not copied.
+DETACH_BYTES = 1 << 20
+# Inputs of at least this many bytes are copied into the pinned buffer by several threads.
+SPLIT_COPY_BYTES = 8 << 20
+# float32 inputs of at least this many bytes that lie in a session's shared-memory segment go
+# to the device straight from it (registered with CUDA on the first such input), not through
+# a copy into the pinned buffer.
+DIRECT_BYTES = 8 << 20
+_COPY_THREADS = 4
+_copy_pool: ThreadPoolExecutor | None = None
+_copy_pool_lock = threading.Lock()
+
+
+class Arena:
+    """Reusable scratch of one call at a time: device bytes, a pinned host twin and four timing
+    events. A call takes one from its thread's pool and gives it back once its result is on
+    the host, so an issued call owns its buffers until ``result()``; calls beyond the pool's
+    size (several in flight) get fresh arenas."""
+
+    __slots__ = ("dev", "dptr", "host", "hptr", "events", "eptr", "home")
+
+    def __init__(self, home: list[Arena]) -> None:
+        self.dev: Any = None  # cupy.ndarray uint8, set by reserve()
+        self.host: Any = None  # pinned np.ndarray uint8, set by reserve()
+        self.dptr = self.hptr = 0
+        self.events = [cupy.cuda.Event() for _ in range(4)]
+        self.eptr = [e.ptr for e in self.events]  # raw handles: the runtime calls cost less
+        self.home = home
+
+    def reserve(self, dev_bytes: int, host_bytes: int) -> None:
+        if self.dev is None or self.dev.nbytes < dev_bytes:
+            cap = max(align(dev_bytes), 2 * (self.dev.nbytes if self.dev is not None else 0))
+            self.dev = None  # this arena's last call is finished: free before the new one
+            if cap > ARENA_KEEP_BYTES:
+                cap = align(dev_bytes)
+            self.dev = cupy.empty((cap,), cupy.uint8)
+            self.dptr = self.dev.data.ptr
+        if self.host is None or self.host.nbytes < host_bytes:
+            cap = max(align(host_bytes), 2 * (self.host.nbytes if self.host is not None else 0))
+            self.host = None
+            if cap > ARENA_KEEP_BYTES:
+                cap = align(host_bytes)
+            self.host = cupyx.empty_pinned((cap,), np.uint8)
+            self.hptr = self.host.ctypes.data
+
+    def give_back(self) -> None:
+        big = (self.dev is not None and self.dev.nbytes > ARENA_KEEP_BYTES) or (
+            self.host is not None and self.host.nbytes > ARENA_KEEP_BYTES
+        )
+        if big:
+            self.dev = self.host = None
+        if len(self.home) < ARENAS_PER_THREAD:
+            self.home.append(self)
+
+
+H2D, D2H = 1, 2  # cudaMemcpyKind
+
+
+class Call:
+    """One call: the device made current (only when it is not already), the thread's stream
+    and an arena. Layout of the arena: [inputs | outputs] mirrored on host and device (the
+    inputs go up in one copy, the outputs come back in one), then device-only scratch."""
+
+    __slots__ = ("backend", "device", "what", "stream", "arena", "_prev", "out", "direct")
+
+    def __init__(self, backend: CupyBackend, device: int, what: str) -> None:
+        self.backend = backend
+        self.device = device
+        self.what = what
+        self.stream = backend._stream(device)
+        self.arena: Any = None  # Arena while the call owns one
+        self.direct: list[tuple[int, int, int]] = []  # (arena offset, host address, bytes)
+
+    def __enter__(self) -> Call:
+        self._prev = cupy.cuda.runtime.getDevice()
+        if self._prev != self.device:
+            cupy.cuda.runtime.setDevice(self.device)
+        self.stream.__enter__()
+        return self
+
+    def __exit__(self, et: type | None, ev: BaseException | None, tb: object) -> None:
+        self.stream.__exit__(et, ev, tb)
+        if self._prev != self.device:
+            cupy.cuda.runtime.setDevice(self._prev)
+        if ev is not None:
+            if self.arena is not None:  # the GPU may still read it: let it finish, then drop it
+                with contextlib.suppress(Exception):
+                    self.stream.synchronize()
+                self.arena = None
+            err = oom_error(ev, self.device, self.what)
+            if err is not None:
+                raise err from None
+
+    def reserve(self, dev_bytes: int, host_bytes: int) -> Arena:
+        pool = self.backend._arenas(self.device)
+        a = pool.pop() if pool else Arena(pool)
+        a.reserve(dev_bytes, host_bytes)
+        self.arena = a
+        return a
+
+    def put(self, off: int, a: np.ndarray, nbytes: int) -> None:
+        """float32 array ``a`` (``nbytes`` bytes) as the inputs' bytes [off, off + nbytes):
+        ``send`` reads it where it lies when that is a registered shared-memory segment
+        (``CupyBackend.attach_segment``), else it is copied into the arena (``_put``)."""
+        if nbytes >= DIRECT_BYTES and a.dtype == np.float32 and a.flags.c_contiguous:
+            ptr = a.ctypes.data
+            if self.backend._registered(ptr, nbytes):
+                self.direct.append((off, ptr, nbytes))
+                return
+        put_host(self.arena.host, off, a, nbytes)
+
+    def send(self, nbytes: int) -> None:
+        """The inputs, bytes [0, nbytes) of the arena, host -> device (the ranges ``put``
+        left in a registered segment from there)."""
+        a = self.arena
+        rt, sp = cupy.cuda.runtime, self.stream.ptr
+        pos = 0
+        for off, ptr, n in sorted(self.direct):
+            if off > pos:
+                rt.memcpyAsync(a.dptr + pos, a.hptr + pos, off - pos, H2D, sp)
+            rt.memcpyAsync(a.dptr + off, ptr, n, H2D, sp)
+            pos = off + n
+        if pos < nbytes:
+            rt.memcpyAsync(a.dptr + pos, a.hptr + pos, nbytes - pos, H2D, sp)
+        self.direct = []
+
+    def receive(self, off: int, shape: tuple[int, ...]) -> None:
+        """The output float32 ``shape`` at ``off`` device -> host (same offset)."""
+        a = self.arena
+        n = 4 * math.prod(shape)
+        cupy.cuda.runtime.memcpyAsync(a.hptr + off, a.dptr + off, n, D2H, self.stream.ptr)
+        self.out = (off, n, shape)
+
+    def mark(self, i: int) -> None:
+        cupy.cuda.runtime.eventRecord(self.arena.eptr[i], self.stream.ptr)
+
+    def finish(self) -> Result:
+        a = self.arena
+        ev = a.eptr
+        rt = cupy.cuda.runtime
+        rt.eventSynchronize(ev[3])
+        off, n, shape = self.out
+        if n >= DETACH_BYTES:
+            # The result keeps the pinned buffer (returned to CuPy's pinned pool when it is
+            # dropped): no copy into fresh pages, whose first touch costs more than the copy.
+            out = a.host[off : off + n].view(np.float32).reshape(shape)
+            a.host, a.hptr = None, 0
+        else:
+            out = a.host[off : off + n].view(np.float32).reshape(shape).copy()  # arena reused
+        phases = Phases(*(int(rt.eventElapsedTime(ev[i], ev[i + 1]) * 1e6) for i in range(3)))
+        self.arena = None
+        a.give_back()
+        return Result(out, phases)
+
+
+class CupyPending:
+    """An expert group in flight on its own stream and arena."""
+
+    def __init__(self, call: Call) -> None:
+        self._call = call
+        self._result: Result | None = None
+
+    def result(self) -> Result:
+        if self._result is None:
+            c = self._call
+            prev = cupy.cuda.runtime.getDevice()
+            if prev != c.device:
+                cupy.cuda.runtime.setDevice(c.device)
+            try:
+                self._result = c.finish()
+            finally:
+                if prev != c.device:
+                    cupy.cuda.runtime.setDevice(prev)
+        return self._result
+
+
+def put_host(
+    host: np.ndarray, off: int, a: np.ndarray, nbytes: int, dtype: Any = np.float32
+) -> None:
+    """Copy array ``a`` (as ``dtype``, C order, ``nbytes`` bytes) into pinned ``host`` at off;
+    large copies in slices on several threads (NumPy releases the GIL while it copies)."""
+    b = np.ascontiguousarray(a, dtype).reshape(-1).view(np.uint8)
+    dst = host[off : off + nbytes]
+    if nbytes < SPLIT_COPY_BYTES:
+        dst[...] = b
+        return
+    global _copy_pool
+    with _copy_pool_lock:
+        if _copy_pool is None:
+            _copy_pool = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="pinned-copy")
+    step = -(-nbytes // _COPY_THREADS)
+    parts = [(dst[i : i + step], b[i : i + step]) for i in range(0, nbytes, step)]
+    for f in [_copy_pool.submit(np.copyto, d, src) for d, src in parts]:
+        f.result()
+
+
+def stack_into(host: np.ndarray, off: int, parts: Sequence[np.ndarray], n: int, w: int) -> None:
+    """Row blocks ``parts`` (float32 [n_i, w], n rows in all) stacked into pinned ``host`` at
+    off: one copy, no temporary."""
+    out = host[off : off + 4 * n * w].view(np.float32).reshape(n, w)
+    if len(parts) == 1:
+        out[...] = parts[0]
+    else:
+        np.concatenate(parts, out=out)
+
+
+UNREGISTERED, REGISTERED, FAILED, GONE = range(4)  # HostSegment.state
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every device
+
+
+class HostSegment:
+    """A shared-memory segment a session maps, and whether CUDA has it registered."""
+
+    __slots__ = ("name", "address", "size", "state")
+
+    def __init__(self, name: str, address: int, size: int) -> None:
+        self.name, self.address, self.size = name, address, size
+        self.state = UNREGISTERED
+
+
+def _register(m: HostSegment) -> int:
+    """cudaHostRegister the segment; REGISTERED, or FAILED (logged) when CUDA refuses."""
+    try:
+        cupy.cuda.runtime.hostRegister(m.address, m.size, _HOST_REGISTER_PORTABLE)
+    except cupy.cuda.runtime.CUDARuntimeError as exc:
+        log.info("segment %s: cudaHostRegister failed, inputs are copied: %s", m.name, exc)
+        return FAILED
+    return REGISTERED
+
+
+class HostSegments:
+    """The sessions' shared-memory segments on this worker.
+
+    A session's segment holds the client's inputs; read through a view (no copy), a large
+    one would still be copied into the pinned arena before it goes up. Registered with CUDA
+    (page-locked), the device reads it directly. Registration pins every page of the
+    segment, so it waits for the first large input: a decode-only session pins nothing.
+    Iterating gives the segments attached now."""
+
+    def __init__(self, devices: tuple[int, ...]) -> None:
+        self._devices = devices
+        self._list: list[HostSegment] = []
+        self._lock = threading.Lock()
+
+    def __iter__(self) -> Iterator[HostSegment]:
+        with self._lock:
+            return iter(list(self._list))
+
+    def attach(self, seg: Segment) -> None:
+        """A session mapped ``seg`` (``server/session.py``); it is unregistered before it is
+        unmapped (``Segment.on_close``)."""
+        m = HostSegment(seg.name, seg.address, seg.size)
+        with self._lock:
+            self._list.append(m)
+        seg.on_close(lambda: self._detach(m))
+
+    def registered(self, ptr: int, n: int) -> bool:
+        """Whether [ptr, ptr + n) lies in a registered segment (registering it on first use;
+        a segment CUDA refuses stays unregistered and its inputs are copied)."""
+        for m in self._list:
+            if m.address <= ptr and ptr + n <= m.address + m.size:
+                if m.state == UNREGISTERED:
+                    with self._lock:
+                        if m.state == UNREGISTERED:
+                            m.state = _register(m)
+                return m.state == REGISTERED
+        return False
+
+    def _detach(self, m: HostSegment) -> None:
+        with self._lock:
+            if m in self._list:
+                self._list.remove(m)
+            state, m.state = m.state, GONE
+        if state != REGISTERED:
+            return
+        # Copies issued from it may still run: let every device finish them first. A call
+        # that found it registered and copies later reads pageable memory (still mapped:
+        # its view holds the mapping, see Segment.close), which CUDA stages itself.
+        for d in self._devices:
+            with cupy.cuda.Device(d):
+                cupy.cuda.runtime.deviceSynchronize()
+        try:
+            cupy.cuda.runtime.hostUnregister(m.address)
+        except cupy.cuda.runtime.CUDARuntimeError as exc:
+            log.warning("segment %s: cudaHostUnregister failed: %s", m.name, exc)
