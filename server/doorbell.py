@@ -37,7 +37,7 @@ MAX_SLOTS = 64
 MAX_SPIN_US = 10_000
 MIN_SLOT_BYTES, MAX_SLOT_BYTES = 4096, 16 << 20
 _DIR = re.compile(r"^coliworker-\d+-[0-9a-f]{16}\.bell$")
-_STATUS_OF = {c.value[0]: c for c in grpc.StatusCode}
+STATUS_OF = {c.value[0]: c for c in grpc.StatusCode}
 
 
 def _uid() -> int:
@@ -266,7 +266,7 @@ class Doorbell:
             data = resp.SerializeToString()
         code = grpc.StatusCode.OK
         if resp.WhichOneof("result") == "error":
-            code = _STATUS_OF.get(resp.error.code, grpc.StatusCode.UNKNOWN)
+            code = STATUS_OF.get(resp.error.code, grpc.StatusCode.UNKNOWN)
         self.calls += 1
         self.stream.servicer.hooks.record_session_request(kind, code, time.perf_counter() - t0)
         return data

@@ -215,6 +215,9 @@ class Metrics:
         self._state = _StateCollector()
         r.register(self._state)
         self._http: Any = None
+        # Labelled children by label values: ``labels()`` builds and looks up its key under a
+        # lock on every call (~0.65 us each, six per expert group); these are looked up once.
+        self._children: dict[tuple, Any] = {}
 
     # -- callbacks and recorders -------------------------------------------------------
 
@@ -227,15 +230,34 @@ class Metrics:
         if devices is not None:
             self._state.devices = devices
 
+    def _child(self, metric: Any, *values: str) -> Any:
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
+
     def record_group(self, device: int, experts: int, rows: int, phases: Phases) -> None:
         """One finished expert group call (ExpertGroup, Routed, Issue/Take, Session)."""
-        d = str(device)
-        self.group_calls.labels(d).inc()
-        self.group_experts.labels(d).inc(experts)
-        self.group_rows.labels(d).inc(rows)
-        self.group_phase.labels(d, "h2d").observe(phases.h2d_ns / 1e9)
-        self.group_phase.labels(d, "kernel").observe(phases.kernel_ns / 1e9)
-        self.group_phase.labels(d, "d2h").observe(phases.d2h_ns / 1e9)
+        key = ("group", device)
+        c = self._children.get(key)
+        if c is None:
+            d = str(device)
+            c = self._children[key] = (
+                self.group_calls.labels(d),
+                self.group_experts.labels(d),
+                self.group_rows.labels(d),
+                self.group_phase.labels(d, "h2d"),
+                self.group_phase.labels(d, "kernel"),
+                self.group_phase.labels(d, "d2h"),
+            )
+        calls, n_experts, n_rows, h2d, kernel, d2h = c
+        calls.inc()
+        n_experts.inc(experts)
+        n_rows.inc(rows)
+        h2d.observe(phases.h2d_ns / 1e9)
+        kernel.observe(phases.kernel_ns / 1e9)
+        d2h.observe(phases.d2h_ns / 1e9)
 
     def record_upload(self, device: int, nbytes: int, deduplicated: bool) -> None:
         """One Upload or Update that received ``nbytes`` (weights + scales)."""
@@ -257,8 +279,8 @@ class Metrics:
         """One Session request: ``call`` is the oneof name ("expert_group"). A non-OK code
         also counts as a compute error."""
         name = _code_name(code)
-        self.session_requests.labels(call, name).inc()
-        self.session_seconds.labels(call).observe(seconds)
+        self._child(self.session_requests, call, name).inc()
+        self._child(self.session_seconds, call).observe(seconds)
         if name != "OK":
             self.compute_errors.labels(name).inc()
 
@@ -289,14 +311,14 @@ class Metrics:
     # -- used by the interceptor -------------------------------------------------------
 
     def _begin(self, method: str) -> float:
-        self.rpc_started.labels(method).inc()
-        self.rpc_in_flight.labels(method).inc()
+        self._child(self.rpc_started, method).inc()
+        self._child(self.rpc_in_flight, method).inc()
         return time.perf_counter()
 
     def _end(self, method: str, started: float, code: grpc.StatusCode) -> None:
-        self.rpc_seconds.labels(method).observe(time.perf_counter() - started)
-        self.rpc_in_flight.labels(method).dec()
-        self.rpc_handled.labels(method, code.name).inc()
+        self._child(self.rpc_seconds, method).observe(time.perf_counter() - started)
+        self._child(self.rpc_in_flight, method).dec()
+        self._child(self.rpc_handled, method, code.name).inc()
         if code is not grpc.StatusCode.OK and method in COMPUTE_METHODS:
             self.compute_errors.labels(code.name).inc()
 

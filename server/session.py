@@ -47,7 +47,7 @@ import grpc
 
 from coliworker.client import codec, staging
 from coliworker.client.shm import Segment, ShmError
-from coliworker.server.doorbell import Doorbell
+from coliworker.server.doorbell import STATUS_OF, Doorbell
 from coliworker.server.errors import WorkerError
 from coliworker.v1 import worker_pb2 as pb
 
@@ -102,6 +102,7 @@ class _Job:
     key: Any = None
     source: Any = None  # staging.source of the request's outside arrays, if any
     done: bool = field(default=False)
+    t0: float = 0.0  # perf_counter when the request was read (the session metrics' start)
 
 
 class SessionStream:
@@ -251,6 +252,7 @@ class SessionStream:
                 return
             buf.extend(data)
             return
+        t0 = time.perf_counter()
         staged = self.staged.pop(rid, None)
         if kind == "attach_shm":
             self.out.put([self._attach(rid, req.attach_shm)])
@@ -259,32 +261,25 @@ class SessionStream:
             self.out.put([self._attach_doorbell(rid, req.attach_doorbell)])
             return
         if kind is None:
-            self.out.put([self._error(rid, grpc.StatusCode.INVALID_ARGUMENT, "session: empty")])
+            self._refuse(rid, "session", grpc.StatusCode.INVALID_ARGUMENT, "session: empty", t0)
             return
         call = getattr(req, kind)
         if rid in self.overflow:
             self.overflow.discard(rid)
-            self.out.put(
-                [
-                    self._error(
-                        rid,
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"{kind}: staged chunks exceed {MAX_STAGED_BYTES} bytes per request",
-                    )
-                ]
-            )
+            msg = f"{kind}: staged chunks exceed {MAX_STAGED_BYTES} bytes per request"
+            self._refuse(rid, kind, grpc.StatusCode.RESOURCE_EXHAUSTED, msg, t0)
             return
         seg = self.segment
         try:
             external = staging.check(call, staged, seg.check if seg is not None else None, kind)
         except (ValueError, ShmError) as exc:
             msg = exc.message if isinstance(exc, ShmError) else str(exc)
-            self.out.put([self._error(rid, grpc.StatusCode.INVALID_ARGUMENT, msg)])
+            self._refuse(rid, kind, grpc.StatusCode.INVALID_ARGUMENT, msg, t0)
             return
         output = None
         if req.HasField("output_shm"):
             output = (req.output_shm.offset, req.output_shm.length)
-        job = _Job(rid, kind, call, output)
+        job = _Job(rid, kind, call, output, t0=t0)
         if external:  # the handler's decode reads the bytes straight from chunks / segment
             job.source = staging.source(
                 staged,
@@ -329,9 +324,19 @@ class SessionStream:
 
     def _run(self, job: _Job) -> Iterable[pb.SessionResponse]:
         try:
-            return self._execute(job)
+            out = self._execute(job)
         finally:
             self._finish(job)
+        code = grpc.StatusCode.OK
+        if isinstance(out, list) and out[-1].WhichOneof("result") == "error":
+            code = STATUS_OF.get(out[-1].error.code, grpc.StatusCode.UNKNOWN)
+        self.servicer.hooks.record_session_request(job.kind, code, time.perf_counter() - job.t0)
+        return out
+
+    def _refuse(self, rid: int, kind: str, code: grpc.StatusCode, message: str, t0: float) -> None:
+        """Answer a request refused before it runs, and count it like the ones that run."""
+        self.out.put([self._error(rid, code, message)])
+        self.servicer.hooks.record_session_request(kind, code, time.perf_counter() - t0)
 
     def _execute(self, job: _Job, chunks: bool = True) -> Iterable[pb.SessionResponse]:
         side: list = []  # result arrays codec.encode leaves for _place

@@ -3,12 +3,14 @@ arrival order for ragged attention on one kv_b."""
 
 from __future__ import annotations
 
+import grpc
 import numpy as np
 import pytest
 from _hotpath import D, check_ragged_order, check_results_equal_unary, routed_reference, routing
 
 from coliworker.client import InvalidArgument, NotFound
 from coliworker.kernels import reference as ref
+from coliworker.v1 import worker_pb2 as pb
 
 
 @pytest.fixture(params=[False, True], ids=["stream", "shm"])
@@ -57,6 +59,27 @@ def test_bad_request_fails_alone(model, session, rng):
     np.testing.assert_array_equal(good1.result(10), good2.result(10))
     # the stream is still usable
     np.testing.assert_array_equal(session.matmul_sync(model.mat, x), good1.result())
+
+
+def test_requests_are_recorded(server, client, model, session, rng, monkeypatch):
+    """Every request on the stream counts in the session metrics with its status: run ones
+    (OK, NOT_FOUND) and one refused before it runs (a staged slice with no chunks)."""
+    seen = []
+    monkeypatch.setattr(server.servicer.hooks, "record_session_request", lambda *a: seen.append(a))
+    x = rng.standard_normal((1, D)).astype(np.float32)
+    session.matmul_sync(model.mat, x)
+    with pytest.raises(NotFound):
+        session.matmul_sync(987654321, x)
+    ghost = pb.Array(dtype=pb.DTYPE_FLOAT32, shape=[1, D], staged=pb.Slice(offset=0, length=4 * D))
+    bad = pb.SessionRequest(request_id=7, matmul=pb.MatmulRequest(handle=model.mat.handle, x=ghost))
+    (resp,) = list(client._stub.Session(iter([bad])))
+    assert resp.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert [(c, code) for c, code, _ in seen] == [
+        ("matmul", grpc.StatusCode.OK),
+        ("matmul", grpc.StatusCode.NOT_FOUND),
+        ("matmul", grpc.StatusCode.INVALID_ARGUMENT),
+    ]
+    assert all(sec > 0 for _, _, sec in seen)
 
 
 def test_ragged_order_on_one_kv_b(client, model, session, rng):
