@@ -22,7 +22,8 @@ from coliworker.client.errors import (
 )
 from coliworker.client.recovery import RecoveringClient
 from coliworker.client.security import TLS
-from coliworker.client.session import Session, SessionFuture
+from coliworker.client.session import Session
+from coliworker.client.session_calls import SessionFuture
 from coliworker.client.worker import (
     DeviceStats,
     ExpertGroupFuture,

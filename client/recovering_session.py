@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from coliworker.client import errors
-from coliworker.client.session import Session, SessionCalls, SessionFuture
+from coliworker.client.session import Session
+from coliworker.client.session_calls import SessionCalls, SessionFuture
 
 if TYPE_CHECKING:
     from coliworker.client.recovery import RecoveringClient

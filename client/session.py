@@ -31,20 +31,20 @@ import math
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import numpy as np
 
 from coliworker.client import codec, errors, requests, staging
 from coliworker.client import doorbell as bell
+from coliworker.client.session_calls import SessionCalls, SessionFuture
 from coliworker.client.shm import Allocator, Segment
 from coliworker.v1 import worker_pb2 as pb
 
 _STATUS_OF = {c.value[0]: c for c in grpc.StatusCode}
 #: Turns a response body into the call's value; gets the future to fill backend_ns/lengths.
 Decoder = Callable[[Any, "SessionFuture"], Any]
-_S = TypeVar("_S", bound="SessionCalls")
 
 
 def _error(status: pb.Status) -> errors.WorkerError:
@@ -55,42 +55,6 @@ def _error(status: pb.Status) -> errors.WorkerError:
 def _raw(body: Any, fut: Any) -> Any:
     """The decoder of control calls: the response body itself."""
     return body
-
-
-class SessionFuture:
-    """The pending result of one session call. ``backend_ns`` (and ``lengths`` for ragged
-    attention) are set once it is done."""
-
-    __slots__ = ("request_id", "_done", "_value", "_error", "backend_ns", "lengths", "_regions")
-
-    def __init__(self, request_id: int) -> None:
-        self.request_id = request_id
-        self._done = threading.Lock()
-        self._done.acquire()
-        self._value: Any = None
-        self._error: BaseException | None = None
-        self.backend_ns = 0
-        self.lengths: list[int] = []
-        self._regions: list[tuple[int, int]] = []
-
-    def done(self) -> bool:
-        return not self._done.locked()
-
-    def result(self, timeout: float | None = None) -> Any:
-        """The decoded result; raises the call's WorkerError, or DeadlineExceeded after
-        ``timeout`` seconds (the call itself keeps running)."""
-        if not self._done.acquire(timeout=-1 if timeout is None else timeout):
-            raise errors.DeadlineExceeded(
-                f"session request {self.request_id}: no result after {timeout} s"
-            )
-        self._done.release()
-        if self._error is not None:
-            raise self._error
-        return self._value
-
-    def _set(self, value: Any = None, error: BaseException | None = None) -> None:
-        self._value, self._error = value, error
-        self._done.release()
 
 
 class _BellFuture(SessionFuture):
@@ -116,52 +80,6 @@ def _chunks(rid: int, pieces: list[memoryview]) -> Iterator[pb.SessionRequest]:
     """Chunk messages built as the stream sends them (one chunk's copy alive at a time)."""
     for p in pieces:
         yield pb.SessionRequest(request_id=rid, chunk=p.tobytes())
-
-
-class SessionCalls:
-    """What ``Session`` and the recovering session share: the ``*_sync`` forms of the calls
-    (submit, then wait ``self.timeout`` for the result) and the context manager."""
-
-    timeout: float | None
-    matmul: Callable[..., Any]
-    expert_mlp: Callable[..., Any]
-    expert_group: Callable[..., Any]
-    expert_group_routed: Callable[..., Any]
-    attention: Callable[..., Any]
-    attention_ragged: Callable[..., Any]
-    close: Callable[..., None]
-
-    def __enter__(self: _S) -> _S:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def matmul_sync(self, t: Any, x: np.ndarray) -> np.ndarray:
-        return self.matmul(t, x).result(self.timeout)
-
-    def expert_mlp_sync(self, gate: Any, up: Any, down: Any, x: np.ndarray) -> np.ndarray:
-        return self.expert_mlp(gate, up, down, x).result(self.timeout)
-
-    def expert_group_sync(
-        self, experts: Iterable[Sequence[Any]], rows: Sequence[int], x: np.ndarray
-    ) -> np.ndarray:
-        return self.expert_group(experts, rows, x).result(self.timeout)
-
-    def expert_group_routed_sync(
-        self,
-        experts: Iterable[Sequence[Any]],
-        x: np.ndarray,
-        routes: np.ndarray,
-        weights: np.ndarray,
-    ) -> np.ndarray:
-        return self.expert_group_routed(experts, x, routes, weights).result(self.timeout)
-
-    def attention_sync(self, *args: Any, **kwargs: Any) -> np.ndarray:
-        return self.attention(*args, **kwargs).result(self.timeout)
-
-    def attention_ragged_sync(self, *args: Any, **kwargs: Any) -> np.ndarray:
-        return self.attention_ragged(*args, **kwargs).result(self.timeout)
 
 
 class Session(SessionCalls):
@@ -614,4 +532,4 @@ class Session(SessionCalls):
         return s * max(width, h * v_dim) * 4
 
 
-__all__ = ["Session", "SessionFuture", "SessionCalls"]
+__all__ = ["Session"]
