@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -168,6 +169,11 @@ def test_a_stream_that_ends_on_a_live_worker_is_retried_on_a_new_one(rng, mode):
                 inner = s._inner
                 pending = layer.step(s)
                 inner._call.cancel()  # the stream ends; the worker instance stays
+                # Let the session see the end first: a doorbell channel otherwise keeps
+                # answering until the worker closes its end, and the step may finish there.
+                deadline = time.monotonic() + 10
+                while inner._broken is None and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 check(pending + layer.step(s))
                 assert s._inner is not inner and w.restarts == 0
     finally:
