@@ -64,12 +64,6 @@ def server():
     srv.stop(grace=None)
 
 
-@pytest.fixture
-def w(server):
-    with WorkerClient(server.address, timeout=60, progress=False) as client:
-        yield client
-
-
 # -- info, test vectors, formats -----------------------------------------------------------
 
 

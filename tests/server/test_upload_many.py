@@ -50,12 +50,6 @@ def server(request):
     srv.stop(grace=None)
 
 
-@pytest.fixture
-def w(server):
-    with WorkerClient(server.address, timeout=60, progress=False) as client:
-        yield client
-
-
 def item(t: QTensor, device: int = 0) -> UploadItem:
     shape = scale_shape(t.fmt, t.in_features, t.out_features, t.group_size)
     return UploadItem(
