@@ -193,6 +193,9 @@ def test_a_worker_that_stays_down_raises_unavailable_then_the_session_resumes(wo
             worker.kill()
             with pytest.raises(Unavailable, match="CPU path"):
                 s.matmul_sync(h, x)
+            # The channel now retries its connection up to 1 s apart (_RECONNECT): give the
+            # recovery more than that once the worker is back.
+            w.recover_timeout = 10.0
             worker.start()  # the next call recovers
             assert rel_err(s.matmul_sync(h, x), ref.matmul(t, x)) < TOL
             assert w.restarts == 1
