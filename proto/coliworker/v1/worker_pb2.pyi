@@ -15,12 +15,53 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_BFLOAT16: _ClassVar[DType]
     DTYPE_UINT8: _ClassVar[DType]
     DTYPE_INT32: _ClassVar[DType]
+
+class Method(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    METHOD_UNSPECIFIED: _ClassVar[Method]
+    METHOD_INFO: _ClassVar[Method]
+    METHOD_LOOKUP: _ClassVar[Method]
+    METHOD_UPLOAD: _ClassVar[Method]
+    METHOD_UPDATE: _ClassVar[Method]
+    METHOD_FREE: _ClassVar[Method]
+    METHOD_STATS: _ClassVar[Method]
+    METHOD_MATMUL: _ClassVar[Method]
+    METHOD_EXPERT_MLP: _ClassVar[Method]
+    METHOD_EXPERT_GROUP: _ClassVar[Method]
+    METHOD_EXPERT_GROUP_ROUTED: _ClassVar[Method]
+    METHOD_EXPERT_GROUP_ISSUE: _ClassVar[Method]
+    METHOD_EXPERT_GROUP_TAKE: _ClassVar[Method]
+    METHOD_ATTENTION: _ClassVar[Method]
+    METHOD_ATTENTION_RAGGED: _ClassVar[Method]
+    METHOD_FREE_SEQUENCE: _ClassVar[Method]
+    METHOD_SESSION: _ClassVar[Method]
+    METHOD_DATA_TICKET: _ClassVar[Method]
+    METHOD_TENSOR_USAGE: _ClassVar[Method]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
 DTYPE_UINT8: DType
 DTYPE_INT32: DType
+METHOD_UNSPECIFIED: Method
+METHOD_INFO: Method
+METHOD_LOOKUP: Method
+METHOD_UPLOAD: Method
+METHOD_UPDATE: Method
+METHOD_FREE: Method
+METHOD_STATS: Method
+METHOD_MATMUL: Method
+METHOD_EXPERT_MLP: Method
+METHOD_EXPERT_GROUP: Method
+METHOD_EXPERT_GROUP_ROUTED: Method
+METHOD_EXPERT_GROUP_ISSUE: Method
+METHOD_EXPERT_GROUP_TAKE: Method
+METHOD_ATTENTION: Method
+METHOD_ATTENTION_RAGGED: Method
+METHOD_FREE_SEQUENCE: Method
+METHOD_SESSION: Method
+METHOD_DATA_TICKET: Method
+METHOD_TENSOR_USAGE: Method
 
 class Array(_message.Message):
     __slots__ = ("dtype", "shape", "data", "shm", "staged")
@@ -63,34 +104,42 @@ class DeviceInfo(_message.Message):
     def __init__(self, id: _Optional[int] = ..., name: _Optional[str] = ..., total_memory_bytes: _Optional[int] = ..., free_memory_bytes: _Optional[int] = ..., memory_limit_bytes: _Optional[int] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_experts", "max_message_bytes", "upload_chunk_bytes", "max_pending_tickets", "max_sequences_per_call", "max_kv_rows")
+    __slots__ = ("max_experts", "max_message_bytes", "upload_chunk_bytes", "max_pending_tickets", "max_sequences_per_call", "max_kv_rows", "max_frame_bytes")
     MAX_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_PENDING_TICKETS_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCES_PER_CALL_FIELD_NUMBER: _ClassVar[int]
     MAX_KV_ROWS_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
     max_experts: int
     max_message_bytes: int
     upload_chunk_bytes: int
     max_pending_tickets: int
     max_sequences_per_call: int
     max_kv_rows: int
-    def __init__(self, max_experts: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., upload_chunk_bytes: _Optional[int] = ..., max_pending_tickets: _Optional[int] = ..., max_sequences_per_call: _Optional[int] = ..., max_kv_rows: _Optional[int] = ...) -> None: ...
+    max_frame_bytes: int
+    def __init__(self, max_experts: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., upload_chunk_bytes: _Optional[int] = ..., max_pending_tickets: _Optional[int] = ..., max_sequences_per_call: _Optional[int] = ..., max_kv_rows: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "backend", "devices", "limits", "instance_id")
+    __slots__ = ("version", "backend", "devices", "limits", "instance_id", "data_port", "data_unix_socket", "data_tls")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DEVICES_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
+    DATA_UNIX_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    DATA_TLS_FIELD_NUMBER: _ClassVar[int]
     version: str
     backend: str
     devices: _containers.RepeatedCompositeFieldContainer[DeviceInfo]
     limits: Limits
     instance_id: str
-    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    data_port: int
+    data_unix_socket: str
+    data_tls: bool
+    def __init__(self, version: _Optional[str] = ..., backend: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[DeviceInfo, _Mapping]]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., instance_id: _Optional[str] = ..., data_port: _Optional[int] = ..., data_unix_socket: _Optional[str] = ..., data_tls: _Optional[bool] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("fmt", "in_features", "out_features", "group_size", "device")
@@ -525,3 +574,61 @@ class SessionResponse(_message.Message):
     doorbell_attached: DoorbellAttached
     error: Status
     def __init__(self, request_id: _Optional[int] = ..., matmul: _Optional[_Union[MatmulResponse, _Mapping]] = ..., expert_group: _Optional[_Union[ExpertGroupResponse, _Mapping]] = ..., expert_group_routed: _Optional[_Union[ExpertGroupResponse, _Mapping]] = ..., attention: _Optional[_Union[AttentionResponse, _Mapping]] = ..., attention_ragged: _Optional[_Union[AttentionRaggedResponse, _Mapping]] = ..., expert_mlp: _Optional[_Union[ExpertMlpResponse, _Mapping]] = ..., shm_attached: _Optional[_Union[ShmAttached, _Mapping]] = ..., chunk: _Optional[bytes] = ..., doorbell_attached: _Optional[_Union[DoorbellAttached, _Mapping]] = ..., error: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
+
+class DataHello(_message.Message):
+    __slots__ = ("version", "token", "ticket")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    token: str
+    ticket: bytes
+    def __init__(self, version: _Optional[int] = ..., token: _Optional[str] = ..., ticket: _Optional[bytes] = ...) -> None: ...
+
+class DataWelcome(_message.Message):
+    __slots__ = ("version", "instance_id", "max_frame_bytes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    instance_id: str
+    max_frame_bytes: int
+    def __init__(self, version: _Optional[int] = ..., instance_id: _Optional[str] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
+
+class DataTicketRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DataTicketResponse(_message.Message):
+    __slots__ = ("ticket", "expires_ms")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_MS_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    expires_ms: int
+    def __init__(self, ticket: _Optional[bytes] = ..., expires_ms: _Optional[int] = ...) -> None: ...
+
+class TensorUsageRequest(_message.Message):
+    __slots__ = ("top", "device")
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    top: int
+    device: int
+    def __init__(self, top: _Optional[int] = ..., device: _Optional[int] = ...) -> None: ...
+
+class TensorUsage(_message.Message):
+    __slots__ = ("handle", "device", "calls", "rows")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    device: int
+    calls: int
+    rows: int
+    def __init__(self, handle: _Optional[int] = ..., device: _Optional[int] = ..., calls: _Optional[int] = ..., rows: _Optional[int] = ...) -> None: ...
+
+class TensorUsageResponse(_message.Message):
+    __slots__ = ("tensors",)
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorUsage]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[TensorUsage, _Mapping]]] = ...) -> None: ...

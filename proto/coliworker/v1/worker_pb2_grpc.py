@@ -114,6 +114,16 @@ class WorkerStub:
                 request_serializer=coliworker_dot_v1_dot_worker__pb2.SessionRequest.SerializeToString,
                 response_deserializer=coliworker_dot_v1_dot_worker__pb2.SessionResponse.FromString,
                 _registered_method=True)
+        self.DataTicket = channel.unary_unary(
+                '/coliworker.v1.Worker/DataTicket',
+                request_serializer=coliworker_dot_v1_dot_worker__pb2.DataTicketRequest.SerializeToString,
+                response_deserializer=coliworker_dot_v1_dot_worker__pb2.DataTicketResponse.FromString,
+                _registered_method=True)
+        self.TensorUsage = channel.unary_unary(
+                '/coliworker.v1.Worker/TensorUsage',
+                request_serializer=coliworker_dot_v1_dot_worker__pb2.TensorUsageRequest.SerializeToString,
+                response_deserializer=coliworker_dot_v1_dot_worker__pb2.TensorUsageResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -223,6 +233,20 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DataTicket(self, request, context):
+        """A one-time ticket that authenticates one data-plane connection as the caller.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TensorUsage(self, request, context):
+        """Per-tensor call and row counts of the caller's resident tensors (placement data).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -305,6 +329,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=coliworker_dot_v1_dot_worker__pb2.SessionRequest.FromString,
                     response_serializer=coliworker_dot_v1_dot_worker__pb2.SessionResponse.SerializeToString,
+            ),
+            'DataTicket': grpc.unary_unary_rpc_method_handler(
+                    servicer.DataTicket,
+                    request_deserializer=coliworker_dot_v1_dot_worker__pb2.DataTicketRequest.FromString,
+                    response_serializer=coliworker_dot_v1_dot_worker__pb2.DataTicketResponse.SerializeToString,
+            ),
+            'TensorUsage': grpc.unary_unary_rpc_method_handler(
+                    servicer.TensorUsage,
+                    request_deserializer=coliworker_dot_v1_dot_worker__pb2.TensorUsageRequest.FromString,
+                    response_serializer=coliworker_dot_v1_dot_worker__pb2.TensorUsageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -739,6 +773,60 @@ class Worker:
             '/coliworker.v1.Worker/Session',
             coliworker_dot_v1_dot_worker__pb2.SessionRequest.SerializeToString,
             coliworker_dot_v1_dot_worker__pb2.SessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DataTicket(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/coliworker.v1.Worker/DataTicket',
+            coliworker_dot_v1_dot_worker__pb2.DataTicketRequest.SerializeToString,
+            coliworker_dot_v1_dot_worker__pb2.DataTicketResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TensorUsage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/coliworker.v1.Worker/TensorUsage',
+            coliworker_dot_v1_dot_worker__pb2.TensorUsageRequest.SerializeToString,
+            coliworker_dot_v1_dot_worker__pb2.TensorUsageResponse.FromString,
             options,
             channel_credentials,
             insecure,
