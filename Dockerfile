@@ -5,10 +5,11 @@
 #   docker build -t coliworker:cuda .              # default target: CUDA 12 + CuPy
 #   docker build -t coliworker:cpu --target cpu .  # NumPy backend only, no GPU needed
 #
-# Both run `coliworker serve` as an unprivileged user, listen on 0.0.0.0:50051 (gRPC) and
-# 0.0.0.0:9400 (/metrics), and report health through grpc.health.v1. Every setting is a
-# COLIWORKER_* variable (see deploy/README.md). A worker listening beyond loopback needs a
-# token (COLIWORKER_TOKEN_FILE) or an explicit COLIWORKER_INSECURE=1: the image sets neither.
+# Both run `coliworker serve` as an unprivileged user, listen on 0.0.0.0:50051 (gRPC),
+# 0.0.0.0:50052 (the socket data plane) and 0.0.0.0:9400 (/metrics), and report health
+# through grpc.health.v1. Every setting is a COLIWORKER_* variable (docs/deployment.md). A
+# worker listening beyond loopback needs a token (COLIWORKER_TOKEN_FILE) or an explicit
+# COLIWORKER_INSECURE=1: the image sets neither.
 
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm
 ARG CUDA_IMAGE=nvidia/cuda:12.6.3-runtime-ubuntu24.04
@@ -23,6 +24,8 @@ COPY proto/ proto/
 COPY server/ server/
 COPY client/ client/
 COPY kernels/ kernels/
+COPY tools/ tools/
+COPY LICENSE ./
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # ---------------------------------------------------------------------------------------
@@ -32,20 +35,22 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     COLIWORKER_HOST=0.0.0.0 \
     COLIWORKER_PORT=50051 \
+    COLIWORKER_DATA_PORT=50052 \
     COLIWORKER_METRICS_PORT=9400 \
     COLIWORKER_BACKEND=numpy
 COPY --from=builder /wheels/ /wheels/
-# coliworker is the wheel built above; its dependencies keep pyproject's ranges.
+# The wheel built above, by path (a same-named package on the index cannot win); its
+# dependencies keep pyproject's ranges.
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir --find-links /wheels "coliworker[ops]" \
+RUN pip install --no-cache-dir /wheels/coliworker-*.whl \
     && rm -rf /wheels \
     && useradd --system --uid 10001 --create-home --home-dir /home/coliworker coliworker
 USER 10001
 WORKDIR /home/coliworker
-EXPOSE 50051 9400
-# The probe speaks grpc.health.v1 with no extra package; the shell expands the port.
+EXPOSE 50051 50052 9400
+# The probe speaks grpc.health.v1 with hand-encoded bytes; the shell expands the port.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \
-    CMD ["sh", "-c", "python -m coliworker.server.health 127.0.0.1:${COLIWORKER_PORT:-50051}"]
+    CMD ["sh", "-c", "python -m coliworker.tools.health 127.0.0.1:${COLIWORKER_PORT:-50051}"]
 ENTRYPOINT ["coliworker", "serve"]
 
 # ---------------------------------------------------------------------------------------
@@ -65,15 +70,17 @@ ENV PATH=/opt/coliworker/bin:$PATH \
     CUPY_CACHE_DIR=/home/coliworker/.cupy/kernel_cache \
     COLIWORKER_HOST=0.0.0.0 \
     COLIWORKER_PORT=50051 \
+    COLIWORKER_DATA_PORT=50052 \
     COLIWORKER_METRICS_PORT=9400 \
     COLIWORKER_BACKEND=auto
 COPY --from=builder /wheels/ /wheels/
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir --find-links /wheels "coliworker[gpu,ops]" \
+RUN wheel=$(echo /wheels/coliworker-*.whl) \
+    && pip install --no-cache-dir "coliworker[gpu] @ file://${wheel}" \
     && rm -rf /wheels
 USER 10001
 WORKDIR /home/coliworker
-EXPOSE 50051 9400
+EXPOSE 50051 50052 9400
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
-    CMD ["sh", "-c", "python -m coliworker.server.health 127.0.0.1:${COLIWORKER_PORT:-50051}"]
+    CMD ["sh", "-c", "python -m coliworker.tools.health 127.0.0.1:${COLIWORKER_PORT:-50051}"]
 ENTRYPOINT ["coliworker", "serve"]

@@ -3,15 +3,15 @@
     coliworker serve &            # or: python -m coliworker serve
     python examples/decode_loop.py --address 127.0.0.1:50051 --layers 3 --tokens 6
 
-The loop (``coliworker.server.demo``) decodes two sequences through a few layers of MLA
+The loop (``coliworker.tools.demo``) decodes two sequences through a few layers of MLA
 attention over worker-resident ragged KV caches and routed int4 MoE experts, rolls one
-sequence back a token halfway, and compares every hidden state with the same loop computed
-locally on the float64 reference.
+sequence back a token halfway, and checks every offloaded result against the float64
+reference computed locally from the same inputs (exit status 1 on a mismatch).
 """
 
 import argparse
 
-from coliworker.server.demo import run_demo
+from coliworker.tools.demo import run_demo
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -116,7 +116,7 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from coliworker.server.demo import run_demo
+    from coliworker.tools.demo import run_demo
 
     return run_demo(
         args.address,
@@ -128,13 +128,13 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _top(args: argparse.Namespace) -> int:
-    from coliworker.server.top import run_top
+    from coliworker.tools.top import run_top
 
     return run_top(args.metrics_url, interval=args.interval, once=args.once)
 
 
 def _health(args: argparse.Namespace) -> int:
-    from coliworker.server.health import probe
+    from coliworker.tools.health import probe
 
     tls = _client_options(args).get("tls")
     return probe(args.address, tls=tls)

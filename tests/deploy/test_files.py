@@ -143,13 +143,21 @@ def test_dockerfile() -> None:
     text = (ROOT / "Dockerfile").read_text()
     stages = re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", text, re.M)
     assert stages == ["builder", "cpu", "cuda"]  # cuda last: the default target
-    assert re.search(r"^EXPOSE 50051 9400$", text, re.M)
+    assert re.search(r"^EXPOSE 50051 50052 9400$", text, re.M)  # gRPC, data plane, metrics
     assert text.count("USER 10001") == 2
-    assert text.count("python -m coliworker.server.health") == 2
+    assert text.count("python -m coliworker.tools.health") == 2
     assert 'ENTRYPOINT ["coliworker", "serve"]' in text
     cpu_stage = text.split("AS cpu")[1].split("\nFROM")[0]
-    assert "gpu" not in re.findall(r'"coliworker\[([^\]]*)\]"', cpu_stage)[0]
-    assert "pip wheel" in text
+    cpu_stage = "\n".join(line for line in cpu_stage.splitlines() if not line.startswith("#"))
+    cuda_stage = text.split("AS cuda")[1]
+    assert "[gpu" not in cpu_stage and "cupy" not in cpu_stage.lower()
+    assert '"coliworker[gpu] @ file://' in cuda_stage
+    # The wheel built in the image is installed by path, never looked up by name.
+    assert "pip wheel" in text and "--find-links" not in text
+    assert "pip install --no-cache-dir /wheels/coliworker-" in cpu_stage
     ignore = (ROOT / ".dockerignore").read_text().split()
-    for needed in ("!pyproject.toml", "!proto/", "!server/", "!client/", "!kernels/"):
-        assert needed in ignore
+    package_dirs = re.findall(r'"coliworker\.\w+" = "(\w+)"', (ROOT / "pyproject.toml").read_text())
+    for needed in ("!pyproject.toml", "!LICENSE", "!proto/", *(f"!{d}/" for d in package_dirs)):
+        assert needed in ignore, needed
+        if needed.endswith("/"):
+            assert f"COPY {needed[1:]} {needed[1:]}" in text, needed

@@ -8,10 +8,10 @@ import grpc
 import pytest
 
 from coliworker.server import health as health_mod
-from coliworker.server.health import Health, enable_reflection, probe
-
-pytest.importorskip("grpc_health.v1.health")
-pytest.importorskip("grpc_reflection.v1alpha.reflection")
+from coliworker.server import reflection as reflection_mod
+from coliworker.server.health import Health, enable_reflection
+from coliworker.tools import health as probe_mod
+from coliworker.tools.health import probe
 
 
 @pytest.fixture
@@ -59,8 +59,9 @@ def test_probe_exit_codes(served, capsys) -> None:
     assert probe(address, "no.such.Service") == 1  # NOT_FOUND from the health service
     health.shutdown()
     assert probe(address) == 1
-    assert health_mod.main([address]) == 1
-    assert health_mod.main([]) == 2
+    assert probe_mod.main([address]) == 1
+    assert probe_mod.main([]) == 2
+    assert health_mod.probe is probe  # the old import path still works
 
 
 def test_probe_unreachable(capsys) -> None:
@@ -70,25 +71,56 @@ def test_probe_unreachable(capsys) -> None:
     assert "UNAVAILABLE" in capsys.readouterr().err
 
 
-def test_reflection_lists_services(served) -> None:
-    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+SERVICES = {
+    "coliworker.v1.Worker",
+    "grpc.health.v1.Health",
+    "grpc.reflection.v1.ServerReflection",
+    "grpc.reflection.v1alpha.ServerReflection",
+}
+
+
+def _reflect(address: str, method: str, request):
+    """One reflection request over ``method`` (v1 or v1alpha: the same messages)."""
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    with grpc.insecure_channel(address) as channel:
+        call = channel.stream_stream(
+            method,
+            request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+            response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+        )
+        (reply,) = list(call(iter([request]), timeout=5))
+    return reply
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_lists_and_describes_services(served, version) -> None:
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2
 
     _, address = served
-    with grpc.insecure_channel(address) as channel:
-        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        request = reflection_pb2.ServerReflectionRequest(list_services="")
-        (reply,) = list(stub.ServerReflectionInfo(iter([request]), timeout=5))
+    method = f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo"
+    reply = _reflect(address, method, reflection_pb2.ServerReflectionRequest(list_services=""))
     names = {s.name for s in reply.list_services_response.service}
-    assert names == {
-        "coliworker.v1.Worker",
-        "grpc.health.v1.Health",
-        "grpc.reflection.v1alpha.ServerReflection",
-    }
+    assert names == SERVICES
+    for service in sorted(SERVICES):  # every listed service can be described, v1 included
+        reply = _reflect(
+            address, method, reflection_pb2.ServerReflectionRequest(file_containing_symbol=service)
+        )
+        assert reply.WhichOneof("message_response") == "file_descriptor_response", service
+        files = [
+            descriptor_pb2.FileDescriptorProto.FromString(raw)
+            for raw in reply.file_descriptor_response.file_descriptor_proto
+        ]
+        package, _, name = service.rpartition(".")
+        assert any(f.package == package and name in [s.name for s in f.service] for f in files), (
+            service
+        )
 
 
 def test_without_the_packages_everything_is_a_no_op(monkeypatch, caplog) -> None:
     monkeypatch.setattr(health_mod, "_health", None)
-    monkeypatch.setattr(health_mod, "_reflection", None)
+    monkeypatch.setattr(reflection_mod, "_reflection", None)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
     h = Health()
     h.attach(server)

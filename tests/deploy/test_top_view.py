@@ -12,7 +12,7 @@ import pytest
 
 from coliworker.server.backend import DeviceInfo, Phases
 from coliworker.server.metrics import Metrics
-from coliworker.server.top import normalize_url, quantile, render, run_top, scrape
+from coliworker.tools.top import normalize_url, quantile, render, run_top, scrape
 
 
 def test_quantile_interpolates_like_histogram_quantile() -> None:
