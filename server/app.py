@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 from concurrent import futures
 
@@ -14,7 +15,7 @@ from coliworker.server.auth import AuthInterceptor, check_exposure, server_crede
 from coliworker.server.backend import Backend
 from coliworker.server.backends import create_backend
 from coliworker.server.config import Config
-from coliworker.server.limits import GuardInterceptor
+from coliworker.server.guard import GuardInterceptor, backstop
 from coliworker.server.servicer import WorkerServicer
 from coliworker.v1 import worker_pb2_grpc as pb_grpc
 
@@ -54,11 +55,22 @@ def _add_servicer(server: grpc.Server, servicer: WorkerServicer) -> None:
 class WorkerServer:
     """A running (after ``start``) worker. ``port`` and ``metrics_port`` are the bound ports."""
 
-    def __init__(self, config: Config, backend: Backend | None = None) -> None:
+    def __init__(
+        self, config: Config, backend: Backend | None = None, handle_signals: bool = False
+    ) -> None:
         self.config = config
+        self.signalled = threading.Event()
+        self.signal = 0
+        if handle_signals:  # before anything listens: a SIGTERM from then on drains
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._on_signal)
         self.backend = backend or create_backend(config.backend, devices=config.devices)
         self.metrics = None
-        interceptors: list[grpc.ServerInterceptor] = []
+        from coliworker.server.health import Health, enable_reflection
+
+        self.health = Health()
+        # Health/Watch first: served outside the other interceptors (no thread, own bound).
+        interceptors: list[grpc.ServerInterceptor] = [self.health.interceptor()]
         hooks = None
         if config.metrics_port is not None:
             from coliworker.server.metrics import Metrics
@@ -70,7 +82,14 @@ class WorkerServer:
         check_exposure(config, authenticated=self.servicer.tokens is not None)
         if self.servicer.tokens is not None:
             interceptors.append(AuthInterceptor(self.servicer.tokens))
-        interceptors.append(GuardInterceptor(self.servicer.instance_id))
+        interceptors.append(
+            GuardInterceptor(
+                self.servicer.instance_id,
+                config.max_in_flight,
+                self.servicer.idle,
+                upload.RAW_METHODS,
+            )
+        )
         if self.metrics is not None:
             self.metrics.bind(residency=self.servicer.usage, devices=self.backend.devices)
         options = [
@@ -82,12 +101,9 @@ class WorkerServer:
             futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="rpc"),
             interceptors=interceptors,
             options=options,
-            maximum_concurrent_rpcs=config.max_in_flight,
+            maximum_concurrent_rpcs=backstop(config.max_in_flight),
         )
         _add_servicer(self.server, self.servicer)
-        from coliworker.server.health import Health, enable_reflection
-
-        self.health = Health()
         self.health.attach(self.server)
         enable_reflection(self.server)
         credentials = server_credentials(config)
@@ -133,6 +149,17 @@ class WorkerServer:
     def wait(self) -> None:
         self.server.wait_for_termination()
 
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.signal = signum
+        self.signalled.set()
+
+    def wait_for_signal(self) -> int:
+        """Block until SIGTERM or SIGINT (``handle_signals=True``); returns which. A signal
+        that came while the server was still starting returns at once."""
+        while not self.signalled.wait(0.25):  # wakes to run handlers on any thread's signal
+            pass
+        return self.signal
+
     @property
     def address(self) -> str:
         host = self.config.host
@@ -141,5 +168,9 @@ class WorkerServer:
         return f"{host}:{self.port}"
 
 
-def build_server(config: Config, backend: Backend | None = None) -> WorkerServer:
-    return WorkerServer(config, backend)
+def build_server(
+    config: Config, backend: Backend | None = None, handle_signals: bool = False
+) -> WorkerServer:
+    """The worker of ``config``; ``handle_signals`` (the main thread of ``coliworker
+    serve``) catches SIGTERM/SIGINT from before the port opens, for ``wait_for_signal``."""
+    return WorkerServer(config, backend, handle_signals)

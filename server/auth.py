@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import ipaddress
 import logging
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -30,10 +31,13 @@ from typing import Any
 import grpc
 
 from coliworker.server.config import Config
+from coliworker.v1 import worker_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 AUTH_METADATA_KEY = "authorization"
+_NAME = re.compile(r"[A-Za-z0-9._@-]{1,128}")
+_TOKEN = re.compile(r"[A-Za-z0-9._~+/=-]+")
 OPEN_SERVICES = ("/grpc.health.v1.Health/",)
 
 
@@ -69,19 +73,31 @@ class TokenTable:
             self._entries.append(_Entry(name, _digest(token)))
 
     @staticmethod
-    def parse(text: str, source: str) -> list[tuple[str, str]]:
-        """(owner, token) pairs from ``text`` (lines or commas); errors name ``source``."""
+    def parse(text: str, source: str, sep: str = "\n") -> list[tuple[str, str]]:
+        """(owner, token) pairs from ``text``: entries split at ``sep`` (lines of a token
+        file, commas of COLIWORKER_TOKENS). An entry that is not exactly ``name:token`` or a
+        bare token (names of ``[A-Za-z0-9._@-]``, tokens of ``[A-Za-z0-9._~+/=-]``, nothing
+        else on the line) is an error naming ``source`` and the entry, never the token."""
         entries = []
-        for i, raw in enumerate(text.replace(",", "\n").splitlines(), start=1):
+        for i, raw in enumerate(text.split(sep), start=1):
             line = raw.strip()
             if not line or line.startswith("#"):
                 continue
-            name, sep, token = line.partition(":")
-            if not sep:
+            name, colon, token = line.partition(":")
+            if not colon:
                 name, token = bare_token_owner(line), line
             name, token = name.strip(), token.strip()
-            if not name or not token:
-                raise ValueError(f"{source}: entry {i}: expected 'name:token' or a bare token")
+            where = f"{source}: entry {i}"
+            unit = "line" if sep == "\n" else "comma-separated entry"
+            if not _NAME.fullmatch(name):
+                raise ValueError(
+                    f"{where}: expected an owner name of letters, digits and ._@- before ':'"
+                )
+            if not _TOKEN.fullmatch(token):
+                raise ValueError(
+                    f"{where}: expected 'name:token' or a bare token, the token of letters, "
+                    f"digits and ._~+/=- only (one per {unit})"
+                )
             entries.append((name, token))
         return entries
 
@@ -94,7 +110,7 @@ class TokenTable:
         if config.token_file:
             entries += cls.parse(_read(config.token_file, "--token-file").decode(), "--token-file")
         if config.tokens:
-            entries += cls.parse(config.tokens, "COLIWORKER_TOKENS")
+            entries += cls.parse(config.tokens, "COLIWORKER_TOKENS", sep=",")
         if not entries:
             raise ValueError("--token-file/COLIWORKER_TOKENS: expected at least one token, got 0")
         try:
@@ -114,6 +130,11 @@ class TokenTable:
                 found = e.name
         return found
 
+    def owner_of_token(self, token: str) -> str | None:
+        """``owner_of`` by its transport-neutral name (the data plane's HELLO carries the
+        token itself, not gRPC metadata)."""
+        return self.owner_of(token)
+
     def owner_from_metadata(self, metadata: Iterable[tuple[str, Any]] | None) -> str | None:
         for key, value in metadata or ():
             if key == AUTH_METADATA_KEY:
@@ -124,6 +145,18 @@ class TokenTable:
                     return None
                 return self.owner_of(token.strip())
         return None
+
+
+def _streaming_of_methods() -> dict[str, tuple[bool, bool]]:
+    """'/coliworker.v1.Worker/Upload' -> (client streaming, server streaming)."""
+    service = pb.DESCRIPTOR.services_by_name["Worker"]
+    return {
+        f"/{service.full_name}/{m.name}": (m.client_streaming, m.server_streaming)
+        for m in service.methods
+    }
+
+
+_STREAMING = _streaming_of_methods()
 
 
 def _deny(message: str) -> Callable[[Any, grpc.ServicerContext], Any]:
@@ -157,14 +190,16 @@ class AuthInterceptor(grpc.ServerInterceptor):
             if has
             else "missing bearer token ('authorization: Bearer <token>' metadata)"
         )
-        handler = continuation(details)
         deny = _deny(f"{method}: {why}")
-        # Answer with the same handler kind so the request (stream) is never deserialized.
-        if handler is None or handler.unary_unary:
+        # Answer with the method's own kind so the request (stream) is never deserialized;
+        # the kind comes from the proto, not from ``continuation``, so the interceptors after
+        # this one (the in-flight count) never see a refused call.
+        streams = _STREAMING.get(method, (False, False))
+        if streams == (False, False):
             return grpc.unary_unary_rpc_method_handler(deny)
-        if handler.stream_unary:
+        if streams == (True, False):
             return grpc.stream_unary_rpc_method_handler(deny)
-        if handler.unary_stream:
+        if streams == (False, True):
             return grpc.unary_stream_rpc_method_handler(deny)
         return grpc.stream_stream_rpc_method_handler(deny)
 
@@ -199,18 +234,20 @@ def is_loopback(host: str) -> bool:
 
 
 def check_exposure(config: Config, authenticated: bool) -> None:
-    """Refuse to listen beyond loopback with neither tokens nor TLS, unless --insecure."""
-    if is_loopback(config.host) or authenticated or config.tls_cert:
+    """Refuse to listen beyond loopback without client authentication (tokens, or mutual
+    TLS: --tls-client-ca), unless --insecure. TLS alone encrypts but lets anyone in."""
+    if is_loopback(config.host) or authenticated or config.tls_client_ca:
         return
     if not config.insecure:
+        tls = " (TLS alone authenticates no client)" if config.tls_cert else ""
         raise ValueError(
-            f"--host {config.host}: refusing to serve a non-loopback address without "
-            f"authentication; set --token-file/COLIWORKER_TOKENS and/or --tls-cert/--tls-key, "
-            f"or pass --insecure to serve anyone who can reach the port"
+            f"--host {config.host}: refusing to serve a non-loopback address without client "
+            f"authentication{tls}; set --token-file/COLIWORKER_TOKENS and/or --tls-client-ca "
+            f"(mutual TLS), or pass --insecure to serve anyone who can reach the port"
         )
     log.warning(
-        "serving %s:%d WITHOUT authentication or TLS (--insecure): anyone who can reach "
-        "the port can upload, compute and free",
+        "serving %s:%d WITHOUT authentication (--insecure; no tokens, no client "
+        "certificates): anyone who can reach the port can upload, compute and free",
         config.host,
         config.port,
     )

@@ -5,31 +5,65 @@
     coliworker stats [--address HOST:PORT]
     coliworker demo  [--address HOST:PORT] [--layers N] [--tokens N]
     coliworker top   [--metrics-url URL] [--interval S] [--once]
-    coliworker health [--address HOST:PORT]
+    coliworker health [--address HOST:PORT] [--service NAME]
 
 Every ``serve`` flag has a ``COLIWORKER_*`` environment variable (``coliworker serve -h``).
+The client commands take the worker's address from ``--address``, else
+``COLIWORKER_ADDRESS``, else 127.0.0.1:50051; ``top`` its URL from ``--metrics-url``, else
+``COLIWORKER_METRICS_URL``, else http://127.0.0.1:9400/metrics.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
-import signal
+import re
 import sys
-import threading
 
 from coliworker import __version__
 from coliworker.server import config as cfg
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEFAULT_METRICS_URL = "http://127.0.0.1:9400/metrics"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Python's own wording for a number that did not parse, and what the operator should read.
+_NOT_A_NUMBER = (
+    (re.compile(r"invalid literal for int\(\) with base 10: (.*)"), "expected an integer, got {}"),
+    (re.compile(r"could not convert string to float: (.*)"), "expected a number, got {}"),
+)
+
+
+def _plain(message: str) -> str:
+    """A settings error as the operator should read it ("--port: expected an integer, got
+    'abc'", not Python's "invalid literal for int() with base 10")."""
+    for pattern, wording in _NOT_A_NUMBER:
+        m = pattern.search(message)
+        if m:
+            return message[: m.start()] + wording.format(m.group(1))
+    return message
+
+
+def _check_log_level(args: argparse.Namespace, level: str) -> str | None:
+    """An error naming the flag or variable when ``level`` is not a logging level."""
+    if level in LOG_LEVELS:
+        return None
+    source = (
+        "--log-level" if getattr(args, "log_level", None) is not None else "COLIWORKER_LOG_LEVEL"
+    )
+    return f"{source}: expected one of {', '.join(LOG_LEVELS)}, got {level!r}"
 
 
 def _serve(args: argparse.Namespace) -> int:
     try:
         config = cfg.from_sources(args, os.environ)
     except ValueError as exc:
-        print(f"coliworker serve: {exc}", file=sys.stderr)
+        print(f"coliworker serve: {_plain(str(exc))}", file=sys.stderr)
+        return 2
+    problem = _check_log_level(args, config.log_level)
+    if problem:
+        print(f"coliworker serve: {problem}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -37,19 +71,12 @@ def _serve(args: argparse.Namespace) -> int:
     from coliworker.server.app import build_server
 
     try:
-        server = build_server(config).start()
+        server = build_server(config, handle_signals=True).start()
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"coliworker serve: {exc}", file=sys.stderr)
         return 1
-    done = threading.Event()
-
-    def stop(signum: int, _frame: object) -> None:
-        logging.getLogger("coliworker").info("signal %d: draining", signum)
-        done.set()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    done.wait()
+    signum = server.wait_for_signal()  # caught from before the port opened (app.py)
+    logging.getLogger("coliworker").info("signal %d: draining", signum)
     server.stop(grace=config.drain_grace)
     return 0
 
@@ -137,11 +164,16 @@ def _health(args: argparse.Namespace) -> int:
     from coliworker.tools.health import probe
 
     tls = _client_options(args).get("tls")
-    return probe(args.address, tls=tls)
+    return probe(args.address, service=args.service, tls=tls)
 
 
 def _add_connection(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default=DEFAULT_ADDRESS, help="worker host:port or unix:PATH")
+    p.add_argument(
+        "--address",
+        default=os.environ.get("COLIWORKER_ADDRESS") or DEFAULT_ADDRESS,
+        help="worker host:port or unix:PATH (default: $COLIWORKER_ADDRESS, else "
+        f"{DEFAULT_ADDRESS})",
+    )
     p.add_argument("--token-file", help="file holding the bearer token (worker --token-file)")
     p.add_argument("--tls", action="store_true", help="use TLS with the system's roots")
     p.add_argument("--ca", help="PEM file of the roots that signed the worker's certificate")
@@ -176,6 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=text)
         _add_connection(c)
         c.set_defaults(func=func)
+        if name == "health":
+            c.add_argument(
+                "--service",
+                default="",
+                help="service to ask about: '' (the server, default) or coliworker.v1.Worker "
+                "(NOT_SERVING while draining)",
+            )
 
     demo = sub.add_parser(
         "demo", help="run a small GLM-style decode loop against a worker and check it against NumPy"
@@ -188,7 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     top = sub.add_parser("top", help="live view of a worker's metrics")
     top.add_argument(
-        "--metrics-url", default="http://127.0.0.1:9400/metrics", help="the worker's /metrics URL"
+        "--metrics-url",
+        default=os.environ.get("COLIWORKER_METRICS_URL") or DEFAULT_METRICS_URL,
+        help="the worker's /metrics URL or host:port (default: $COLIWORKER_METRICS_URL, else "
+        f"{DEFAULT_METRICS_URL})",
     )
     top.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     top.add_argument("--once", action="store_true", help="print one snapshot and exit")
@@ -196,6 +238,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _commands(parser: argparse.ArgumentParser) -> list[str]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return list(action.choices)
+    return []
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    commands = _commands(parser)
+    if argv and not argv[0].startswith("-") and argv[0] not in commands:
+        close = difflib.get_close_matches(argv[0], commands, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        print(
+            f"coliworker: unknown command {argv[0]!r}; {hint}commands: {', '.join(commands)} "
+            "(coliworker COMMAND -h for one's flags)",
+            file=sys.stderr,
+        )
+        return 2
+    args = parser.parse_args(argv)
     return int(args.func(args))

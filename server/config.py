@@ -74,6 +74,11 @@ class Config:
     max_in_flight: int = 256
     quota: int = 0  # bytes per owner (token) for tensors + KV; 0: no quota
     drain_grace: float = 10.0
+    # Per-owner limits on what streams hold (owners.py) and the stalled-stream timeout.
+    max_sessions_per_owner: int = 4
+    max_uploads_per_owner: int = 4
+    max_staged_bytes_per_owner: int = 2 << 30
+    idle_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -109,6 +114,15 @@ class Config:
             raise ValueError(f"quota: expected >= 0, got {self.quota}")
         if not 0 <= self.drain_grace <= 3600:
             raise ValueError(f"drain_grace: expected 0..3600 seconds, got {self.drain_grace}")
+        for name in ("max_sessions_per_owner", "max_uploads_per_owner"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected >= 0 (0: no limit), got {getattr(self, name)}")
+        if self.max_staged_bytes_per_owner < 0:
+            raise ValueError(
+                f"max_staged_bytes_per_owner: expected >= 0, got {self.max_staged_bytes_per_owner}"
+            )
+        if not 0 <= self.idle_timeout <= 86400:
+            raise ValueError(f"idle_timeout: expected 0..86400 seconds, got {self.idle_timeout}")
 
 
 @dataclass(frozen=True)
@@ -278,6 +292,37 @@ SETTINGS: tuple[Setting, ...] = (
         "COLIWORKER_DRAIN_GRACE",
         float,
         "on SIGTERM: seconds in-flight calls get to finish before exit (default 10)",
+    ),
+    Setting(
+        "max_sessions_per_owner",
+        "--max-sessions-per-owner",
+        "COLIWORKER_MAX_SESSIONS_PER_OWNER",
+        int,
+        "Session streams one owner (token) may keep open, each holds a --workers thread "
+        "(default 4; 0: no limit)",
+    ),
+    Setting(
+        "max_uploads_per_owner",
+        "--max-uploads-per-owner",
+        "COLIWORKER_MAX_UPLOADS_PER_OWNER",
+        int,
+        "uploads/updates one owner may have in progress at once (default 4; 0: no limit)",
+    ),
+    Setting(
+        "max_staged_bytes_per_owner",
+        "--max-staged-bytes-per-owner",
+        "COLIWORKER_MAX_STAGED_BYTES_PER_OWNER",
+        parse_bytes,
+        "host bytes one owner's requests may hold staged (update buffers, session chunks) "
+        "(default 2G; 0: no limit)",
+    ),
+    Setting(
+        "idle_timeout",
+        "--idle-timeout",
+        "COLIWORKER_IDLE_TIMEOUT",
+        float,
+        "seconds an upload/update stream may send nothing before it is cancelled (default 60; "
+        "0: never)",
     ),
 )
 

@@ -26,7 +26,7 @@ from coliworker.server.errors import (
     OutOfDeviceMemory,
     ResourceExhausted,
 )
-from coliworker.server.limits import Quota
+from coliworker.server.quota import Quota
 from coliworker.server.store import Budget, Handle
 
 Key = tuple[str, int, int]  # (owner, kv_b handle id, sequence id)
@@ -62,7 +62,7 @@ class SequenceStore:
     ) -> None:
         self.backend = backend
         self.budget = budget
-        self.quota = quota or Quota()  # per-owner bytes (limits.py)
+        self.quota = quota or Quota()  # per-owner bytes (quota.py)
         self.max_rows = max_rows
         self.on_evict = on_evict
         # One lock for cache mutation and the attention that reads the caches: an eviction

@@ -32,7 +32,9 @@ from coliworker.server.errors import (
     Unauthenticated,
     WorkerError,
 )
+from coliworker.server.idle import IdleWatchdog
 from coliworker.server.limits import Quota, check_upload
+from coliworker.server.owners import owner_limits
 from coliworker.server.sequences import SequenceStore
 from coliworker.server.session import SessionManager
 from coliworker.server.store import Budget, DeviceUsage, Handle, TensorStore
@@ -111,6 +113,8 @@ class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
         self.quota = Quota(config.quota)
         self.store = TensorStore(backend, self.devices, self.budget, self.quota)
         self.staging = upload.Staging(backend)
+        self.owners = owner_limits(config)  # per-owner sessions, uploads, staged bytes
+        self.idle = IdleWatchdog(config.idle_timeout)  # stalled streams end (idle.py)
         self.sequences = SequenceStore(
             backend,
             self.budget,

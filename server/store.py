@@ -22,7 +22,7 @@ import numpy as np
 from coliworker.kernels.qtensor import QTensor
 from coliworker.server.backend import Backend, Phases, Placement, Resident
 from coliworker.server.errors import NotFound, ResourceExhausted
-from coliworker.server.limits import Quota
+from coliworker.server.quota import Quota
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ class TensorStore:
         self.backend = backend
         self.devices = devices
         self.budget = budget
-        self.quota = quota or Quota()  # per-owner bytes (limits.py)
+        self.quota = quota or Quota()  # per-owner bytes (quota.py)
         self._lock = threading.RLock()
         self._by_key: dict[tuple[int, bytes], TensorData] = {}
         self._handles: dict[int, Handle] = {}
