@@ -16,6 +16,7 @@ from coliworker.server.backend import Backend
 from coliworker.server.backends import create_backend
 from coliworker.server.config import Config
 from coliworker.server.guard import GuardInterceptor, backstop
+from coliworker.server.memory import memory_limit_warnings
 from coliworker.server.servicer import WorkerServicer
 from coliworker.v1 import worker_pb2_grpc as pb_grpc
 
@@ -91,7 +92,16 @@ class WorkerServer:
             )
         )
         if self.metrics is not None:
-            self.metrics.bind(residency=self.servicer.usage, devices=self.backend.devices)
+            gpus = config.devices if self.backend.name == "cupy" else None
+            self.metrics.bind(
+                residency=self.servicer.usage,
+                devices=self.backend.devices,
+                memory_limit=config.memory_limit,
+                gpus=gpus,
+            )
+        memory = "host" if self.backend.name == "numpy" else "GPU"
+        for warning in memory_limit_warnings(config.memory_limit, self.backend.devices(), memory):
+            log.warning("%s", warning)
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),

@@ -8,8 +8,12 @@
     └── serve(host, port) / render()    the /metrics HTTP endpoint, or the text for tests
 
 Names follow the Prometheus conventions (base units: seconds and bytes; ``_total`` on
-counters). The ``grpc_server_*`` family matches go-grpc-prometheus, so stock dashboards and
-alerts written for it work unchanged; ``grpc_method`` is the short method name ("Matmul").
+counters). The ``grpc_server_*`` family has go-grpc-prometheus's names and labels
+(``grpc_type``, ``grpc_service``, ``grpc_method`` short as "Matmul", ``grpc_code``), so
+stock dashboards and alerts written for it work; what differs: no
+``grpc_server_msg_received_total`` / ``msg_sent_total``, our own histogram buckets, and an
+extra ``grpc_server_in_flight_requests`` gauge. The registry also carries the standard
+``process_*`` and ``python_*`` collectors.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from typing import Any
 
 import grpc
 from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -63,6 +70,8 @@ COMPUTE_METHODS = frozenset(
     }
 )
 
+WORKER_SERVICE = "coliworker.v1.Worker"
+
 ResidencyFn = Callable[[], Sequence[Any]]
 DevicesFn = Callable[[], Sequence[DeviceInfo]]
 
@@ -91,19 +100,29 @@ def _code_name(code: grpc.StatusCode | int | str) -> str:
 class _StateCollector(Collector):
     """Residency and device memory, read from the worker's callbacks at scrape time."""
 
-    def __init__(self) -> None:
+    def __init__(self, memory: str) -> None:
         self.residency: ResidencyFn | None = None
         self.devices: DevicesFn | None = None
+        self.memory = memory  # what a device's memory is: "gpu", or "host" (NumPy backend)
+        self.memory_limit = 0  # --memory-limit, bytes per device (0: none)
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         families = [GaugeMetricFamily(n, h, labels=["device"]) for n, _, h in _RESIDENCY]
         used = GaugeMetricFamily(
-            "coliworker_gpu_memory_used_bytes",
-            "Device memory in use (total minus free, all processes).",
-            labels=["device"],
+            "coliworker_device_memory_used_bytes",
+            "Memory in use on the device (total minus free, all processes); memory=gpu is "
+            "the GPU's, memory=host the machine's RAM (the NumPy backend's devices).",
+            labels=["device", "memory"],
         )
         total = GaugeMetricFamily(
-            "coliworker_gpu_memory_total_bytes", "Device memory in all.", labels=["device"]
+            "coliworker_device_memory_total_bytes",
+            "Memory of the device (memory: gpu or host, as for _used_bytes).",
+            labels=["device", "memory"],
+        )
+        limit = GaugeMetricFamily(
+            "coliworker_memory_limit_bytes",
+            "Budget for resident tensors and KV caches per device (--memory-limit; 0: none).",
+            labels=["device"],
         )
         # A failing callback must not fail the scrape: log it and report what we have.
         try:
@@ -115,15 +134,16 @@ class _StateCollector(Collector):
             log.exception("metrics: residency callback failed")
         try:
             for info in self.devices() if self.devices else ():
-                used.add_metric(
-                    [str(info.id)], float(info.total_memory_bytes - info.free_memory_bytes)
-                )
-                total.add_metric([str(info.id)], float(info.total_memory_bytes))
+                labels = [str(info.id), self.memory]
+                used.add_metric(labels, float(info.total_memory_bytes - info.free_memory_bytes))
+                total.add_metric(labels, float(info.total_memory_bytes))
+                limit.add_metric([str(info.id)], float(self.memory_limit))
         except Exception:
             log.exception("metrics: devices callback failed")
         yield from families
         yield used
         yield total
+        yield limit
 
 
 class Metrics:
@@ -137,6 +157,9 @@ class Metrics:
         disable_created_metrics()
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        if registry is None:  # process_* (CPU, memory, fds) and python_* (GC, version)
+            for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+                r.register(collector)
         dev = ["device"]
         self.group_calls = Counter(
             "coliworker_group_calls", "Expert group calls (sync, async, routed).", dev, registry=r
@@ -187,32 +210,32 @@ class Metrics:
             buckets=RPC_BUCKETS,
             registry=r,
         )
+        rpc = ["grpc_type", "grpc_service", "grpc_method"]  # go-grpc-prometheus's labels
         self.rpc_started = Counter(
-            "grpc_server_started", "RPCs started on the server.", ["grpc_method"], registry=r
+            "grpc_server_started", "RPCs started on the server.", rpc, registry=r
         )
         self.rpc_handled = Counter(
             "grpc_server_handled",
             "RPCs completed on the server, by status code.",
-            ["grpc_method", "grpc_code"],
+            [*rpc, "grpc_code"],
             registry=r,
         )
         self.rpc_seconds = Histogram(
             "grpc_server_handling_seconds",
-            "Time from the start of an RPC to its last response.",
-            ["grpc_method"],
+            "Time from the start of an RPC to its last response (a stream: when it ends).",
+            rpc,
             buckets=RPC_BUCKETS,
             registry=r,
         )
         self.rpc_in_flight = Gauge(
-            "grpc_server_in_flight_requests", "RPCs being handled now.", ["grpc_method"],
-            registry=r,
-        )  # fmt: skip
+            "grpc_server_in_flight_requests", "RPCs being handled now.", rpc, registry=r
+        )
         build = Gauge(
             "coliworker_build_info", "Worker version and backend (always 1).",
             ["version", "backend"], registry=r,
         )  # fmt: skip
         build.labels(version=version, backend=backend).set(1)
-        self._state = _StateCollector()
+        self._state = _StateCollector("host" if backend == "numpy" else "gpu")
         r.register(self._state)
         self._http: Any = None
         # Labelled children by label values: ``labels()`` builds and looks up its key under a
@@ -221,14 +244,28 @@ class Metrics:
 
     # -- callbacks and recorders -------------------------------------------------------
 
-    def bind(self, residency: ResidencyFn | None = None, devices: DevicesFn | None = None) -> None:
+    def bind(
+        self,
+        residency: ResidencyFn | None = None,
+        devices: DevicesFn | None = None,
+        memory_limit: int | None = None,
+        gpus: Sequence[int] | None = None,
+    ) -> None:
         """Set the scrape-time sources. ``residency()`` returns objects with ``device``,
         ``tensors``, ``tensor_bytes``, ``handles``, ``kv_sequences`` and ``kv_bytes``
-        (a DeviceStats-like view per device); ``devices()`` returns backend DeviceInfo."""
+        (a DeviceStats-like view per device); ``devices()`` returns backend DeviceInfo;
+        ``memory_limit`` is the per-device budget; ``gpus`` the CUDA devices whose
+        utilisation and power NVML reports (``server/nvml.py``)."""
         if residency is not None:
             self._state.residency = residency
         if devices is not None:
             self._state.devices = devices
+        if memory_limit is not None:
+            self._state.memory_limit = memory_limit
+        if gpus:
+            from coliworker.server.nvml import NvmlCollector
+
+            self.registry.register(NvmlCollector(gpus))
 
     def _child(self, metric: Any, *values: str) -> Any:
         key = (id(metric), values)
@@ -293,7 +330,13 @@ class Metrics:
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP endpoint on a daemon thread; port 0 picks a free port.
         Returns the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        try:
+            server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise OSError(
+                f"metrics endpoint {host}:{port}: {exc.strerror or exc} "
+                "(--metrics-port / COLIWORKER_METRICS_PORT; 0 turns it off)"
+            ) from None
         self._http = server
         return int(server.server_port)
 
@@ -310,15 +353,22 @@ class Metrics:
 
     # -- used by the interceptor -------------------------------------------------------
 
-    def _begin(self, method: str) -> float:
-        self._child(self.rpc_started, method).inc()
-        self._child(self.rpc_in_flight, method).inc()
+    def _begin(self, method: str, service: str = WORKER_SERVICE, kind: str = "unary") -> float:
+        self._child(self.rpc_started, kind, service, method).inc()
+        self._child(self.rpc_in_flight, kind, service, method).inc()
         return time.perf_counter()
 
-    def _end(self, method: str, started: float, code: grpc.StatusCode) -> None:
-        self._child(self.rpc_seconds, method).observe(time.perf_counter() - started)
-        self._child(self.rpc_in_flight, method).dec()
-        self._child(self.rpc_handled, method, code.name).inc()
+    def _end(
+        self,
+        method: str,
+        started: float,
+        code: grpc.StatusCode,
+        service: str = WORKER_SERVICE,
+        kind: str = "unary",
+    ) -> None:
+        self._child(self.rpc_seconds, kind, service, method).observe(time.perf_counter() - started)
+        self._child(self.rpc_in_flight, kind, service, method).dec()
+        self._child(self.rpc_handled, kind, service, method, code.name).inc()
         if code is not grpc.StatusCode.OK and method in COMPUTE_METHODS:
             self.compute_errors.labels(code.name).inc()
 
@@ -353,38 +403,41 @@ class _MetricsInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        method = handler_call_details.method.rsplit("/", 1)[-1]  # type: ignore[attr-defined]
+        full = handler_call_details.method  # type: ignore[attr-defined]
+        service, _, method = full.lstrip("/").rpartition("/")
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                self._unary(method, handler.unary_unary),
+                self._unary(service, method, "unary", handler.unary_unary),
                 handler.request_deserializer,
                 handler.response_serializer,
             )
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                self._unary(method, handler.stream_unary),
+                self._unary(service, method, "client_stream", handler.stream_unary),
                 handler.request_deserializer,
                 handler.response_serializer,
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                self._streaming(method, handler.unary_stream),
+                self._streaming(service, method, "server_stream", handler.unary_stream),
                 handler.request_deserializer,
                 handler.response_serializer,
             )
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
-                self._streaming(method, handler.stream_stream),
+                self._streaming(service, method, "bidi_stream", handler.stream_stream),
                 handler.request_deserializer,
                 handler.response_serializer,
             )
         return handler
 
-    def _unary(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+    def _unary(
+        self, service: str, method: str, kind: str, behavior: Callable[..., Any]
+    ) -> Callable[..., Any]:
         m = self._m
 
         def wrapped(request: Any, context: grpc.ServicerContext) -> Any:
-            started = m._begin(method)
+            started = m._begin(method, service, kind)
             code = grpc.StatusCode.UNKNOWN
             try:
                 response = behavior(request, context)
@@ -394,15 +447,17 @@ class _MetricsInterceptor(grpc.ServerInterceptor):
                 code = _status(context, grpc.StatusCode.UNKNOWN)
                 raise
             finally:
-                m._end(method, started, code)
+                m._end(method, started, code, service, kind)
 
         return wrapped
 
-    def _streaming(self, method: str, behavior: Callable[..., Any]) -> Callable[..., Any]:
+    def _streaming(
+        self, service: str, method: str, kind: str, behavior: Callable[..., Any]
+    ) -> Callable[..., Any]:
         m = self._m
 
         def wrapped(request: Any, context: grpc.ServicerContext) -> Iterable[Any]:
-            started = m._begin(method)
+            started = m._begin(method, service, kind)
             code = grpc.StatusCode.UNKNOWN
             try:
                 yield from behavior(request, context)
@@ -415,9 +470,9 @@ class _MetricsInterceptor(grpc.ServerInterceptor):
                 code = _status(context, grpc.StatusCode.UNKNOWN)
                 raise
             finally:
-                m._end(method, started, code)
+                m._end(method, started, code, service, kind)
 
         return wrapped
 
 
-__all__ = ["COMPUTE_METHODS", "PHASE_BUCKETS", "RPC_BUCKETS", "Metrics"]
+__all__ = ["COMPUTE_METHODS", "PHASE_BUCKETS", "RPC_BUCKETS", "WORKER_SERVICE", "Metrics"]

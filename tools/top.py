@@ -4,12 +4,18 @@ Scrapes the endpoint every ``interval`` seconds and shows rates computed from th
 difference of two scrapes: per RPC method calls/s, error ratio and p50/p99 latency
 (estimated from histogram bucket deltas, as PromQL's histogram_quantile does), and per
 device expert-group calls/experts/rows per second, mean phase times, resident and KV bytes
-and device memory. Plain ANSI redraw; no curses.
+and device memory. Plain ANSI redraw; no curses. ``q`` (or Ctrl-C) quits; a worker that
+goes away (a restart) is waited for and picked up again; lines are cut to the terminal's
+width rather than wrapped.
 """
 
 from __future__ import annotations
 
+import http.client
 import math
+import os
+import select
+import shutil
 import sys
 import time
 import urllib.error
@@ -17,6 +23,12 @@ import urllib.request
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import TextIO
+
+try:
+    import termios
+    import tty
+except ImportError:  # pragma: no cover - not a POSIX terminal
+    termios = None  # type: ignore[assignment]
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -45,16 +57,28 @@ def scrape(url: str, timeout: float = 5.0) -> Samples:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as reply:
             text = reply.read().decode("utf-8")
+    except (http.client.HTTPException, ConnectionResetError) as err:
+        # An HTTP/2-only listener (the gRPC port) drops an HTTP/1 request.
+        raise ScrapeError(
+            f"{url} does not speak HTTP/1 ({type(err).__name__}); is it the gRPC port? "
+            "/metrics is on the worker's --metrics-port (default 9400)"
+        ) from None
     except (urllib.error.URLError, OSError, ValueError) as err:
         reason = getattr(err, "reason", err)
         raise ScrapeError(f"cannot reach {url}: {reason}") from None
+    except UnicodeDecodeError:
+        raise ScrapeError(f"{url} did not return Prometheus metrics (not text)") from None
     samples: Samples = {}
     try:
         for family in text_string_to_metric_families(text):
             for s in family.samples:
                 samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    except ValueError as err:
+    except (ValueError, TypeError, IndexError) as err:
         raise ScrapeError(f"{url} did not return Prometheus metrics: {err}") from None
+    if not any(name == "coliworker_build_info" for name, _ in samples):
+        raise ScrapeError(
+            f"{url} serves metrics, but not a coliworker's (no coliworker_build_info)"
+        )
     return samples
 
 
@@ -130,7 +154,7 @@ def _fmt_bytes(n: float | None) -> str:
 
 def render(cur: Samples, prev: Samples, dt: float, url: str) -> str:
     """The screen for two scrapes ``dt`` seconds apart."""
-    lines = [f"coliworker top  {url}  every {dt:.1f}s  {time.strftime('%H:%M:%S')}"]
+    lines = [f"coliworker top  {url}  {dt:.1f}s  {time.strftime('%H:%M:%S')}"]
     for labels, _ in _select(cur, "coliworker_build_info"):
         lines[0] += f"  v{labels.get('version', '?')} {labels.get('backend', '?')}"
 
@@ -173,15 +197,21 @@ def render(cur: Samples, prev: Samples, dt: float, url: str) -> str:
         for name, metric in (
             ("resident", "coliworker_resident_bytes"),
             ("kv", "coliworker_kv_bytes"),
-            ("used", "coliworker_gpu_memory_used_bytes"),
-            ("total", "coliworker_gpu_memory_total_bytes"),
+            ("budget", "coliworker_memory_limit_bytes"),
+            ("used", "coliworker_device_memory_used_bytes"),
+            ("total", "coliworker_device_memory_total_bytes"),
+            ("util", "coliworker_gpu_utilization_ratio"),
+            ("power", "coliworker_gpu_power_watts"),
         )
     }
+    kind = {labels.get("device", ""): labels.get("memory", "")
+            for labels, _ in _select(cur, "coliworker_device_memory_total_bytes")}  # fmt: skip
     devices = sorted(set().union(*per_dev.values(), *gauges.values()), key=lambda d: (len(d), d))
+    # Two tables of at most 80 columns: work per device, then memory per device.
     lines += [
         "",
         f"{'dev':<5}{'groups/s':>10}{'experts/s':>11}{'rows/s':>10}"
-        f"{'h2d':>9}{'kernel':>9}{'d2h':>9}{'resident':>11}{'kv':>10}{'memory used/total':>22}",
+        f"{'h2d':>9}{'kernel':>9}{'d2h':>9}",
     ]
     for d in devices:
         calls = per_dev["calls"].get(d, 0.0)
@@ -189,42 +219,117 @@ def render(cur: Samples, prev: Samples, dt: float, url: str) -> str:
             _fmt_seconds(phase_sum.get((d, p), 0.0) / calls) if calls else "-"
             for p in ("h2d", "kernel", "d2h")
         ]
-        used, total = gauges["used"].get(d), gauges["total"].get(d)
-        memory = f"{_fmt_bytes(used)}/{_fmt_bytes(total)}"
         lines.append(
             f"{d:<5}{calls / dt:>10.1f}{per_dev['experts'].get(d, 0.0) / dt:>11.1f}"
             f"{per_dev['rows'].get(d, 0.0) / dt:>10.1f}{mean[0]:>9}{mean[1]:>9}{mean[2]:>9}"
-            f"{_fmt_bytes(gauges['resident'].get(d)):>11}{_fmt_bytes(gauges['kv'].get(d)):>10}"
-            f"{memory:>22}"
         )
     if not devices:
         lines.append("(no devices reported yet)")
+        return "\n".join(lines) + "\n"
+    lines += [
+        "",
+        f"{'dev':<5}{'resident':>10}{'kv':>10}{'budget':>10}{'memory used/total':>25}"
+        f"{'busy':>7}{'power':>7}",
+    ]
+    for d in devices:
+        budget = gauges["budget"].get(d)
+        used, total = gauges["used"].get(d), gauges["total"].get(d)
+        memory = f"{_fmt_bytes(used)}/{_fmt_bytes(total)} {kind.get(d, '')}".rstrip()
+        util, power = gauges["util"].get(d), gauges["power"].get(d)
+        lines.append(
+            f"{d:<5}{_fmt_bytes(gauges['resident'].get(d)):>10}"
+            f"{_fmt_bytes(gauges['kv'].get(d)):>10}"
+            f"{_fmt_bytes(budget) if budget else '-':>10}{memory:>25}"
+            f"{f'{100 * util:.0f}%' if util is not None else '-':>7}"
+            f"{f'{power:.0f}W' if power is not None else '-':>7}"
+        )
     return "\n".join(lines) + "\n"
 
 
-def run_top(url: str, interval: float = 1.0, once: bool = False, out: TextIO = sys.stdout) -> int:
-    """Show the view until interrupted (or one snapshot with ``once``). Returns the exit
-    code: 0, or 2 when the endpoint cannot be reached."""
+class _Keys:
+    """Single keys from an interactive terminal (cbreak mode while open); ``wait`` sleeps
+    until the timeout or a key and returns the key ("" for none)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.fd: int | None = None
+        self._saved = None
+        try:
+            fd = stream.fileno()
+        except (AttributeError, OSError, ValueError):
+            return
+        if termios is not None and os.isatty(fd):
+            self.fd, self._saved = fd, termios.tcgetattr(fd)
+            tty.setcbreak(fd)
+
+    def wait(self, timeout: float) -> str:
+        if self.fd is None:
+            time.sleep(timeout)
+            return ""
+        ready, _, _ = select.select([self.fd], [], [], timeout)
+        return os.read(self.fd, 1).decode(errors="replace") if ready else ""
+
+    def close(self) -> None:
+        if self.fd is not None and self._saved is not None:
+            termios.tcsetattr(self.fd, termios.TCSADRAIN, self._saved)
+            self.fd = None
+
+
+def _fit(screen: str, width: int) -> str:
+    """Cut every line to ``width`` columns (a wrapped table is unreadable)."""
+    return "\n".join(line[:width] for line in screen.split("\n"))
+
+
+def run_top(
+    url: str,
+    interval: float = 1.0,
+    once: bool = False,
+    out: TextIO = sys.stdout,
+    keys: TextIO | None = None,
+) -> int:
+    """Show the view until ``q`` or Ctrl-C (or one snapshot with ``once``). Returns the exit
+    code: 0, or 2 when the endpoint cannot be reached at the start. Once running, an
+    endpoint that goes away (the worker restarts) is retried every ``interval`` until it
+    answers again. ``keys`` is the terminal to read ``q`` from (default: stdin)."""
     url = normalize_url(url)
     interval = max(interval, 0.05)
     try:
         prev, t_prev = scrape(url), time.monotonic()
-        while True:
-            time.sleep(interval)
-            cur, t_cur = scrape(url), time.monotonic()
-            screen = render(cur, prev, t_cur - t_prev, url)
-            if once:
-                out.write(screen)
-                out.flush()
-                return 0
-            out.write(_CLEAR + screen)
-            out.flush()
-            prev, t_prev = cur, t_cur
     except ScrapeError as err:
         print(f"coliworker top: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 0
+    if once:
+        time.sleep(interval)
+        try:
+            cur = scrape(url)
+        except ScrapeError as err:
+            print(f"coliworker top: {err}", file=sys.stderr)
+            return 2
+        out.write(render(cur, prev, time.monotonic() - t_prev, url))
+        out.flush()
+        return 0
+    reader = _Keys(sys.stdin if keys is None else keys)
+    try:
+        while True:
+            if reader.wait(interval).lower() == "q":
+                return 0
+            width = shutil.get_terminal_size((100, 40)).columns
+            try:
+                cur, t_cur = scrape(url), time.monotonic()
+            except ScrapeError as err:
+                out.write(_CLEAR + _fit(
+                    f"coliworker top  {url}  {time.strftime('%H:%M:%S')}\n\n"
+                    f"waiting for the worker: {err}\n(q quits)\n", width))  # fmt: skip
+                out.flush()
+                continue
+            out.write(_CLEAR + _fit(render(cur, prev, t_cur - t_prev, url) + "(q quits)\n", width))
+            out.flush()
+            prev, t_prev = cur, t_cur
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        reader.close()
 
 
 __all__ = ["ScrapeError", "normalize_url", "quantile", "render", "run_top", "scrape"]

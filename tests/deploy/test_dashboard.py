@@ -15,6 +15,8 @@ from coliworker.server.metrics import Metrics
 @pytest.fixture(scope="module")
 def exposed() -> set[str]:
     """Sample names of a worker's /metrics after one of everything was recorded."""
+    from coliworker.server.nvml import NvmlCollector
+
     m = Metrics("0.1.0", "numpy")
     entry = SimpleNamespace(
         device=0, tensors=1, tensor_bytes=2, handles=3, kv_sequences=4, kv_bytes=5
@@ -26,11 +28,23 @@ def exposed() -> set[str]:
     m.record_session_request("expert_group", grpc.StatusCode.UNAVAILABLE, 0.01)
     m._begin("Info")
     m._end("Info", 0.0, grpc.StatusCode.OK)
+    m.registry.register(NvmlCollector([0], nvml=_OneGpu(), pci_bus_id=str))
     names = set()
     for line in m.render().decode().splitlines():
         if line and not line.startswith("#"):
             names.add(line.split("{")[0].split(" ")[0])
     return names
+
+
+class _OneGpu:
+    """What NVML answers for one GPU (the CUDA image's collector; no GPU here)."""
+
+    def __getattr__(self, name: str):
+        values = {
+            "nvmlDeviceGetUtilizationRates": SimpleNamespace(gpu=50, memory=20),
+            "nvmlDeviceGetHandleByPciBusId": "handle",
+        }
+        return lambda *args: values.get(name, 1)
 
 
 def test_every_dashboard_metric_is_exposed(dashboard_exprs: list[str], exposed: set[str]) -> None:
@@ -50,8 +64,15 @@ def test_dashboard_shows_what_the_issue_asks(dashboard_exprs: list[str]) -> None
         "coliworker_group_rows_total",
         "coliworker_group_phase_seconds_sum",  # h2d / kernel / d2h
         "coliworker_resident_bytes",
-        "coliworker_gpu_memory_used_bytes",
-        "coliworker_gpu_memory_total_bytes",
+        "coliworker_device_memory_used_bytes",
+        "coliworker_device_memory_total_bytes",
+        "coliworker_memory_limit_bytes",
+        "coliworker_session_request_seconds_bucket",  # hot-path latency per call
+        "sum by (call, transport, le)",  # ... and per transport (grpc, socket, shm)
+        "coliworker_gpu_utilization_ratio",
+        "coliworker_gpu_power_watts",
+        "process_cpu_seconds_total",
+        'grpc_type="unary"',  # stream durations are observed at their end: no p50 of them
         "coliworker_compute_errors_total",
         'grpc_code!="OK"',
     ):

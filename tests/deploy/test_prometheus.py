@@ -171,7 +171,10 @@ def test_prometheus_scrapes_worker_and_dashboard_queries_evaluate(
     for expr in (
         "coliworker_group_experts_total",
         "coliworker_resident_bytes",
-        "coliworker_gpu_memory_total_bytes",
+        'coliworker_device_memory_total_bytes{memory="host"}',
+        "coliworker_memory_limit_bytes",
         "coliworker_build_info",
+        'grpc_server_handled_total{grpc_service="coliworker.v1.Worker",grpc_type="unary"}',
+        "process_resident_memory_bytes",
     ):
         assert query(prometheus, expr)["data"]["result"], expr

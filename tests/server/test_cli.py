@@ -131,3 +131,96 @@ def test_client_commands_take_a_token(tmp_path, capsys):
         )
     finally:
         srv.stop(None)
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "coliworker", *args],
+        env=dict(os.environ, **(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    "args,env,message",
+    [
+        (
+            ["serve", "--log-level", "verbose"],
+            {},
+            "--log-level: expected one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got 'VERBOSE'",
+        ),
+        (
+            ["serve"],
+            {"COLIWORKER_LOG_LEVEL": "chatty"},
+            "COLIWORKER_LOG_LEVEL: expected one of DEBUG, INFO, WARNING, ERROR, CRITICAL",
+        ),
+        (["serve", "--port", "abc"], {}, "--port: expected an integer, got 'abc'"),
+        (
+            ["serve"],
+            {"COLIWORKER_DRAIN_GRACE": "soon"},
+            "COLIWORKER_DRAIN_GRACE: expected a number",
+        ),
+    ],
+)
+def test_settings_errors_are_one_plain_line(args, env, message, capsys):
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and "invalid literal" not in err, err
+
+
+def test_a_misspelled_command_suggests_the_right_one(capsys):
+    assert main(["sevre", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'sevre'; did you mean 'serve'?" in err
+    assert "usage:" not in err
+
+
+def test_a_busy_metrics_port_is_named_and_the_process_exits():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        done = run_cli("serve", "--port", "0", "--metrics-port", str(port))
+    assert done.returncode == 1, done.stderr
+    assert f"metrics endpoint 127.0.0.1:{port}: " in done.stderr
+    assert "--metrics-port" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_client_commands_read_coliworker_address():
+    from coliworker.server.app import build_server
+    from coliworker.server.config import Config
+
+    srv = build_server(Config(port=0, backend="numpy", metrics_port=None)).start()
+    try:
+        address = srv.address
+        done = run_cli("info", env={"COLIWORKER_ADDRESS": address})
+        assert done.returncode == 0, done.stderr
+        assert f"at {address}" in done.stdout
+        done = run_cli(
+            "health", "--service", "coliworker.v1.Worker", env={"COLIWORKER_ADDRESS": address}
+        )
+        assert done.returncode == 0 and "SERVING" in done.stdout, done.stderr
+        # The flag still wins over the variable.
+        done = run_cli("info", "--address", address, env={"COLIWORKER_ADDRESS": "127.0.0.1:1"})
+        assert done.returncode == 0, done.stderr
+    finally:
+        srv.stop(None)
+
+
+def test_a_memory_limit_above_the_device_is_warned_about():
+    from coliworker.server.backend import DeviceInfo
+    from coliworker.server.memory import memory_limit_warnings
+
+    devices = [DeviceInfo(0, "cpu", 23 << 30, 10 << 30), DeviceInfo(1, "cpu", 2000 << 30, 0)]
+    (warning,) = memory_limit_warnings(1000 << 30, devices, "host")
+    assert warning.startswith("--memory-limit 1000.0 GiB is more than device 0's host memory")
+    assert "23.0 GiB" in warning
+    assert memory_limit_warnings(0, devices, "host") == []  # no budget: free memory decides
+    assert memory_limit_warnings(20 << 30, devices, "host") == []

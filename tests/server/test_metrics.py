@@ -32,12 +32,17 @@ EXPECTED = [
     "coliworker_resident_handles",
     "coliworker_kv_sequences",
     "coliworker_kv_bytes",
-    "coliworker_gpu_memory_used_bytes",
-    "coliworker_gpu_memory_total_bytes",
+    "coliworker_device_memory_used_bytes",
+    "coliworker_device_memory_total_bytes",
+    "coliworker_memory_limit_bytes",
     "grpc_server_started_total",
     "grpc_server_handled_total",
     "grpc_server_handling_seconds_bucket",
     "grpc_server_in_flight_requests",
+    "process_cpu_seconds_total",
+    "process_resident_memory_bytes",
+    "python_info",
+    "python_gc_collections_total",
 ]
 
 
@@ -47,8 +52,13 @@ def residency_entry(device: int, **values: int) -> SimpleNamespace:
 
 
 def value(m: Metrics, name: str, **labels: str) -> float:
-    got = m.registry.get_sample_value(name, labels)
-    return 0.0 if got is None else got
+    """The sum of the samples ``name`` whose labels include ``labels`` (0 when none)."""
+    return sum(
+        s.value
+        for family in m.registry.collect()
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    )
 
 
 def test_record_group_moves_counters_and_phase_histograms() -> None:
@@ -103,8 +113,11 @@ def test_collector_reads_callbacks_at_every_scrape() -> None:
     assert value(m, "coliworker_resident_handles", device="0") == 3
     assert value(m, "coliworker_kv_sequences", device="1") == 4
     assert value(m, "coliworker_kv_bytes", device="1") == 4096
-    assert value(m, "coliworker_gpu_memory_used_bytes", device="0") == 750
-    assert value(m, "coliworker_gpu_memory_total_bytes", device="1") == 2000
+    assert value(m, "coliworker_device_memory_used_bytes", device="0", memory="host") == 750
+    assert value(m, "coliworker_device_memory_total_bytes", device="1", memory="host") == 2000
+    assert value(m, "coliworker_memory_limit_bytes", device="1") == 0  # none bound: no budget
+    m.bind(memory_limit=1500)
+    assert value(m, "coliworker_memory_limit_bytes", device="1") == 1500
     state["bytes"] = 456
     assert value(m, "coliworker_resident_bytes", device="0") == 456
 
@@ -117,7 +130,7 @@ def test_failing_callback_does_not_fail_the_scrape() -> None:
 
     m.bind(residency=broken, devices=lambda: [DeviceInfo(0, "cpu", 10, 4)])
     text = m.render().decode()
-    assert 'coliworker_gpu_memory_used_bytes{device="0"} 6.0' in text
+    assert 'coliworker_device_memory_used_bytes{device="0",memory="host"} 6.0' in text
 
 
 def test_render_lists_every_metric_and_build_info() -> None:
@@ -128,14 +141,16 @@ def test_render_lists_every_metric_and_build_info() -> None:
     m.record_eviction(0)
     m.record_session_request("matmul", grpc.StatusCode.INTERNAL, 0.1)
     m.interceptor()  # grpc_server_* exist once a call went through; see below
-    m.rpc_started.labels("Info").inc()
-    m.rpc_handled.labels("Info", "OK").inc()
-    m.rpc_seconds.labels("Info").observe(0.001)
-    m.rpc_in_flight.labels("Info").set(0)
+    rpc = ("unary", "coliworker.v1.Worker", "Info")
+    m.rpc_started.labels(*rpc).inc()
+    m.rpc_handled.labels(*rpc, "OK").inc()
+    m.rpc_seconds.labels(*rpc).observe(0.001)
+    m.rpc_in_flight.labels(*rpc).set(0)
     text = m.render().decode()
     names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line[:1] != "#"}
     assert set(EXPECTED) <= names, sorted(set(EXPECTED) - names)
     assert 'coliworker_build_info{backend="cupy",version="9.9.9"} 1.0' in text
+    assert 'coliworker_device_memory_total_bytes{device="0",memory="gpu"} 1.0' in text
     assert "_created" not in text
 
 
@@ -280,6 +295,89 @@ def test_interceptor_streams(served) -> None:
     assert value(m, "grpc_server_started_total", grpc_method="Session") == 2
     assert value(m, "grpc_server_in_flight_requests", grpc_method="Session") == 0
     assert value(m, "grpc_server_handling_seconds_count", grpc_method="Upload") == 1
+    # go-grpc-prometheus's labels: the full service name and the kind of RPC.
+    for method, kind in (
+        ("Upload", "client_stream"),
+        ("Session", "bidi_stream"),
+        ("Watch", "server_stream"),
+    ):
+        labels = {"grpc_service": SERVICE, "grpc_method": method, "grpc_type": kind}
+        assert value(m, "grpc_server_started_total", **labels) >= 1, method
+
+
+def test_interceptor_labels_unary_calls_like_go_grpc_prometheus(served) -> None:
+    m, channel = served
+    channel.unary_unary(_path("Info"))(b"abc", timeout=5)
+    labels = {"grpc_service": SERVICE, "grpc_method": "Info", "grpc_type": "unary"}
+    assert value(m, "grpc_server_handled_total", grpc_code="OK", **labels) == 1
+    assert value(m, "grpc_server_handling_seconds_count", **labels) == 1
+
+
+def test_a_busy_metrics_port_is_named() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(OSError, match=f"metrics endpoint 127.0.0.1:{port}: .*--metrics-port"):
+            Metrics("0.1.0", "numpy").serve("127.0.0.1", port)
+
+
+class FakeNvml:
+    """The calls of nvidia-ml-py that server/nvml.py makes, for one GPU."""
+
+    def __init__(self) -> None:
+        self.bus_ids: list[str] = []
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlDeviceGetHandleByPciBusId(self, bus_id: str) -> str:
+        self.bus_ids.append(bus_id)
+        return f"handle:{bus_id}"
+
+    def nvmlDeviceGetUtilizationRates(self, handle: str) -> SimpleNamespace:
+        return SimpleNamespace(gpu=87, memory=41)
+
+    def nvmlDeviceGetPowerUsage(self, handle: str) -> int:
+        return 512_250  # milliwatts
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: str) -> int:
+        return 700_000
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: str) -> int:
+        return 9_000_000  # millijoules
+
+    def nvmlDeviceGetTemperature(self, handle: str, sensor: int) -> int:
+        return 61
+
+
+def test_nvml_gauges_follow_the_cuda_device_by_pci_bus_id() -> None:
+    from coliworker.server.nvml import NvmlCollector
+
+    m, nvml = Metrics("0.1.0", "cupy"), FakeNvml()
+    collector = NvmlCollector([1], nvml=nvml, pci_bus_id=lambda d: f"0000:{d:02x}:00.0")
+    m.registry.register(collector)
+    assert nvml.bus_ids == ["0000:01:00.0"]
+    assert value(m, "coliworker_gpu_utilization_ratio", device="1") == pytest.approx(0.87)
+    assert value(m, "coliworker_gpu_memory_bandwidth_utilization_ratio", device="1") == 0.41
+    assert value(m, "coliworker_gpu_power_watts", device="1") == pytest.approx(512.25)
+    assert value(m, "coliworker_gpu_power_limit_watts", device="1") == 700
+    assert value(m, "coliworker_gpu_energy_joules_total", device="1") == 9000
+    assert value(m, "coliworker_gpu_temperature_celsius", device="1") == 61
+
+
+def test_nvml_without_a_driver_exports_nothing(caplog) -> None:
+    from coliworker.server.nvml import NvmlCollector
+
+    class NoDriver(FakeNvml):
+        def nvmlInit(self) -> None:
+            raise RuntimeError("NVML Shared Library Not Found")
+
+    collector = NvmlCollector([0], nvml=NoDriver(), pci_bus_id=str)
+    assert list(collector.collect()) == []
+    assert "NVML Shared Library Not Found" in caplog.text
 
 
 def test_interceptor_counts_a_cancelled_stream(served) -> None:
