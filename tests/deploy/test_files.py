@@ -10,6 +10,7 @@ import yaml
 from promql_names import DEPLOY, ROOT
 
 SECURITY_VARS = {"COLIWORKER_TOKEN_FILE", "COLIWORKER_INSECURE"}  # the auth issue adds them
+DATA_PLANE_VARS = {"COLIWORKER_DATA_PORT"}  # the socket data plane's setting
 
 
 def load(path):
@@ -23,7 +24,7 @@ def load_all(path):
 def known_env() -> set[str]:
     from coliworker.server.config import SETTINGS
 
-    return {s.env for s in SETTINGS} | SECURITY_VARS
+    return {s.env for s in SETTINGS} | SECURITY_VARS | DATA_PLANE_VARS
 
 
 def config_from(env: dict[str, str]):
@@ -49,6 +50,11 @@ def test_compose_workers(compose: dict) -> None:
         assert set(env) <= known_env(), set(env) - known_env()
         config = config_from({k: v for k, v in env.items() if k not in SECURITY_VARS})
         assert (config.host, config.port, config.metrics_port) == ("0.0.0.0", 50051, 9400)
+        published = {p.split(":")[-1].split("/")[0] for p in worker["ports"]}
+        assert published == {"50051", env["COLIWORKER_DATA_PORT"], "9400"}
+        # SIGKILL must not land mid-drain: Docker waits stop_grace_period after SIGTERM.
+        grace = float(env["COLIWORKER_DRAIN_GRACE"])
+        assert float(worker["stop_grace_period"].rstrip("s")) >= grace + 10
         assert env["COLIWORKER_INSECURE"] == "1"
         assert "worker" in worker["networks"]["default"]["aliases"]
         # Insecure by default: published on loopback only.
@@ -73,6 +79,10 @@ def test_compose_mounts_exist(compose: dict) -> None:
 
 def test_prometheus_scrapes_the_worker_metrics_port(compose: dict) -> None:
     prom = load(DEPLOY / "prometheus.yml")
+    # The alert rules load from beside the config, where compose mounts them.
+    assert prom["rule_files"] == ["alerts.yml"]
+    mounts = compose["services"]["prometheus"]["volumes"]
+    assert "./alerts.yml:/etc/prometheus/alerts.yml:ro" in mounts
     (job,) = [j for j in prom["scrape_configs"] if j["job_name"] == "coliworker"]
     targets = [t for sc in job["static_configs"] for t in sc["targets"]]
     port = compose["services"]["worker-cpu"]["environment"]["COLIWORKER_METRICS_PORT"]
@@ -91,15 +101,18 @@ def test_grafana_provisioning_matches_dashboard(dashboard: dict) -> None:
 
 @pytest.fixture(scope="module")
 def k8s() -> dict:
+    """Every manifest under deploy/k8s by (kind, path relative to deploy/k8s)."""
     docs = {}
-    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+    root = DEPLOY / "k8s"
+    for path in sorted(root.rglob("*.yaml")):
         for doc in load_all(path):
-            docs[(doc["kind"], path.name)] = doc
+            if "kind" in doc:
+                docs[(doc["kind"], str(path.relative_to(root)))] = doc
     return docs
 
 
 def test_k8s_deployment(k8s: dict) -> None:
-    deployment = k8s[("Deployment", "deployment.yaml")]
+    deployment = k8s[("Deployment", "base/deployment.yaml")]
     pod = deployment["spec"]["template"]
     (container,) = pod["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -107,6 +120,14 @@ def test_k8s_deployment(k8s: dict) -> None:
     assert set(env) - {"CUPY_CACHE_DIR"} <= known_env()
     config = config_from({k: v for k, v in env.items() if k.startswith("COLIWORKER_")})
     assert config.port == ports["grpc"] and config.metrics_port == ports["metrics"]
+    assert int(env["COLIWORKER_DATA_PORT"]) == ports["data"]
+    # No memory budget pinned to one GPU model: admission checks the GPU's free memory.
+    assert "COLIWORKER_MEMORY_LIMIT" not in env
+    # preStop delay + drain fit in the grace period, so SIGKILL never lands mid-drain.
+    (delay,) = [int(a) for a in container["lifecycle"]["preStop"]["exec"]["command"][1:]]
+    assert (
+        delay + float(env["COLIWORKER_DRAIN_GRACE"]) < pod["spec"]["terminationGracePeriodSeconds"]
+    )
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         assert container[probe]["grpc"]["port"] == ports["grpc"], probe
@@ -126,17 +147,80 @@ def test_k8s_deployment(k8s: dict) -> None:
 
 
 def test_k8s_service_and_kustomization(k8s: dict) -> None:
-    deployment = k8s[("Deployment", "deployment.yaml")]
-    service = k8s[("Service", "service.yaml")]
+    deployment = k8s[("Deployment", "base/deployment.yaml")]
+    service = k8s[("Service", "base/service.yaml")]
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= labels.items()
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     names = {p["name"] for p in container["ports"]}
     assert {p["targetPort"] for p in service["spec"]["ports"]} <= names
-    kustomization = k8s[("Kustomization", "kustomization.yaml")]
-    for resource in kustomization["resources"]:
-        assert (DEPLOY / "k8s" / resource).is_file(), resource
-    assert "secret.example.yaml" not in kustomization["resources"]
+    names = {p["name"] for p in service["spec"]["ports"]}
+    assert names == {"grpc", "data", "metrics"}
+    for path, kustomization in [(p, d) for (k, p), d in k8s.items() if k == "Kustomization"]:
+        here = (DEPLOY / "k8s" / path).parent
+        for resource in kustomization.get("resources", []):
+            assert (here / resource).exists(), f"{path}: {resource}"
+        assert "secret.example.yaml" not in kustomization.get("resources", [])
+    assert k8s[("Kustomization", "kustomization.yaml")]["resources"] == ["base"]
+    pdb = k8s[("PodDisruptionBudget", "base/pdb.yaml")]
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert "pdb.yaml" in k8s[("Kustomization", "base/kustomization.yaml")]["resources"]
+
+
+def test_k8s_monitoring(k8s: dict) -> None:
+    service = k8s[("Service", "base/service.yaml")]
+    monitor = k8s[("ServiceMonitor", "monitoring/servicemonitor.yaml")]
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert endpoint["port"] == "metrics"
+    # The PrometheusRule holds exactly the rules of deploy/alerts.yml.
+    rule = k8s[("PrometheusRule", "monitoring/prometheusrule.yaml")]
+    assert rule["spec"]["groups"] == load(DEPLOY / "alerts.yml")["groups"]
+
+
+def _overlay_patches(name: str) -> list:
+    kustomization = load(DEPLOY / "k8s" / "overlays" / name / "kustomization.yaml")
+    assert kustomization["resources"] == ["../../base"]
+    patches = []
+    for patch in kustomization.get("patches", []):
+        text = (
+            patch.get("patch") or (DEPLOY / "k8s" / "overlays" / name / patch["path"]).read_text()
+        )
+        patches.append(yaml.safe_load(text))
+    return patches
+
+
+def _container(patch: dict) -> dict:
+    (container,) = patch["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def test_k8s_overlays() -> None:
+    cpu, untolerated = _overlay_patches("cpu")
+    env = {e["name"]: e["value"] for e in _container(cpu)["env"]}
+    assert env["COLIWORKER_BACKEND"] == "numpy"
+    assert _container(cpu)["resources"]["limits"] == {"nvidia.com/gpu": None}  # removed
+    assert untolerated == [{"op": "remove", "path": "/spec/template/spec/tolerations"}]
+    (multi,) = _overlay_patches("multi-gpu")
+    env = {e["name"]: e["value"] for e in _container(multi)["env"]}
+    gpus = _container(multi)["resources"]["limits"]["nvidia.com/gpu"]
+    assert len(env["COLIWORKER_DEVICES"].split(",")) == gpus
+    assert _container(multi)["resources"]["requests"]["nvidia.com/gpu"] == gpus
+    (tls,) = _overlay_patches("tls")
+    container = _container(tls)
+    env = {e["name"]: e["value"] for e in container["env"]}
+    (mount,) = container["volumeMounts"]
+    assert env["COLIWORKER_TLS_CERT"] == f"{mount['mountPath']}/tls.crt"
+    assert env["COLIWORKER_TLS_KEY"] == f"{mount['mountPath']}/tls.key"
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["grpc"] is None, probe  # kubelet's gRPC probe has no TLS
+        command = container[probe]["exec"]["command"]
+        assert command[:2] == ["coliworker", "health"]
+        assert f"--ca={mount['mountPath']}/ca.crt" in command
+    assert "--service=coliworker.v1.Worker" in container["readinessProbe"]["exec"]["command"]
 
 
 def test_dockerfile() -> None:

@@ -85,6 +85,7 @@ def prometheus(worker, tmp_path_factory):
     for static in job["static_configs"]:
         static["targets"] = [f"127.0.0.1:{worker.metrics_port}"]
     config["scrape_configs"] = [job]
+    config["rule_files"] = [str(DEPLOY / f) for f in config["rule_files"]]
     (work / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     log = open(work / "prometheus.log", "wb")  # closed in the finally below
@@ -168,6 +169,21 @@ def test_prometheus_scrapes_worker_and_dashboard_queries_evaluate(
         promql = expr.replace("$__rate_interval", "1m").replace("$instance", ".*")
         result = query(prometheus, promql)
         assert result["status"] == "success", (expr, result)
+    # The alert rules loaded and evaluate without errors against the live worker.
+    rules = get_json(f"{prometheus}/api/v1/rules")["data"]["groups"]
+    names = {r["name"]: r for g in rules for r in g["rules"]}
+    assert {"ColiworkerDown", "ColiworkerMemoryNearBudget", "ColiworkerKVEvictions"} <= set(names)
+    wait_for(
+        "every rule evaluated once",
+        lambda: all(
+            r.get("lastEvaluation", "").startswith("20")
+            for g in get_json(f"{prometheus}/api/v1/rules")["data"]["groups"]
+            for r in g["rules"]
+        ),
+    )
+    for g in get_json(f"{prometheus}/api/v1/rules")["data"]["groups"]:
+        for r in g["rules"]:
+            assert r["health"] == "ok", r
     for expr in (
         "coliworker_group_experts_total",
         "coliworker_resident_bytes",
