@@ -13,10 +13,14 @@ out [1, 6144] through o_proj). Paths:
     shm           the Session stream, routed form, activations in shared memory
     shm-doorbell  routed form, activations and messages in shared memory, FIFO doorbells
                   instead of a gRPC round trip per call (compared with the TCP stream echo)
+    socket        routed form over the socket data plane (frames on TCP, proto/FRAMES.md),
+                  compared with a raw socket echo of the same frame bytes
 
 For each: p50/p99 end to end, the worker's backend time, and overhead = end to end minus
 backend time, compared with the p50 of a raw gRPC echo (bytes in, bytes out, no protobuf,
-no work) of the same request/response sizes on the same transport (unary or stream).
+no work) of the same request/response sizes on the same transport (unary or stream); the
+socket path's echo is a plain socket server (the same frame reader, polling as the worker
+does) that answers a frame of the response's size.
 Then the throughput of a 50 MB activation batch (chunked stream, shared memory), of a
 1 GB upload and its re-upload (hash + Lookup probe only), and of a 1 GB set of int4 expert
 tensors through ``upload_many`` and its re-upload.
@@ -70,22 +74,7 @@ def _echo_handlers() -> grpc.GenericRpcHandler:
     ns it spent, which the client subtracts as it subtracts backend time.
     """
 
-    def reply(req: bytes) -> bytes:
-        size = int.from_bytes(req[:8], "little")
-        work_us = int.from_bytes(req[8:16], "little") if len(req) >= 17 else 0
-        if not work_us:
-            return bytes(size)
-        t0 = time.perf_counter_ns()
-        if req[16] == 1:
-            time.sleep(work_us / 1e6)
-        else:
-            i = 0
-            while time.perf_counter_ns() - t0 < work_us * 1000:
-                part = _WORK[i : i + _STEP]
-                np.multiply(part, 1.0000001, out=part)
-                i = (i + _STEP) % _WORK.size
-        spent = time.perf_counter_ns() - t0
-        return spent.to_bytes(8, "little") + bytes(max(size - 8, 0))
+    reply = _echo_reply
 
     def unary(req: bytes, context) -> bytes:
         return reply(req)
@@ -103,6 +92,59 @@ def _echo_handlers() -> grpc.GenericRpcHandler:
     )
 
 
+def _echo_reply(body: bytes) -> bytes:
+    """What both echoes answer: the size asked for, after the work asked for."""
+    size = int.from_bytes(body[:8], "little")
+    work_us = int.from_bytes(body[8:16], "little") if len(body) >= 17 else 0
+    if not work_us:
+        return bytes(size)
+    t0 = time.perf_counter_ns()
+    if body[16] == 1:
+        time.sleep(work_us / 1e6)
+    else:
+        i = 0
+        while time.perf_counter_ns() - t0 < work_us * 1000:
+            part = _WORK[i : i + _STEP]
+            np.multiply(part, 1.0000001, out=part)
+            i = (i + _STEP) % _WORK.size
+    spent = time.perf_counter_ns() - t0
+    return spent.to_bytes(8, "little") + bytes(max(size - 8, 0))
+
+
+def _socket_echo(spin_us: int) -> int:
+    """A raw socket echo on a free loopback port: each frame (header, body, data) is read
+    with the data plane's reader and answered by one REPLY frame of the size the body's first
+    8 bytes ask for. Returns the port."""
+    import socket
+    import threading
+
+    from coliworker.wire import frames
+
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(8)
+
+    def conn(sock: socket.socket) -> None:
+        fs = frames.FrameSocket(sock, spin_us)
+        try:
+            while True:
+                head = fs.recv_header()
+                body = bytes(fs.recv_bytes(head.body_bytes))
+                fs.recv_array(head.data_bytes)
+                out = _echo_reply(body)
+                fs.send(frames.frame(frames.REPLY, head.method, head.request_id, out))
+        except (frames.Closed, OSError):
+            fs.close()
+
+    def accept() -> None:
+        while True:
+            sock, _ = lsock.accept()
+            threading.Thread(target=conn, args=(sock,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return lsock.getsockname()[1]
+
+
 def serve(args: argparse.Namespace) -> None:
     from coliworker.server.app import build_server
     from coliworker.server.config import Config
@@ -114,11 +156,12 @@ def serve(args: argparse.Namespace) -> None:
         unix_socket=args.unix_socket,
         max_message_bytes=64 << 20,
         memory_limit=0,
+        data_port=0,
     )
     srv = build_server(cfg)
     srv.server.add_generic_rpc_handlers((_echo_handlers(),))
     srv.start()
-    print(f"READY {srv.port}", flush=True)
+    print(f"READY {srv.port} {_socket_echo(cfg.data_spin_us)}", flush=True)
     sys.stdin.read()  # the client closes stdin when it is done (or dies)
     srv.stop(1)
 
@@ -129,6 +172,39 @@ def serve(args: argparse.Namespace) -> None:
 def stats(ns: list[int]) -> dict[str, float]:
     a = np.asarray(ns, np.float64) / 1e6
     return {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99))}
+
+
+class SocketEcho:
+    """The raw socket echo's client: one frame out, one frame back, read as the socket
+    session reads (polling first)."""
+
+    def __init__(self, port: int) -> None:
+        import socket
+
+        from coliworker.client.socket_session import SPIN_US
+        from coliworker.wire import frames
+
+        self.frames = frames
+        self.fs = frames.FrameSocket(socket.create_connection(("127.0.0.1", port)), SPIN_US)
+
+    def measure(self, kind, req_bytes, resp_bytes, n, work_us=0, sleep=False):
+        f = self.frames
+        head = max(resp_bytes - f.HEADER_BYTES, 0).to_bytes(8, "little")
+        if work_us:
+            head += work_us.to_bytes(8, "little") + bytes([1 if sleep else 0])
+        body_n = min(max(req_bytes - f.HEADER_BYTES, len(head)), 4096)
+        body = head + bytes(body_n - len(head))
+        data = np.zeros(max(req_bytes - f.HEADER_BYTES - body_n, 0), np.uint8)
+        times = []
+        for i in range(n):
+            t0 = time.perf_counter_ns()
+            self.fs.send(f.frame(f.CALL, 10, i + 1, body, [data], data.nbytes))
+            h = self.fs.recv_header()
+            r = bytes(self.fs.recv_bytes(h.body_bytes))
+            self.fs.recv_array(h.data_bytes)
+            spent = int.from_bytes(r[:8], "little") if work_us else 0
+            times.append(time.perf_counter_ns() - t0 - spent)
+        return stats(times)
 
 
 class Echo:
@@ -234,6 +310,7 @@ def bench(args: argparse.Namespace) -> dict:
         if not line or line[0] != "READY":
             raise SystemExit(f"worker did not start: {line}")
         addr = f"127.0.0.1:{line[1]}"
+        args.echo_port = int(line[2])
         return _run(args, addr, f"unix:{sock}", WorkerClient, pb)
     finally:
         worker.stdin.close()
@@ -258,6 +335,7 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
     wu = WorkerClient(uds, timeout=600, progress=False)
     echo = Echo(w._channel)
     echo_uds = Echo(wu._channel)
+    echo_socket = SocketEcho(args.echo_port)
     info = w.info()
     print(f"worker {info.backend} {[d.name for d in info.devices]}", flush=True)
 
@@ -271,6 +349,15 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
     def req_size(kind, body, shm=False):
         if kind is None:
             return body.ByteSize()
+        if shm == "frame":  # a data-plane CALL: header, the message without its arrays, data
+            m = type(body)()
+            m.CopyFrom(body)
+            n = 0
+            for a in _arrays(m):
+                n += len(a.data)
+                a.staged.offset, a.staged.length = n, len(a.data)
+                a.ClearField("data")
+            return 32 + m.ByteSize() + n
         m = pb.SessionRequest(request_id=1 << 20, **{kind: body})
         if shm:
             for a in _arrays(m):
@@ -279,8 +366,8 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
             m.output_shm.offset, m.output_shm.length = 1 << 20, 1 << 16
         return m.ByteSize()
 
-    from coliworker.client import codec
-    from coliworker.client.staging import iter_arrays as _arrays
+    from coliworker.wire import codec
+    from coliworker.wire.staging import iter_arrays as _arrays
 
     exp_pb = [pb.Expert(gate=g.handle, up=u.handle, down=d.handle) for g, u, d in experts]
     packed = pb.ExpertGroupRequest(experts=exp_pb, rows=rows, x=codec.encode(x8))
@@ -317,6 +404,7 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
             "fifo",
             "expert_group_routed",
         ),
+        "socket": (w.session(transport="socket"), "socket", "expert_group_routed"),
     }
     for name, (s, tr, kind) in sessions.items():
         if kind == "expert_group":
@@ -335,15 +423,14 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
                 return f.backend_ns
 
             body, out = routed, out1
-        shm = name.startswith("shm")
-        group_paths.append(
-            (name, tr, "stream", None, s, call, req_size(kind, body, shm), shm_resp if shm else out)
-        )
+        shm = "frame" if tr == "socket" else name.startswith("shm")
+        resp = out + 32 - 40 + 20 if tr == "socket" else shm_resp if shm else out
+        group_paths.append((name, tr, "stream", None, s, call, req_size(kind, body, shm), resp))
     for name, tr, ekind, _, _, call, rq, rs in group_paths:
         if not _wanted(args, f"expert_group/{name}"):
             continue
         e2e, backend = timed(call, n, warm)
-        ec = echo_uds if tr == "uds" else echo
+        ec = echo_uds if tr == "uds" else echo_socket if tr == "socket" else echo
         ech = ec.measure(ekind, rq, rs, n)
         busy = ec.measure(ekind, rq, rs, n, _work_us(backend), args.echo_sleep)
         r = row(f"expert_group/{name}", tr, e2e, backend, ech, rq, rs, busy)
@@ -387,7 +474,8 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
             f.result()
             return f.backend_ns
 
-        shm = name.startswith("shm")
+        shm = "frame" if tr == "socket" else name.startswith("shm")
+        resp = out_att + 32 - 40 + 20 if tr == "socket" else shm_resp if shm else out_att
         att_paths.append(
             (
                 name.replace("routed", "session"),
@@ -395,7 +483,7 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
                 "stream",
                 call,
                 req_size("attention_ragged", body, shm),
-                shm_resp if shm else out_att,
+                resp,
             )
         )
     na = args.att_iters
@@ -403,7 +491,7 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
         if not _wanted(args, f"attention_ragged/{name}"):
             continue
         e2e, backend = timed(call, na, 2)
-        ec = echo_uds if tr == "uds" else echo
+        ec = echo_uds if tr == "uds" else echo_socket if tr == "socket" else echo
         ech = ec.measure(ekind, rq, rs, max(na, 100))
         busy = ec.measure(ekind, rq, rs, na, _work_us(backend), args.echo_sleep)
         r = row(f"attention_ragged/{name}", tr, e2e, backend, ech, rq, rs, busy)
@@ -417,7 +505,7 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
         out_features=64,
     )  # fmt: skip
     big = rng.standard_normal((50 * 1024 * 1024 // 256, 64)).astype(np.float32)
-    for name in ("stream-chunks", "shm", "shm-doorbell") if args.big_iters else ():
+    for name in ("stream-chunks", "shm", "shm-doorbell", "socket") if args.big_iters else ():
         if not _wanted(args, f"batch-50MB/{name}"):
             continue
         s = sessions["routed" if name == "stream-chunks" else name][0]
@@ -498,7 +586,8 @@ def _upload_set(w, rng, gb: float) -> dict:
     streams."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from coliworker.client import UploadItem, codec
+    from coliworker.client import UploadItem
+    from coliworker.wire import codec
 
     inter = 2048
     shapes = [(D, inter), (D, inter), (inter, D)]  # (in_features, out_features)

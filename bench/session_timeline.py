@@ -370,8 +370,8 @@ def main() -> None:
         # raw echo of the routed sizes, stamped the same way: the caller reads the stream
         # itself ("echo"), or a reader thread reads it and hands each response over
         # ("echo-reader", as the Session client does)
-        from coliworker.client import codec
         from coliworker.v1 import worker_pb2 as pb
+        from coliworker.wire import codec
 
         body = pb.ExpertGroupRoutedRequest(
             experts=[pb.Expert(gate=g.handle, up=u.handle, down=d.handle) for g, u, d in experts],

@@ -16,8 +16,8 @@ only); gRPC stays the control plane (attach, ownership, lifetime). Life of a cha
    pending call then fails with Unavailable. A client killed between 1 and 3 leaves a
    directory named with its pid; the next channel of that uid removes it (``sweep_stale``).
 
-Per call (``submit``): the request message goes into the next request slot (4-byte
-little-endian length, then the serialized ``SessionRequest``; its arrays are already in
+Per call (``submit``): the call goes into the next request slot as a data-plane CALL frame
+behind the slot's output-region prefix (``coliworker.wire.bell``; its arrays are already in
 the segment) and the slot's index is written to ``request`` as one byte. The worker runs
 calls one at a time in ring order and answers each in the matching response slot plus one
 byte on ``response``. Up to ``slots`` calls may be outstanding; responses come back in
@@ -41,12 +41,13 @@ from collections.abc import Callable
 from typing import Any
 
 from coliworker.client import errors
-from coliworker.client.shm import Segment, pid_alive, shm_dir
 from coliworker.v1 import worker_pb2 as pb
+from coliworker.wire import bell, frames
+from coliworker.wire.shm import Segment, pid_alive, shm_dir
 
 #: Calls one channel may have outstanding (request slots, and as many response slots).
 SLOTS = 4
-#: Bytes per slot: the serialized message (arrays live elsewhere in the segment).
+#: Bytes per slot: the prefix and the frame (arrays live elsewhere in the segment).
 SLOT_BYTES = 64 << 10
 #: How long a thread waiting for an answer polls before it sleeps, us. A sleeping thread
 #: takes ~20 us to wake (the FIFO wake-up plus the idle CPU's); polling covers a decode
@@ -56,9 +57,7 @@ SPIN_US = 250
 #: thread that slept runs its next call on a cold core (H200 host, CuPy: a routed decode group
 #: 0.60 ms end to end with 100 us, 0.50 ms with 1000 us; bench/results/rpc-*-cupy.md).
 WORKER_SPIN_US = 1000
-#: Length prefix of a slot's message.
-LEN_BYTES = 4
-REQUEST, RESPONSE = "request", "response"
+REQUEST, RESPONSE = bell.REQUEST, bell.RESPONSE
 _DIR = re.compile(r"^coliworker-(\d+)-[0-9a-f]{16}\.bell$")
 
 # on_done(response bytes, None) or on_done(None, error): called once per call
@@ -185,15 +184,15 @@ class Channel:
     # -- calls ------------------------------------------------------------------------------
 
     def submit(self, message: bytes, fut: Any, on_done: OnDone) -> None:
-        """Write ``message`` (a serialized SessionRequest) into the next request slot and
-        ring. ``on_done`` runs once, with the response bytes or an error. Raises the
-        channel's error (nothing was sent) when it is broken, ResourceExhausted when the
-        message does not fit a slot."""
+        """Write ``message`` (a slot's contents: output-region prefix and CALL frame) into
+        the next request slot and ring. ``on_done`` runs once, with the REPLY frame's bytes
+        or an error. Raises the channel's error (nothing was sent) when it is broken,
+        ResourceExhausted when the message does not fit a slot."""
         n = len(message)
-        if n > self.slot_bytes - LEN_BYTES:
+        if n > self.slot_bytes:
             raise errors.ResourceExhausted(
-                f"doorbell: request message of {n} bytes does not fit a slot "
-                f"({self.slot_bytes - LEN_BYTES} bytes)"
+                f"doorbell: request frame of {n - bell.PREFIX_BYTES} bytes does not fit a "
+                f"slot ({bell.room(self.slot_bytes)} bytes)"
             )
         with self._submit_lock:
             while True:
@@ -206,7 +205,7 @@ class Channel:
                 self._pump_for(oldest, None)  # the ring is full: finish the oldest call
             slot = self._next
             off = self.offset + slot * self.slot_bytes
-            self.segment.write(off, n.to_bytes(LEN_BYTES, "little") + message)
+            self.segment.write(off, message)
             with self._lock:
                 self._pending.append((fut, on_done, slot))
             try:
@@ -266,10 +265,12 @@ class Channel:
                 return True
             off = self.offset + (self.slots + slot) * self.slot_bytes
             try:
-                n = int.from_bytes(self.segment.read(off, LEN_BYTES, "doorbell"), "little")
-                if n > self.slot_bytes - LEN_BYTES:
+                at = off + bell.FRAME_AT
+                head = frames.parse(self.segment.read(at, frames.HEADER_BYTES, "doorbell"))
+                n = bell.frame_bytes(head)
+                if n > bell.room(self.slot_bytes):
                     raise errors.InternalError(f"doorbell: response slot {slot} holds {n} bytes")
-                body = self.segment.read(off + LEN_BYTES, n, "doorbell")
+                body = self.segment.read(at, n, "doorbell")
             except Exception as exc:
                 on_done(None, errors.Unavailable(f"doorbell: {exc}"))
                 continue

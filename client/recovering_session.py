@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from coliworker.client import errors
-from coliworker.client.session import Session
+from coliworker.client.session import Session, open_session
 from coliworker.client.session_calls import SessionCalls, SessionFuture
 
 if TYPE_CHECKING:
@@ -127,7 +127,7 @@ class RecoveringSession(SessionCalls):
         self._closed = False
         if client.instance_id is None:
             client.info()  # the instance the stream talks to, to tell a restart from a cancel
-        self._inner, self._instance = Session(client, **options), client.instance_id
+        self._inner, self._instance = open_session(client, **options), client.instance_id
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -146,6 +146,10 @@ class RecoveringSession(SessionCalls):
     @property
     def doorbell(self) -> bool:
         return self._inner.doorbell
+
+    @property
+    def transport(self) -> str:
+        return self._inner.transport
 
     @property
     def timeout(self) -> float | None:
@@ -196,7 +200,7 @@ class RecoveringSession(SessionCalls):
             restarted = client.instance_id != self._instance
             calls = [c for c in self._calls if c.error is None and not _settled(c.sent)]
             try:
-                new = Session(client, **self._options)
+                new = open_session(client, **self._options)
             except errors.Unavailable:
                 if time.monotonic() > deadline:
                     raise

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from coliworker.client import codec
 from coliworker.v1 import worker_pb2 as pb
+from coliworker.wire import codec
 
 Encoder = Callable[[np.ndarray, str, int], pb.Array]
 

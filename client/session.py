@@ -27,34 +27,29 @@ does not raises ResourceExhausted.
 from __future__ import annotations
 
 import itertools
-import math
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import grpc
 import numpy as np
 
-from coliworker.client import codec, errors, requests, staging
 from coliworker.client import doorbell as bell
-from coliworker.client.session_calls import SessionCalls, SessionFuture
-from coliworker.client.shm import Allocator, Segment
+from coliworker.client import errors
+from coliworker.client.session_calls import Decoder, SessionCalls, SessionFuture, raw
 from coliworker.v1 import worker_pb2 as pb
+from coliworker.wire import bell as bell_slots
+from coliworker.wire import calls, frames, staging
+from coliworker.wire.shm import Allocator, Segment
 
 _STATUS_OF = {c.value[0]: c for c in grpc.StatusCode}
 #: Turns a response body into the call's value; gets the future to fill backend_ns/lengths.
-Decoder = Callable[[Any, "SessionFuture"], Any]
 
 
 def _error(status: pb.Status) -> errors.WorkerError:
     code = _STATUS_OF.get(status.code, grpc.StatusCode.UNKNOWN)
     return errors.from_status(code, status.message)
-
-
-def _raw(body: Any, fut: Any) -> Any:
-    """The decoder of control calls: the response body itself."""
-    return body
 
 
 class _BellFuture(SessionFuture):
@@ -183,6 +178,11 @@ class Session(SessionCalls):
         self._bell = ch
 
     @property
+    def transport(self) -> str:
+        """ "shm" with a doorbell channel, else "grpc" (the Session stream)."""
+        return "shm" if self._bell is not None else "grpc"
+
+    @property
     def shm(self) -> bool:
         """Whether activations travel through shared memory."""
         return self.segment is not None
@@ -258,12 +258,10 @@ class Session(SessionCalls):
         seg = self.segment
         if staging.check(body, staged, seg.check if seg is not None else None, "result"):
             # decode reads the bytes straight from the chunks / one copy out of the segment
-            codec.bind(staging.source(staged, seg.read_array if seg else None, "result"), None)
-            try:
-                return decode(body, fut)
-            finally:
-                codec.bind(None, None)
-        return decode(body, fut)
+            return decode(
+                body, fut, staging.source(staged, seg.read_array if seg else None, "result")
+            )
+        return decode(body, fut, None)
 
     def _free_regions(self, fut: SessionFuture) -> None:
         if self._alloc is not None:
@@ -281,7 +279,7 @@ class Session(SessionCalls):
         side: list[np.ndarray] = getattr(self._tls, "side", None) or []
         self._tls.side = []
         if self._bell is not None and kind != "attach_doorbell":
-            return self._submit_bell(kind, body, decode or _raw, out_bytes, side)
+            return self._submit_bell(kind, body, decode or raw, out_bytes, side)
         rid = next(self._ids)
         fut = SessionFuture(rid)
         req = pb.SessionRequest(request_id=rid, **{kind: body})
@@ -301,7 +299,7 @@ class Session(SessionCalls):
                     err = errors.Cancelled("session is closed")
                 self._free_regions(fut)
                 raise err
-            self._pending[rid] = (fut, decode or _raw)
+            self._pending[rid] = (fut, decode or raw)
         self._send.put(msgs)
         return fut
 
@@ -319,11 +317,11 @@ class Session(SessionCalls):
         assert ch is not None and alloc is not None and seg is not None
         rid = next(self._ids)
         fut = _BellFuture(rid, ch)
-        req = pb.SessionRequest(request_id=rid, **{kind: body})
+        call = calls.BY_KIND[kind]
         try:
             if self._closed:
                 raise errors.Cancelled("session is closed")
-            for a in staging.iter_arrays(getattr(req, kind)):
+            for a in staging.iter_arrays(body):
                 if not a.HasField("staged") or a.data:
                     continue
                 view = memoryview(side[a.staged.offset]).cast("B")
@@ -334,24 +332,22 @@ class Session(SessionCalls):
                 seg.write(off, view)
                 a.ClearField("staged")
                 a.shm.offset, a.shm.length = off, len(view)
+            out_off = 0
             if out_bytes:
-                off = alloc.alloc(out_bytes)
-                if off is None:
+                out_off = alloc.alloc(out_bytes)
+                if out_off is None:
                     raise self._no_room(kind, out_bytes)
-                fut._regions.append((off, out_bytes))
-                req.output_shm.offset, req.output_shm.length = off, out_bytes
-            msg = req.SerializeToString()
+                fut._regions.append((out_off, out_bytes))
+            payload = body.SerializeToString()
+            msg = bell_slots.PREFIX.pack(out_off, out_bytes) + b"".join(
+                frames.frame(frames.CALL, call.method, rid, payload)
+            )
 
             def done(data: bytes | None, err: BaseException | None) -> None:
                 value = None
                 if err is None:
                     try:
-                        resp = pb.SessionResponse.FromString(data)  # type: ignore[arg-type]
-                        if resp.request_id != rid and resp.request_id:
-                            raise errors.InternalError(
-                                f"doorbell: answer for request {resp.request_id}, not {rid}"
-                            )
-                        value = self._result(resp, resp.WhichOneof("result"), None, decode, fut)
+                        value = self._bell_result(data, call, rid, decode, fut)  # type: ignore[arg-type]
                     except BaseException as exc:
                         err = exc
                 self._free_regions(fut)
@@ -362,6 +358,28 @@ class Session(SessionCalls):
             self._free_regions(fut)
             raise
         return fut
+
+    def _bell_result(
+        self, data: bytes, call: Any, rid: int, decode: Decoder, fut: SessionFuture
+    ) -> Any:
+        """The value of a REPLY frame read from a response slot, or its error raised."""
+        head = frames.parse(data)
+        if head.request_id != rid and head.request_id:
+            raise errors.InternalError(f"doorbell: answer for request {head.request_id}, not {rid}")
+        body = memoryview(data)[frames.HEADER_BYTES : frames.HEADER_BYTES + head.body_bytes]
+        if head.status:
+            raise errors.from_status(
+                _STATUS_OF.get(head.status, grpc.StatusCode.UNKNOWN),
+                bytes(body).decode("utf-8", "replace"),
+            )
+        resp = call.response.FromString(body)
+        staged = memoryview(data)[frames.HEADER_BYTES + head.body_bytes :]
+        seg = self.segment
+        if staging.check(resp, staged, seg.check if seg is not None else None, "result"):
+            return decode(
+                resp, fut, staging.source(staged, seg.read_array if seg else None, "result")
+            )
+        return decode(resp, fut, None)
 
     def _no_room(self, kind: str, n: int) -> errors.ResourceExhausted:
         size = self.segment.size if self.segment is not None else 0
@@ -399,137 +417,47 @@ class Session(SessionCalls):
                 a.data = view.tobytes()
         return pieces
 
-    # -- encoding helpers -----------------------------------------------------------------
 
-    def _enc(self, x: np.ndarray, name: str, ndim: int) -> pb.Array:
-        """An Array whose bytes are placed later by ``_place``: until then ``staged``
-        holds the index of the wire-typed NumPy array in this thread's side list."""
-        a = np.asarray(x, dtype=np.float32)
-        if a.ndim != ndim:
-            raise ValueError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
-        if self.wire_dtype == pb.DTYPE_FLOAT32:
-            raw = np.ascontiguousarray(a, "<f4")
-        elif self.wire_dtype == pb.DTYPE_FLOAT16:
-            raw = np.ascontiguousarray(a, "<f2")
-        else:
-            raw = codec.float32_to_bfloat16_bits(a)
-        side = getattr(self._tls, "side", None)
-        if side is None:
-            side = self._tls.side = []
-        side.append(raw)
-        return pb.Array(
-            dtype=self.wire_dtype,
-            shape=list(a.shape),
-            staged=pb.Slice(offset=len(side) - 1, length=raw.nbytes),
+TRANSPORTS = ("auto", "grpc", "socket", "shm")
+
+
+def open_session(
+    client: Any,
+    transport: str | None = None,
+    *,
+    shm: bool | None = None,
+    shm_bytes: int = 256 << 20,
+    doorbell: bool | None = None,
+    **options: Any,
+) -> Any:
+    """The session ``WorkerClient.session`` describes: the one place a transport is chosen
+    (the recovering session reopens through it too)."""
+    if transport is None:
+        transport = "grpc" if shm is not None or doorbell is not None else "auto"
+    if transport not in TRANSPORTS:
+        raise ValueError(
+            f"session.transport: expected one of {', '.join(TRANSPORTS)}, got {transport!r}"
         )
-
-    @staticmethod
-    def _decoder(field: str) -> Decoder:
-        def decode(body: Any, fut: SessionFuture) -> np.ndarray:
-            fut.backend_ns = body.backend_ns
-            if hasattr(body, "lengths"):
-                fut.lengths = list(body.lengths)
-            return codec.decode(getattr(body, field), "result")
-
-        return decode
-
-    def _go(self, kind: str, body: Any, field: str, out_bytes: int) -> SessionFuture:
-        return self._submit(kind, body, self._decoder(field), out_bytes)
-
-    # -- calls (futures) ------------------------------------------------------------------
-
-    def matmul(self, t: Any, x: np.ndarray) -> SessionFuture:
-        """x float32 [S, I] -> future of y float32 [S, O]."""
-        body = requests.matmul(self._enc, t, x)
-        out = body.x.shape[0] * int(getattr(t, "out_features", body.x.shape[1])) * 4
-        return self._go("matmul", body, "y", out)
-
-    def expert_mlp(self, gate: Any, up: Any, down: Any, x: np.ndarray) -> SessionFuture:
-        """x float32 [S, D] -> future of down(silu(gate x) * up x) float32 [S, D]."""
-        body = requests.expert_mlp(self._enc, gate, up, down, x)
-        return self._go("expert_mlp", body, "y", math.prod(body.x.shape) * 4)
-
-    def expert_group(
-        self, experts: Iterable[Sequence[Any]], rows: Sequence[int], x: np.ndarray
-    ) -> SessionFuture:
-        """The packed form: x float32 [sum(rows), D], rows[c] rows for expert c -> future
-        of y float32 packed the same way."""
-        body = requests.expert_group(self._enc, experts, rows, x)
-        return self._go("expert_group", body, "y", math.prod(body.x.shape) * 4)
-
-    def expert_group_routed(
-        self,
-        experts: Iterable[Sequence[Any]],
-        x: np.ndarray,
-        routes: np.ndarray,
-        weights: np.ndarray,
-    ) -> SessionFuture:
-        """x float32 [T, D] (each token once); routes int [T, K] into experts; weights
-        float32 [T, K] -> future of y[t] = sum_j weights[t, j] * expert_{routes[t, j]}(x[t])."""
-        body = requests.expert_group_routed(self._enc, experts, x, routes, weights)
-        return self._go("expert_group_routed", body, "y", math.prod(body.x.shape) * 4)
-
-    def attention(
-        self,
-        kv_b: Any,
-        q: np.ndarray,
-        latent: np.ndarray,
-        rope: np.ndarray,
-        *,
-        q_dim: int,
-        rope_dim: int,
-        v_dim: int,
-        scale: float,
-        o_proj: Any = None,
-    ) -> SessionFuture:
-        """Causal MLA over one sequence (as ``WorkerClient.attention``), as a future."""
-        body = requests.attention(
-            self._enc,
-            kv_b,
-            q,
-            latent,
-            rope,
-            q_dim=q_dim,
-            rope_dim=rope_dim,
-            v_dim=v_dim,
-            scale=scale,
-            o_proj=o_proj,
+    if transport == "grpc":
+        return Session(
+            client, shm=bool(shm), shm_bytes=shm_bytes, doorbell=bool(doorbell), **options
         )
-        return self._go("attention", body, "out", self._att_out(body.q, v_dim, o_proj))
+    if transport == "shm":
+        return Session(client, shm=True, shm_bytes=shm_bytes, doorbell=True, **options)
+    from coliworker.client.socket_session import SocketSession
 
-    def attention_ragged(
-        self,
-        kv_b: Any,
-        o_proj: Any,
-        q: np.ndarray,
-        *,
-        sequences: Sequence[tuple[int, int, np.ndarray, np.ndarray]],
-        q_dim: int,
-        rope_dim: int,
-        v_dim: int,
-        scale: float,
-    ) -> SessionFuture:
-        """Ragged MLA over resident KV (as ``WorkerClient.attention_ragged``), as a future;
-        ``future.lengths`` holds the resident lengths once done. Calls on one kv_b run in
-        the order submitted."""
-        body = requests.attention_ragged(
-            self._enc,
-            kv_b,
-            o_proj,
-            q,
-            sequences=sequences,
-            q_dim=q_dim,
-            rope_dim=rope_dim,
-            v_dim=v_dim,
-            scale=scale,
-        )
-        return self._go("attention_ragged", body, "out", self._att_out(body.q, v_dim, o_proj))
-
-    @staticmethod
-    def _att_out(qa: pb.Array, v_dim: int, o_proj: Any) -> int:
-        s, h = int(qa.shape[0]), int(qa.shape[1])
-        width = int(getattr(o_proj, "out_features", 0)) or h * v_dim
-        return s * max(width, h * v_dim) * 4
+    socket_options = {k: v for k, v in options.items() if k in ("spin_us", "timeout", "address")}
+    if transport == "socket":
+        return SocketSession(client, **socket_options)
+    try:
+        return Session(client, shm=True, shm_bytes=shm_bytes, doorbell=True, **options)
+    except (errors.FailedPrecondition, errors.PermissionDenied, errors.InvalidArgument, OSError):
+        pass  # another host (or a segment this worker may not open)
+    try:
+        return SocketSession(client, **socket_options)
+    except errors.Unavailable:
+        pass  # no data plane reachable (e.g. behind an L7 proxy)
+    return Session(client, **options)
 
 
-__all__ = ["Session"]
+__all__ = ["TRANSPORTS", "Session", "open_session"]

@@ -1,18 +1,33 @@
 """What every kind of session shares: ``SessionFuture``, the pending result of one call, and
-``SessionCalls``, the ``*_sync`` forms of the calls and the context manager (``Session`` in
-``client/session.py``, ``RecoveringSession`` in ``client/recovering_session.py``)."""
+``SessionCalls``, the calls themselves (each built once from ``requests``, submitted through
+the transport's ``_submit``), their ``*_sync`` forms and the context manager. Transports:
+``Session`` (gRPC stream, shared memory, doorbell) in ``client/session.py``,
+``SocketSession`` (the data plane) in ``client/socket_session.py``; ``RecoveringSession``
+(``client/recovering_session.py``) wraps either."""
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
-from coliworker.client import errors
+from coliworker.client import errors, requests
+from coliworker.v1 import worker_pb2 as pb
+from coliworker.wire import codec
 
 _S = TypeVar("_S", bound="SessionCalls")
+#: Where a response's outside arrays are (``staging.source``), or None.
+Source = Callable[[pb.Array], Any] | None
+#: Turns a response body into the call's value; gets the future to fill backend_ns/lengths.
+Decoder = Callable[[Any, "SessionFuture", Source], Any]
+
+
+def raw(body: Any, fut: Any, source: Source) -> Any:
+    """The decoder of control calls: the response body itself."""
+    return body
 
 
 class SessionFuture:
@@ -52,17 +67,153 @@ class SessionFuture:
 
 
 class SessionCalls:
-    """What ``Session`` and the recovering session share: the ``*_sync`` forms of the calls
-    (submit, then wait ``self.timeout`` for the result) and the context manager."""
+    """The calls of a session (futures), their ``*_sync`` forms (submit, then wait
+    ``self.timeout`` for the result) and the context manager. A transport implements
+    ``_submit(kind, body, decode, out_bytes)``; arrays ``_enc`` staged are in this thread's
+    side list (``_take_side``)."""
 
     timeout: float | None
-    matmul: Callable[..., Any]
-    expert_mlp: Callable[..., Any]
-    expert_group: Callable[..., Any]
-    expert_group_routed: Callable[..., Any]
-    attention: Callable[..., Any]
-    attention_ragged: Callable[..., Any]
+    wire_dtype: int
+    _tls: threading.local
     close: Callable[..., None]
+    _submit: Callable[..., Any]
+
+    def _take_side(self) -> list[np.ndarray]:
+        side: list[np.ndarray] = getattr(self._tls, "side", None) or []
+        self._tls.side = []
+        return side
+
+    # -- the calls, defined once for every session transport ------------------------------
+
+    def _enc(self, x: np.ndarray, name: str, ndim: int) -> pb.Array:
+        """An Array whose bytes are placed later by ``_place``: until then ``staged``
+        holds the index of the wire-typed NumPy array in this thread's side list."""
+        a = np.asarray(x, dtype=np.float32)
+        if a.ndim != ndim:
+            raise ValueError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
+        if self.wire_dtype == pb.DTYPE_FLOAT32:
+            raw = np.ascontiguousarray(a, "<f4")
+        elif self.wire_dtype == pb.DTYPE_FLOAT16:
+            raw = np.ascontiguousarray(a, "<f2")
+        else:
+            raw = codec.float32_to_bfloat16_bits(a)
+        side = getattr(self._tls, "side", None)
+        if side is None:
+            side = self._tls.side = []
+        side.append(raw)
+        return pb.Array(
+            dtype=self.wire_dtype,
+            shape=list(a.shape),
+            staged=pb.Slice(offset=len(side) - 1, length=raw.nbytes),
+        )
+
+    @staticmethod
+    def _decoder(field: str) -> Decoder:
+        def decode(body: Any, fut: SessionFuture, source: Source) -> np.ndarray:
+            fut.backend_ns = body.backend_ns
+            if hasattr(body, "lengths"):
+                fut.lengths = list(body.lengths)
+            return codec.decode(getattr(body, field), "result", source=source)
+
+        return decode
+
+    def _go(self, kind: str, body: Any, field: str, out_bytes: int) -> SessionFuture:
+        return self._submit(kind, body, self._decoder(field), out_bytes)
+
+    # -- calls (futures) ------------------------------------------------------------------
+
+    def matmul(self, t: Any, x: np.ndarray) -> SessionFuture:
+        """x float32 [S, I] -> future of y float32 [S, O]."""
+        body = requests.matmul(self._enc, t, x)
+        out = body.x.shape[0] * int(getattr(t, "out_features", body.x.shape[1])) * 4
+        return self._go("matmul", body, "y", out)
+
+    def expert_mlp(self, gate: Any, up: Any, down: Any, x: np.ndarray) -> SessionFuture:
+        """x float32 [S, D] -> future of down(silu(gate x) * up x) float32 [S, D]."""
+        body = requests.expert_mlp(self._enc, gate, up, down, x)
+        return self._go("expert_mlp", body, "y", math.prod(body.x.shape) * 4)
+
+    def expert_group(
+        self, experts: Iterable[Sequence[Any]], rows: Sequence[int], x: np.ndarray
+    ) -> SessionFuture:
+        """The packed form: x float32 [sum(rows), D], rows[c] rows for expert c -> future
+        of y float32 packed the same way."""
+        body = requests.expert_group(self._enc, experts, rows, x)
+        return self._go("expert_group", body, "y", math.prod(body.x.shape) * 4)
+
+    def expert_group_routed(
+        self,
+        experts: Iterable[Sequence[Any]],
+        x: np.ndarray,
+        routes: np.ndarray,
+        weights: np.ndarray,
+    ) -> SessionFuture:
+        """x float32 [T, D] (each token once); routes int [T, K] into experts; weights
+        float32 [T, K] -> future of y[t] = sum_j weights[t, j] * expert_{routes[t, j]}(x[t])."""
+        body = requests.expert_group_routed(self._enc, experts, x, routes, weights)
+        return self._go("expert_group_routed", body, "y", math.prod(body.x.shape) * 4)
+
+    def attention(
+        self,
+        kv_b: Any,
+        q: np.ndarray,
+        latent: np.ndarray,
+        rope: np.ndarray,
+        *,
+        q_dim: int,
+        rope_dim: int,
+        v_dim: int,
+        scale: float,
+        o_proj: Any = None,
+    ) -> SessionFuture:
+        """Causal MLA over one sequence (as ``WorkerClient.attention``), as a future."""
+        body = requests.attention(
+            self._enc,
+            kv_b,
+            q,
+            latent,
+            rope,
+            q_dim=q_dim,
+            rope_dim=rope_dim,
+            v_dim=v_dim,
+            scale=scale,
+            o_proj=o_proj,
+        )
+        return self._go("attention", body, "out", self._att_out(body.q, v_dim, o_proj))
+
+    def attention_ragged(
+        self,
+        kv_b: Any,
+        o_proj: Any,
+        q: np.ndarray,
+        *,
+        sequences: Sequence[tuple[int, int, np.ndarray, np.ndarray]],
+        q_dim: int,
+        rope_dim: int,
+        v_dim: int,
+        scale: float,
+    ) -> SessionFuture:
+        """Ragged MLA over resident KV (as ``WorkerClient.attention_ragged``), as a future;
+        ``future.lengths`` holds the resident lengths once done. Calls on one kv_b run in
+        the order submitted."""
+        body = requests.attention_ragged(
+            self._enc,
+            kv_b,
+            o_proj,
+            q,
+            sequences=sequences,
+            q_dim=q_dim,
+            rope_dim=rope_dim,
+            v_dim=v_dim,
+            scale=scale,
+        )
+        return self._go("attention_ragged", body, "out", self._att_out(body.q, v_dim, o_proj))
+
+    @staticmethod
+    def _att_out(qa: pb.Array, v_dim: int, o_proj: Any) -> int:
+        s, h = int(qa.shape[0]), int(qa.shape[1])
+        width = int(getattr(o_proj, "out_features", 0)) or h * v_dim
+        return s * max(width, h * v_dim) * 4
 
     def __enter__(self: _S) -> _S:
         return self

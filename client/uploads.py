@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from coliworker.client import codec
 from coliworker.client.errors import InvalidArgument, WorkerError
 from coliworker.kernels.qtensor import MAX_FORMAT, row_bytes, scale_count
 from coliworker.v1 import worker_pb2 as pb
+from coliworker.wire import codec
 
 if TYPE_CHECKING:
     from coliworker.client.worker import TensorRef, WorkerClient

@@ -15,13 +15,14 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from coliworker.client import codec, requests, uploads
+from coliworker.client import requests, uploads
 from coliworker.client.errors import WorkerError, from_rpc_error
 from coliworker.client.security import TLS, make_channel
 from coliworker.client.uploads import UploadItem, _Progress
 from coliworker.kernels.qtensor import row_bytes, scale_count
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.v1 import worker_pb2_grpc as pb_grpc
+from coliworker.wire import codec
 
 T = TypeVar("T")
 INSTANCE_METADATA_KEY = "coliworker-instance"
@@ -185,6 +186,7 @@ class WorkerClient:
         ]
         # token: bearer token sent on every call; tls: TLS settings (True: system roots).
         self._channel = channel or make_channel(address, options, tls=tls, token=token)
+        self.token, self.tls = token, tls  # the data plane authenticates the same way
         self._stub = pb_grpc.WorkerStub(self._channel)
         self._local = threading.local()
         self._raw: dict[str, Any] = {}
@@ -203,20 +205,31 @@ class WorkerClient:
 
     def session(
         self,
+        transport: str | None = None,
         *,
-        shm: bool = False,
+        shm: bool | None = None,
         shm_bytes: int = 256 << 20,
-        doorbell: bool = False,
+        doorbell: bool | None = None,
         **options: Any,
     ) -> Any:
-        """A Session stream for the hot calls, several in flight (``client/session.py``);
-        ``shm=True`` moves activations through shared memory (same host only);
-        ``doorbell=True`` (with shm) also takes the calls off gRPC: shared-memory slots and
-        FIFO doorbells, one call at a time per session (``client/doorbell.py``). ``options``
-        go to ``Session`` (``spin_us``, ``worker_spin_us``, ``timeout``)."""
-        from coliworker.client.session import Session
+        """A session for the hot calls, several in flight. ``transport``:
 
-        return Session(self, shm=shm, shm_bytes=shm_bytes, doorbell=doorbell, **options)
+        - ``"socket"``: the worker's socket data plane (``client/socket_session.py``; TCP, or
+          its Unix socket when on this host): the fast remote path.
+        - ``"shm"``: shared memory and a doorbell (same host only; ``client/doorbell.py``).
+        - ``"grpc"``: the Session stream (works through any gRPC proxy); ``shm=True`` /
+          ``doorbell=True`` add shared memory / the doorbell to it (the older flags; alone
+          they imply ``"grpc"``).
+        - ``"auto"`` (the default): shm when the worker can open this client's segment,
+          else socket, else the gRPC stream. ``session.transport`` says which was chosen.
+
+        ``options`` go to the session (``spin_us``, ``worker_spin_us``, ``timeout``; the
+        socket session takes ``spin_us``, ``timeout`` and ``address``)."""
+        from coliworker.client.session import open_session
+
+        return open_session(
+            self, transport, shm=shm, shm_bytes=shm_bytes, doorbell=doorbell, **options
+        )
 
     @property
     def last_call(self) -> CallInfo:

@@ -125,11 +125,16 @@ class WorkerServer:
             raise OSError(f"cannot listen on {config.host}:{config.port}")
         if config.unix_socket:
             self.server.add_insecure_port(f"unix:{config.unix_socket}")
+        from coliworker.server.dataplane import DataPlane
+
+        self.data = DataPlane(self.servicer, config)
+        self.servicer.data_endpoint = self.data.endpoint
         self.metrics_port: int | None = None
         self._stopped = threading.Event()
 
     def start(self) -> WorkerServer:
         self.server.start()
+        self.data.start()
         if self.metrics is not None:
             host = self.config.metrics_host or self.config.host
             self.metrics_port = self.metrics.serve(host, self.config.metrics_port or 0)
@@ -144,13 +149,22 @@ class WorkerServer:
             names,
             f"port {self.metrics_port}" if self.metrics_port else "off",
         )
+        if self.data.listeners:
+            log.info(
+                "data plane on %s%s%s",
+                f"{self.config.host}:{self.data.port}" if self.data.port else "",
+                f" unix:{self.data.unix_path}" if self.data.unix_path else "",
+                " (TLS)" if self.data.tls is not None else "",
+            )
         return self
 
     def stop(self, grace: float | None = None) -> None:
         """Drain: health turns NOT_SERVING, new calls are refused at once, calls in flight
         get ``grace`` seconds to finish (None: cancel them now)."""
         self.health.set_not_serving()
-        self.server.stop(grace).wait()
+        stopping = self.server.stop(grace)
+        self.data.stop(grace)
+        stopping.wait()
         if self.metrics is not None:
             self.metrics.stop()
         self.backend.close()

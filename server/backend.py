@@ -80,6 +80,10 @@ class KVCache(Protocol):
         """Room for ``n`` rows past ``length`` (capacity, ``nbytes``, grows; ``length`` does
         not); may raise OutOfDeviceMemory and then leaves the cache as it was."""
 
+    def growth(self, rows: int) -> int:
+        """Bytes ``reserve`` would add for the cache to hold ``rows`` rows in all (0: there
+        is room), so a call is admitted against budgets before any cache changes."""
+
     def append(self, latent: np.ndarray, rope: np.ndarray) -> None:
         """Append rows now: latent float32 [n, K], rope float32 [n, R]; may raise
         OutOfDeviceMemory and then leaves the cache as it was. The hot path passes new rows to

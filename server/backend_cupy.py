@@ -53,7 +53,7 @@ from coliworker.server.cupy_residents import CupyKVCache, CupyPlacement, CupyRes
 from coliworker.server.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from coliworker.client.shm import Segment
+    from coliworker.wire.shm import Segment
 
 _silu_mul = cupy.ElementwiseKernel(
     "float32 g, float32 u", "float32 h", "h = g / (1.f + expf(-g)) * u", "coli_silu_mul"

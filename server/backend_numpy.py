@@ -176,6 +176,14 @@ class NumpyKVCache:
             new_rope[: self.length] = self._rope[: self.length]
             self._latent, self._rope = new_latent, new_rope
 
+    def growth(self, rows: int) -> int:
+        """Bytes ``reserve`` would add for the cache to hold ``rows`` rows in all (0: there
+        is room): what a ragged call admits against budgets before anything changes."""
+        if rows <= self.capacity:
+            return 0
+        pages = -(-rows // KV_PAGE_ROWS) * KV_PAGE_ROWS
+        return (max(pages, 2 * self.capacity) - self.capacity) * 4 * (self.k + self.r)
+
     def stage(self, latent: np.ndarray, rope: np.ndarray) -> int:
         """Write rows past ``length`` without claiming them (room reserved); returns their
         count. ``length`` is the caller's to advance."""

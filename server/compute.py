@@ -16,14 +16,17 @@ from typing import Any
 
 import numpy as np
 
-from coliworker.client import codec
 from coliworker.server import validate
 from coliworker.server.backend import Backend, Result
 from coliworker.server.config import Config
+from coliworker.server.dtypes import output_dtype
 from coliworker.server.errors import InvalidArgument, ResourceExhausted, Unavailable
 from coliworker.server.sequences import RowsIn, SequenceStore
-from coliworker.server.store import Handle, TensorStore
+from coliworker.server.store import Handle, TensorStore, held
+from coliworker.server.usage import UsageCounts
 from coliworker.v1 import worker_pb2 as pb
+from coliworker.wire import codec
+from coliworker.wire.codec import INLINE, ArrayIO
 
 #: Validated expert lists kept per servicer (cleared when full).
 _EXPERT_CACHE = 4096
@@ -44,6 +47,7 @@ class ComputeOps:
     backend: Backend
     store: TensorStore
     sequences: SequenceStore
+    tensor_counts: UsageCounts  # per-tensor calls and rows (TensorUsage, usage.py)
     hooks: Any
     _lock: threading.Lock
     _compute_calls: int
@@ -75,20 +79,27 @@ class ComputeOps:
         return r
 
     @staticmethod
-    def _out(result: Result, out_dtype: int, in_dtype: int) -> pb.Array:
-        return codec.encode(result.out, out_dtype or in_dtype)
+    def _out(result: Result, out_dtype: int, in_dtype: int, io: ArrayIO) -> pb.Array:
+        return io.encode(result.out, output_dtype(out_dtype, in_dtype))
 
-    def matmul(self, request: pb.MatmulRequest, owner: str) -> pb.MatmulResponse:
+    @held
+    def matmul(
+        self, request: pb.MatmulRequest, owner: str, io: ArrayIO = INLINE
+    ) -> pb.MatmulResponse:
         w = self._tensor(request.handle, "matmul.handle", owner)
-        x = validate.array(request.x, "matmul.x", 2)
+        x = validate.array(request.x, "matmul.x", 2, io)
         validate.columns(x, w.spec.in_features, "matmul.x", "tensor in_features")
         self._begin_compute("matmul")
         r = self._timed(self.backend.matmul, w.data.resident, x)
+        self.tensor_counts.tensor(w.spec.device, x.shape[0], w.id)
         return pb.MatmulResponse(
-            y=self._out(r, request.output_dtype, request.x.dtype), backend_ns=r.backend_ns
+            y=self._out(r, request.output_dtype, request.x.dtype, io), backend_ns=r.backend_ns
         )
 
-    def expert_mlp(self, request: pb.ExpertMlpRequest, owner: str) -> pb.ExpertMlpResponse:
+    @held
+    def expert_mlp(
+        self, request: pb.ExpertMlpRequest, owner: str, io: ArrayIO = INLINE
+    ) -> pb.ExpertMlpResponse:
         g = self._tensor(request.gate, "expert_mlp.gate", owner)
         u = self._tensor(request.up, "expert_mlp.up", owner)
         d = self._tensor(request.down, "expert_mlp.down", owner)
@@ -96,14 +107,15 @@ class ComputeOps:
             [("expert_mlp.gate", g), ("expert_mlp.up", u), ("expert_mlp.down", d)], "expert_mlp"
         )
         dim, _ = validate.mlp(g, u, d, "expert_mlp")
-        x = validate.array(request.x, "expert_mlp.x", 2)
+        x = validate.array(request.x, "expert_mlp.x", 2, io)
         validate.columns(x, dim, "expert_mlp.x", "gate in_features")
         self._begin_compute("expert_mlp")
         r = self._timed(
             self.backend.expert_mlp, g.data.resident, u.data.resident, d.data.resident, x
         )
+        self.tensor_counts.tensor(g.spec.device, x.shape[0], g.id, u.id, d.id)
         return pb.ExpertMlpResponse(
-            y=self._out(r, request.output_dtype, request.x.dtype), backend_ns=r.backend_ns
+            y=self._out(r, request.output_dtype, request.x.dtype, io), backend_ns=r.backend_ns
         )
 
     def _experts(self, experts, op: str, owner: str) -> tuple[list[tuple], int, int]:
@@ -141,7 +153,9 @@ class ComputeOps:
         self._expert_cache[key] = (gen, triples, device, dim)
         return triples, device, dim
 
-    def _group_args(self, request: pb.ExpertGroupRequest, op: str, owner: str):
+    def _group_args(
+        self, request: pb.ExpertGroupRequest, op: str, owner: str, io: ArrayIO = INLINE
+    ):
         triples, device, dim = self._experts(request.experts, op, owner)
         rows = list(request.rows)
         if len(rows) != len(triples):
@@ -151,7 +165,7 @@ class ComputeOps:
         for c, r in enumerate(rows):
             if r < 1:
                 raise InvalidArgument(f"{op}.rows[{c}]: expected >= 1, got {r}")
-        x = validate.array(request.x, f"{op}.x", 2)
+        x = validate.array(request.x, f"{op}.x", 2, io)
         if x.shape[0] != sum(rows):
             raise InvalidArgument(
                 f"{op}.x: expected {sum(rows)} rows (sum of rows), got {x.shape[0]}"
@@ -160,41 +174,46 @@ class ComputeOps:
         return triples, rows, x, device
 
     def _group_response(
-        self, r: Result, device: int, experts: int, rows: int, out_dtype: int
+        self, r: Result, device: int, experts: int, rows: int, out_dtype: int, io: ArrayIO
     ) -> pb.ExpertGroupResponse:
         self.store.record_group(device, experts, rows, r.phases)
         self.hooks.record_group(device, experts, rows, r.phases)
         p = r.phases
         return pb.ExpertGroupResponse(
-            y=codec.encode(r.out, out_dtype),
+            y=io.encode(r.out, output_dtype(out_dtype)),
             backend_ns=r.backend_ns,
             h2d_ns=p.h2d_ns,
             kernel_ns=p.kernel_ns,
             d2h_ns=p.d2h_ns,
         )
 
-    def expert_group(self, request: pb.ExpertGroupRequest, owner: str) -> pb.ExpertGroupResponse:
-        triples, rows, x, device = self._group_args(request, "expert_group", owner)
+    @held
+    def expert_group(
+        self, request: pb.ExpertGroupRequest, owner: str, io: ArrayIO = INLINE
+    ) -> pb.ExpertGroupResponse:
+        triples, rows, x, device = self._group_args(request, "expert_group", owner, io)
         self._begin_compute("expert_group")
         r = self._timed(self.backend.expert_group, triples, rows, x)
+        self.tensor_counts.experts(device, request.experts, rows)
         return self._group_response(
-            r, device, len(triples), sum(rows), request.output_dtype or request.x.dtype
+            r, device, len(triples), sum(rows), request.output_dtype or request.x.dtype, io
         )
 
+    @held
     def expert_group_routed(
-        self, request: pb.ExpertGroupRoutedRequest, owner: str
+        self, request: pb.ExpertGroupRoutedRequest, owner: str, io: ArrayIO = INLINE
     ) -> pb.ExpertGroupResponse:
         op = "expert_group_routed"
         triples, device, dim = self._experts(request.experts, op, owner)
-        x = validate.array(request.x, f"{op}.x", 2)
+        x = validate.array(request.x, f"{op}.x", 2, io)
         validate.columns(x, dim, f"{op}.x", "experts' in_features")
         try:
-            routes = codec.decode(request.routes, f"{op}.routes", ndim=2, float_only=False)
+            routes = io.decode(request.routes, f"{op}.routes", ndim=2, float_only=False)
         except codec.CodecError as exc:
             raise InvalidArgument(str(exc)) from None
         if routes.dtype != np.int32:
             raise InvalidArgument(f"{op}.routes.dtype: expected int32, got {routes.dtype}")
-        weights = validate.array(request.weights, f"{op}.weights", 2)
+        weights = validate.array(request.weights, f"{op}.weights", 2, io)
         if routes.shape[0] != x.shape[0]:
             raise InvalidArgument(
                 f"{op}.routes: expected {x.shape[0]} rows (one per token of x), "
@@ -215,19 +234,28 @@ class ComputeOps:
             )
         self._begin_compute(op)
         r = self._timed(self.backend.expert_group_routed, triples, x, routes, weights)
+        self.tensor_counts.routed(device, request.experts, routes)
         return self._group_response(
-            r, device, len(triples), int(routes.size), request.output_dtype or request.x.dtype
+            r,
+            device,
+            len(triples),
+            int(routes.size),
+            request.output_dtype or request.x.dtype,
+            io,
         )
 
-    def attention(self, request: pb.AttentionRequest, owner: str) -> pb.AttentionResponse:
+    @held
+    def attention(
+        self, request: pb.AttentionRequest, owner: str, io: ArrayIO = INLINE
+    ) -> pb.AttentionResponse:
         op = "attention"
         kv_b = self._tensor(request.kv_b, f"{op}.kv_b", owner)
-        q = validate.array(request.q, f"{op}.q", 3)
+        q = validate.array(request.q, f"{op}.q", 3, io)
         heads, k = validate.attention_dims(
             kv_b, q, request.q_dim, request.rope_dim, request.v_dim, request.scale, op
         )
-        latent = validate.array(request.latent, f"{op}.latent", 2)
-        rope = validate.array(request.rope, f"{op}.rope", 2)
+        latent = validate.array(request.latent, f"{op}.latent", 2, io)
+        rope = validate.array(request.rope, f"{op}.rope", 2, io)
         validate.columns(latent, k, f"{op}.latent", "kv_b in_features")
         validate.columns(rope, request.rope_dim, f"{op}.rope", "rope_dim")
         if rope.shape[0] != latent.shape[0]:
@@ -253,8 +281,9 @@ class ComputeOps:
             request.v_dim,
             request.scale,
         )
+        self.tensor_counts.tensor(kv_b.spec.device, q.shape[0], kv_b.id, request.o_proj)
         return pb.AttentionResponse(
-            out=self._out(r, request.output_dtype, request.q.dtype), backend_ns=r.backend_ns
+            out=self._out(r, request.output_dtype, request.q.dtype, io), backend_ns=r.backend_ns
         )
 
     def _o_proj(self, handle: int, kv_b: Handle, heads: int, v_dim: int, op: str, owner: str):
@@ -265,12 +294,13 @@ class ComputeOps:
         validate.o_proj(proj, heads, v_dim, op)
         return proj.data.resident
 
+    @held
     def attention_ragged(
-        self, request: pb.AttentionRaggedRequest, owner: str
+        self, request: pb.AttentionRaggedRequest, owner: str, io: ArrayIO = INLINE
     ) -> pb.AttentionRaggedResponse:
         op = "attention_ragged"
         kv_b = self._tensor(request.kv_b, f"{op}.kv_b", owner)
-        q = validate.array(request.q, f"{op}.q", 3)
+        q = validate.array(request.q, f"{op}.q", 3, io)
         heads, k = validate.attention_dims(
             kv_b, q, request.q_dim, request.rope_dim, request.v_dim, request.scale, op
         )
@@ -294,8 +324,8 @@ class ComputeOps:
             if s.start < 0:
                 raise InvalidArgument(f"{f}.start: expected >= 0, got {s.start}")
             try:
-                lat = codec.decode_rows(s.latent, f"{f}.latent", k)
-                rop = codec.decode_rows(s.rope, f"{f}.rope", request.rope_dim)
+                lat = io.decode_rows(s.latent, f"{f}.latent", k)
+                rop = io.decode_rows(s.rope, f"{f}.rope", request.rope_dim)
             except codec.CodecError as exc:
                 raise InvalidArgument(str(exc)) from None
             validate.columns(lat, k, f"{f}.latent", "kv_b in_features")
@@ -307,7 +337,7 @@ class ComputeOps:
             rows.append(RowsIn(s.sequence_id, s.start, lat, rop))
         proj = self._o_proj(request.o_proj, kv_b, heads, request.v_dim, op, owner)
         self._begin_compute(op)
-        with self.sequences.lock:
+        with self.sequences.ordered(kv_b):  # calls on one (owner, kv_b) in turn
             t0 = time.perf_counter_ns()  # the KV growth is backend work too
             caches = self.sequences.prepare(kv_b, rows, k, request.rope_dim)
             r = self.backend.attention_ragged(
@@ -323,8 +353,9 @@ class ComputeOps:
             )
             r.wall_ns = time.perf_counter_ns() - t0
             lengths = [c.length for c in caches]
+        self.tensor_counts.tensor(kv_b.spec.device, q.shape[0], kv_b.id, request.o_proj)
         return pb.AttentionRaggedResponse(
-            out=self._out(r, request.output_dtype, request.q.dtype),
+            out=self._out(r, request.output_dtype, request.q.dtype, io),
             lengths=lengths,
             backend_ns=r.backend_ns,
         )

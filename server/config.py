@@ -64,6 +64,13 @@ class Config:
     max_kv_rows: int = 1 << 20
     fail_after: int | None = None  # fault injection: compute calls fail after N successes
     unix_socket: str = ""
+    # The socket data plane (dataplane.py): TCP port (None: off; 0: any free port), an
+    # optional Unix socket, the largest non-upload frame, and the readers' poll time.
+    data_port: int | None = -1  # -1: --port + 1 (a free port when --port is 0)
+    data_unix_socket: str = ""
+    max_frame_bytes: int = 1 << 30
+    data_spin_us: int = 200
+    max_data_connections: int = 256
     # Security and limits (auth.py, limits.py).
     token_file: str = ""
     tokens: str = ""
@@ -79,6 +86,13 @@ class Config:
     max_uploads_per_owner: int = 4
     max_staged_bytes_per_owner: int = 2 << 30
     idle_timeout: float = 60.0
+
+    @property
+    def data_bind_port(self) -> int | None:
+        """The TCP port the data plane binds (None: off; 0: any free port)."""
+        if self.data_port == -1:
+            return self.port + 1 if self.port else 0
+        return self.data_port
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -112,6 +126,18 @@ class Config:
             raise ValueError("tls_client_ca: needs tls_cert and tls_key (mutual TLS is TLS)")
         if self.quota < 0:
             raise ValueError(f"quota: expected >= 0, got {self.quota}")
+        if self.data_port is not None and not -1 <= self.data_port <= 65535:
+            raise ValueError(f"data_port: expected 0..65535 or off, got {self.data_port}")
+        if self.data_port and self.data_port == self.port:
+            raise ValueError(f"data_port: expected a port other than port {self.port}")
+        if not 1 << 20 <= self.max_frame_bytes <= 1 << 40:
+            raise ValueError(f"max_frame_bytes: expected 1M..1T bytes, got {self.max_frame_bytes}")
+        if not 0 <= self.data_spin_us <= 10_000:
+            raise ValueError(f"data_spin_us: expected 0..10000, got {self.data_spin_us}")
+        if self.max_data_connections < 1:
+            raise ValueError(
+                f"max_data_connections: expected >= 1, got {self.max_data_connections}"
+            )
         if not 0 <= self.drain_grace <= 3600:
             raise ValueError(f"drain_grace: expected 0..3600 seconds, got {self.drain_grace}")
         for name in ("max_sessions_per_owner", "max_uploads_per_owner"):
@@ -137,6 +163,11 @@ class Setting:
 def _metrics_port(text: str) -> int | None:
     port = int(text)
     return None if port == 0 else port
+
+
+def _data_port(text: str) -> int | None:
+    t = text.strip().lower()
+    return None if t in ("off", "none", "") else int(t)
 
 
 def _optional_int(text: str) -> int | None:
@@ -239,6 +270,43 @@ SETTINGS: tuple[Setting, ...] = (
         "COLIWORKER_UNIX_SOCKET",
         str,
         "also listen on this Unix domain socket path (default off)",
+    ),
+    Setting(
+        "data_port",
+        "--data-port",
+        "COLIWORKER_DATA_PORT",
+        _data_port,
+        "TCP port of the socket data plane (the fast remote transport, proto/FRAMES.md), on "
+        "--host; 0 picks a free port, 'off' disables it (default --port + 1: 50052)",
+    ),
+    Setting(
+        "data_unix_socket",
+        "--data-unix-socket",
+        "COLIWORKER_DATA_UNIX_SOCKET",
+        str,
+        "also serve the data plane on this Unix domain socket path (same host; default off)",
+    ),
+    Setting(
+        "max_frame_bytes",
+        "--max-frame-bytes",
+        "COLIWORKER_MAX_FRAME_BYTES",
+        parse_bytes,
+        "largest data-plane call (body + arrays), uploads excepted (default 1G)",
+    ),
+    Setting(
+        "data_spin_us",
+        "--data-spin-us",
+        "COLIWORKER_DATA_SPIN_US",
+        int,
+        "how long a data-plane connection polls for the next call before it sleeps, 0..10000 "
+        "us (polling saves ~20 us per call and costs a core meanwhile; default 200)",
+    ),
+    Setting(
+        "max_data_connections",
+        "--max-data-connections",
+        "COLIWORKER_MAX_DATA_CONNECTIONS",
+        int,
+        "data-plane connections open at once, a thread each; more are refused (default 256)",
     ),
     Setting(
         "token_file",

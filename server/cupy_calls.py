@@ -27,8 +27,8 @@ from coliworker.server.backend import Phases, Result
 from coliworker.server.errors import OutOfDeviceMemory
 
 if TYPE_CHECKING:
-    from coliworker.client.shm import Segment
     from coliworker.server.backend_cupy import CupyBackend
+    from coliworker.wire.shm import Segment
 
 log = logging.getLogger(__name__)
 

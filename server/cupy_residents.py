@@ -124,6 +124,13 @@ class CupyKVCache:
             stream.synchronize()
         self.latent, self.rope, self.cap = lat, rop, cap
 
+    def growth(self, rows: int) -> int:
+        """Bytes ``reserve`` would add for the cache to hold ``rows`` rows in all (0: room)."""
+        if rows <= self.cap:
+            return 0
+        cap = -(-max(rows, 2 * self.cap) // KV_PAGE_ROWS) * KV_PAGE_ROWS
+        return (cap - self.cap) * (self.k + self.r) * 4
+
     def reserve(self, n: int) -> None:
         """Room for ``n`` rows past ``length``; on OutOfDeviceMemory the cache is unchanged."""
         if self.length + n > self.cap:

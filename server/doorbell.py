@@ -1,9 +1,10 @@
-"""The worker end of a doorbell channel (``coliworker.client.doorbell`` has the design).
+"""The worker end of a doorbell channel (``coliworker.client.doorbell`` has the design,
+``coliworker.wire.bell`` the slot layout: data-plane frames in shared memory).
 
-One thread per channel: it waits on the ``request`` FIFO, reads each call from its slot in
-the session's segment, runs it through the session's per-op path (the servicer's methods:
-same validation, same errors, the stream's owner), writes the response into the matching
-response slot and rings ``response``. It exits when the client's end closes (end of file),
+One thread per channel: it waits on the ``request`` FIFO, reads each CALL frame from its
+slot in the session's segment, runs it through the one dispatch (same validation, same
+errors, the stream's owner), writes the REPLY frame into the matching response slot and
+rings ``response``. It exits when the client's end closes (end of file),
 when the client stops reading (EPIPE), or when the Session stream ends (``close``).
 
 Before opening anything the worker checks, on the open descriptors (no race between check
@@ -27,9 +28,11 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from coliworker.client.doorbell import LEN_BYTES, REQUEST, RESPONSE
-from coliworker.client.shm import Segment, ShmError, shm_dir
 from coliworker.v1 import worker_pb2 as pb
+from coliworker.wire import bell, calls, frames, staging
+from coliworker.wire.bell import REQUEST, RESPONSE
+from coliworker.wire.codec import ArrayIO
+from coliworker.wire.shm import ALIGN, Segment, ShmError, shm_dir
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +40,8 @@ MAX_SLOTS = 64
 MAX_SPIN_US = 10_000
 MIN_SLOT_BYTES, MAX_SLOT_BYTES = 4096, 16 << 20
 _DIR = re.compile(r"^coliworker-\d+-[0-9a-f]{16}\.bell$")
-STATUS_OF = {c.value[0]: c for c in grpc.StatusCode}
+_INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 
 
 def _uid() -> int:
@@ -133,7 +137,7 @@ def check_slots(seg: Segment, msg: pb.DoorbellAttach) -> None:
 
 
 class Doorbell:
-    """The worker end of one channel. ``stream.call_now(request)`` runs one call."""
+    """The worker end of one channel; ``stream`` is its Session stream (owner, servicer)."""
 
     def __init__(self, stream: Any, seg: Segment, msg: pb.DoorbellAttach) -> None:
         check_slots(seg, msg)
@@ -205,7 +209,7 @@ class Doorbell:
                     if self._closed:
                         return  # the stream ended during the call: nobody to answer
                     off = self.offset + (self.slots + slot) * self.slot_bytes
-                    self.segment.write(off, len(data).to_bytes(LEN_BYTES, "little") + data)
+                    self.segment.write(off, bell.PREFIX.pack(0, 0) + data)
                     os.write(self._resp, bytes((slot,)))
                     slot = (slot + 1) % self.slots
         except (OSError, ShmError) as exc:  # EPIPE (client gone) or the segment detached
@@ -228,54 +232,106 @@ class Doorbell:
         return None
 
     def _answer(self, slot: int) -> bytes:
-        """Run the call in request slot ``slot``; the serialized SessionResponse."""
+        """Run the CALL frame in request slot ``slot``; the bytes of its REPLY frame."""
         t0 = time.perf_counter()
+        seg = self.segment
         off = self.offset + slot * self.slot_bytes
-        n = int.from_bytes(self.segment.read(off, LEN_BYTES, "doorbell"), "little")
+        room = bell.room(self.slot_bytes)
+        out_off, out_len = bell.PREFIX.unpack(seg.read(off, bell.PREFIX_BYTES, "doorbell"))
+        method = rid = 0
         kind = "doorbell"
-        rid = 0
-        if n > self.slot_bytes - LEN_BYTES:
-            resp = self._error(
-                0,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"doorbell: request slot {slot} length: expected <= "
-                f"{self.slot_bytes - LEN_BYTES}, got {n}",
-            )
-        else:
+        try:
+            head = frames.parse(seg.read(off + bell.FRAME_AT, frames.HEADER_BYTES, "doorbell"))
+            method, rid = head.method, head.request_id
+            call = calls.BY_METHOD.get(method)
+            if head.type != frames.CALL or call is None or call.streams_data:
+                raise frames.FrameError(
+                    _INVALID,
+                    f"doorbell: expected a CALL frame of a compute or control call, got "
+                    f"{frames.TYPE_NAMES[head.type]} method {method}",
+                    rid,
+                )
+            kind = call.kind
+            n = bell.frame_bytes(head)
+            if n > room:
+                raise frames.FrameError(
+                    _INVALID,
+                    f"doorbell: request slot {slot} frame: expected <= {room} bytes, got {n}",
+                    rid,
+                )
+            if out_len:
+                seg.check(out_off, out_len, "doorbell.output")
+            # One copy out of the segment: the client cannot change what was checked.
+            raw = seg.read(off + bell.FRAME_AT + frames.HEADER_BYTES, n - frames.HEADER_BYTES, kind)
             try:
-                req = pb.SessionRequest.FromString(
-                    self.segment.read(off + LEN_BYTES, n, "doorbell")
-                )
-            except DecodeError as exc:
-                resp = self._error(
-                    0, grpc.StatusCode.INVALID_ARGUMENT, f"doorbell: malformed request: {exc}"
-                )
-            else:
-                rid = req.request_id
-                kind = req.WhichOneof("call") or "doorbell"
-                resp = self.stream.call_now(req)
-        data = resp.SerializeToString()
-        if len(data) > self.slot_bytes - LEN_BYTES:
-            resp = self._error(
-                rid,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{kind}: the result does not fit the output region offered nor the doorbell "
-                f"slot ({len(data)} > {self.slot_bytes - LEN_BYTES} bytes); give the session "
-                f"more shm_bytes",
+                request = call.request.FromString(raw[: head.body_bytes])
+            except DecodeError:
+                raise frames.FrameError(
+                    _INVALID, f"{kind}: the body is not a {call.request.__name__} message", rid
+                ) from None
+            data = memoryview(raw)[head.body_bytes :]
+            staging.check(request, data, seg.check, kind)
+        except (frames.FrameError, ValueError, ShmError) as exc:
+            code = exc.code if isinstance(exc, frames.FrameError) else _INVALID
+            message = exc.message if isinstance(exc, frames.FrameError | ShmError) else str(exc)
+            self.stream.servicer.dispatch.refused(
+                kind, grpc.StatusCode.INVALID_ARGUMENT, time.perf_counter() - t0, "shm"
             )
-            data = resp.SerializeToString()
-        code = grpc.StatusCode.OK
-        if resp.WhichOneof("result") == "error":
-            code = STATUS_OF.get(resp.error.code, grpc.StatusCode.UNKNOWN)
+            return self._error(method, rid, code, message)
+        sink: list = []
+        io = ArrayIO(staging.source(data, seg.read, kind, seg.view), sink)
+        out = self.stream.servicer.dispatch.run(
+            call, request, self.stream.owner, io, transport="shm"
+        )
         self.calls += 1
-        self.stream.servicer.hooks.record_session_request(kind, code, time.perf_counter() - t0)
-        return data
+        if not out.ok:
+            return self._error(method, rid, out.code.value[0], out.message)
+        return self._reply(call, rid, out.response, sink, out_off, out_len, room)
+
+    def _reply(
+        self,
+        call: calls.Call,
+        rid: int,
+        response,
+        sink: list,
+        out_off: int,
+        out_len: int,
+        room: int,
+    ) -> bytes:
+        """The REPLY frame: result arrays in the output region when they all fit, else in
+        the frame's data when the frame fits the slot, else RESOURCE_EXHAUSTED."""
+        seg = self.segment
+        arrays = [a for a in staging.iter_arrays(response) if a.HasField("staged")]
+        need = 0  # each array 64-byte aligned after the one before
+        for a in arrays:
+            need = (need + ALIGN - 1) // ALIGN * ALIGN + memoryview(sink[a.staged.offset]).nbytes
+        if arrays and need <= out_len:
+            pos = out_off
+            for a in arrays:
+                view = memoryview(sink[a.staged.offset]).cast("B")
+                seg.write(pos, view)
+                a.ClearField("staged")
+                a.shm.offset, a.shm.length = pos, len(view)
+                pos += (len(view) + ALIGN - 1) // ALIGN * ALIGN
+            pieces: list = []
+            n = 0
+        else:
+            pieces, n = frames.place(response, sink)
+        body = response.SerializeToString()
+        if frames.HEADER_BYTES + len(body) + n > room:
+            return self._error(
+                call.method,
+                rid,
+                _EXHAUSTED,
+                f"{call.kind}: the result ({n} bytes) fits neither the output region offered "
+                f"({out_len} bytes) nor the doorbell slot ({room} bytes); give the session more "
+                f"shm_bytes",
+            )
+        return b"".join(frames.frame(frames.REPLY, call.method, rid, body, pieces, n))
 
     @staticmethod
-    def _error(rid: int, code: grpc.StatusCode, message: str) -> pb.SessionResponse:
-        return pb.SessionResponse(
-            request_id=rid, error=pb.Status(code=code.value[0], message=message)
-        )
+    def _error(method: int, rid: int, code: int, message: str) -> bytes:
+        return b"".join(frames.error_frame(method, rid, code, message))
 
 
 __all__ = ["Doorbell", "check_slots"]

@@ -5,6 +5,7 @@
     │   record_compute_error             called by the servicer and the store
     ├── interceptor()                   grpc.ServerInterceptor: grpc_server_* per method
     ├── bind(residency=, devices=)      callbacks read at scrape time (a custom collector)
+    ├── bind_usage(top)                 the most called tensors per device (usage.py)
     └── serve(host, port) / render()    the /metrics HTTP endpoint, or the text for tests
 
 Names follow the Prometheus conventions (base units: seconds and bytes; ``_total`` on
@@ -73,6 +74,9 @@ COMPUTE_METHODS = frozenset(
 WORKER_SERVICE = "coliworker.v1.Worker"
 
 ResidencyFn = Callable[[], Sequence[Any]]
+TopFn = Callable[[int], dict[int, list[tuple[int, int]]]]
+#: Tensors per device in coliworker_tensor_top_*: bounded cardinality (rank labels, no ids).
+TOP_TENSORS = 10
 DevicesFn = Callable[[], Sequence[DeviceInfo]]
 
 # (metric name, attribute of a residency entry, help text)
@@ -146,6 +150,37 @@ class _StateCollector(Collector):
         yield limit
 
 
+class _TopCollector(Collector):
+    """The most called tensors per device (``server/usage.py``), by rank 1..TOP_TENSORS:
+    how concentrated routing is, which is what placement acts on (handle ids stay out:
+    they are per owner and unbounded; ``TensorUsage`` names them to their owner)."""
+
+    def __init__(self, top: TopFn) -> None:
+        self.top = top
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["device", "rank"]
+        calls = GaugeMetricFamily(
+            "coliworker_tensor_top_calls",
+            "Compute calls of the rank-th most called resident tensor of the device.",
+            labels=labels,
+        )
+        rows = GaugeMetricFamily(
+            "coliworker_tensor_top_rows",
+            "Activation rows of the rank-th most called resident tensor of the device.",
+            labels=labels,
+        )
+        try:
+            for device, ranked in sorted(self.top(TOP_TENSORS).items()):
+                for rank, (c, r) in enumerate(ranked, 1):
+                    calls.add_metric([str(device), str(rank)], float(c))
+                    rows.add_metric([str(device), str(rank)], float(r))
+        except Exception:
+            log.exception("metrics: tensor usage callback failed")
+        yield calls
+        yield rows
+
+
 class Metrics:
     """Every metric of one worker, in its own registry unless one is given."""
 
@@ -199,14 +234,15 @@ class Metrics:
         )
         self.session_requests = Counter(
             "coliworker_session_requests",
-            "Requests multiplexed on Session streams, by call and status code.",
-            ["call", "code"],
+            "Calls on the hot-path transports (transport: grpc = Session stream, socket = "
+            "data plane, shm = doorbell), by call and status code.",
+            ["call", "code", "transport"],
             registry=r,
         )
         self.session_seconds = Histogram(
             "coliworker_session_request_seconds",
-            "Time from receiving a Session request to queueing its response.",
-            ["call"],
+            "Time from receiving a hot-path call to queueing its answer, by transport.",
+            ["call", "transport"],
             buckets=RPC_BUCKETS,
             registry=r,
         )
@@ -267,6 +303,11 @@ class Metrics:
 
             self.registry.register(NvmlCollector(gpus))
 
+    def bind_usage(self, top: TopFn) -> None:
+        """Expose ``top(n)`` (device -> the n largest (calls, rows) of its tensors) as
+        coliworker_tensor_top_calls / _rows."""
+        self.registry.register(_TopCollector(top))
+
     def _child(self, metric: Any, *values: str) -> Any:
         key = (id(metric), values)
         child = self._children.get(key)
@@ -311,13 +352,14 @@ class Metrics:
         self.compute_errors.labels(_code_name(code)).inc()
 
     def record_session_request(
-        self, call: str, code: grpc.StatusCode | int | str, seconds: float
+        self, call: str, code: grpc.StatusCode | int | str, seconds: float, transport: str = "grpc"
     ) -> None:
-        """One Session request: ``call`` is the oneof name ("expert_group"). A non-OK code
-        also counts as a compute error."""
+        """One hot-path call: ``call`` is its kind ("expert_group"), ``transport`` grpc
+        (Session stream), socket (data plane) or shm (doorbell). A non-OK code also counts
+        as a compute error."""
         name = _code_name(code)
-        self._child(self.session_requests, call, name).inc()
-        self._child(self.session_seconds, call).observe(seconds)
+        self._child(self.session_requests, call, name, transport).inc()
+        self._child(self.session_seconds, call, transport).observe(seconds)
         if name != "OK":
             self.compute_errors.labels(name).inc()
 

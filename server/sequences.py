@@ -3,18 +3,27 @@
 Each ragged attention call carries, per sequence, ``start`` and the rows from ``start`` on:
 ``start`` below the resident length rolls the cache back first, above it is an error. Here the
 caches are rolled back and given room (growth, budget, eviction); the rows go up with the
-attention call itself, which claims them when it succeeds. When a device budget (or the device
-itself) runs out, the least recently used sequences that the current call does not touch are
-evicted; their next call with ``start > 0`` is told so with FAILED_PRECONDITION (never a silent
-wrong answer) and can resend from ``start = 0``.
+attention call itself, which claims them when it succeeds.
+
+A refused call changes nothing: every check (shapes, starts, rows, the growth each cache
+needs against the owner's quota and the device budget) runs before any cache is created,
+grown, rolled back or evicted, and a cache created for the call is registered only once all
+of them have room.
+
+Owners never touch each other's caches. Calls on one (owner, kv_b) run one at a time
+(``ordered``), calls on different ones run side by side. When the device budget (or the
+device itself) runs out, the least recently used sequences *of the same owner* that no
+running call uses are evicted; their next call with ``start > 0`` is told so with
+FAILED_PRECONDITION (never a silent wrong answer) and can resend from ``start = 0``.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +41,14 @@ from coliworker.server.store import Budget, Handle
 Key = tuple[str, int, int]  # (owner, kv_b handle id, sequence id)
 
 
+@dataclass(frozen=True)
+class _KvB:
+    """What ``ordered`` needs of a kv_b handle (owner and id), for a freed sequence."""
+
+    owner: str
+    id: int
+
+
 @dataclass
 class Sequence_:
     cache: KVCache
@@ -39,6 +56,14 @@ class Sequence_:
     k: int
     r: int
     last_used: float = field(default_factory=time.monotonic)
+
+
+class _Turn:
+    __slots__ = ("lock", "users")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0  # calls holding or waiting for the turn
 
 
 @dataclass(frozen=True)
@@ -65,110 +90,197 @@ class SequenceStore:
         self.quota = quota or Quota()  # per-owner bytes (quota.py)
         self.max_rows = max_rows
         self.on_evict = on_evict
-        # One lock for cache mutation and the attention that reads the caches: an eviction
-        # can never free a cache a running call is reading.
+        # The maps, budgets and cache growth (short); attention runs outside it, holding
+        # its (owner, kv_b) turn, and an eviction never picks a cache whose turn is held.
         self.lock = threading.RLock()
         self._seqs: dict[Key, Sequence_] = {}
         self._evicted: collections.OrderedDict[Key, None] = collections.OrderedDict()
+        self._turns: dict[tuple[str, int], _Turn] = {}
+
+    @contextlib.contextmanager
+    def ordered(self, kv_b: Handle | _KvB) -> Iterator[None]:
+        """The turn of (owner, kv_b) for the body: ragged calls on one kv_b of one owner run
+        one at a time (each rolls back or appends its caches), others side by side. Hold it
+        around ``prepare`` and the attention that reads the caches, and around
+        ``drop_handle`` (a kv_b freed while a call on it runs waits for it)."""
+        key = (kv_b.owner, kv_b.id)
+        with self.lock:
+            turn = self._turns.get(key)
+            if turn is None:
+                turn = self._turns[key] = _Turn()
+            turn.users += 1
+        turn.lock.acquire()
+        try:
+            yield
+        finally:
+            turn.lock.release()
+            with self.lock:
+                turn.users -= 1
+                if not turn.users:
+                    del self._turns[key]
 
     def prepare(self, kv_b: Handle, rows: Sequence[RowsIn], k: int, r: int) -> list[KVCache]:
         """Roll back each sequence to its ``start`` and make room for its rows; returns the
         caches in call order. The rows themselves travel in the attention call
         (``Backend.attention_ragged``'s ``rows``), which claims them only when it succeeds.
 
-        Call with ``self.lock`` held and keep holding it while the attention reads them.
-        Everything is validated before any cache changes.
+        Call holding ``ordered(kv_b)`` and keep holding it while the attention reads them.
+        Everything is checked and admitted before any cache changes: a refusal leaves every
+        sequence, and the owner's and device's accounting, as they were.
         """
-        keys = [(kv_b.owner, kv_b.id, s.sequence_id) for s in rows]
-        plan: list[tuple[Key, RowsIn, Sequence_ | None]] = []
-        need = 0
-        for i, (key, s) in enumerate(zip(keys, rows, strict=True)):
-            seq = self._seqs.get(key)
-            if seq is not None and (seq.k, seq.r) != (k, r):
-                raise InvalidArgument(
-                    f"attention_ragged.sequences[{i}]: sequence {s.sequence_id} holds K={seq.k}, "
-                    f"R={seq.r} rows, this call sends K={k}, R={r}"
-                )
-            resident = seq.cache.length if seq is not None else 0
-            if s.start > resident:
-                why = (
-                    " (it was evicted under memory pressure; resend its rows from start 0)"
-                    if seq is None and key in self._evicted
-                    else ""
-                )
-                raise FailedPrecondition(
-                    f"attention_ragged.sequences[{i}].start: expected <= {resident} (resident "
-                    f"rows of sequence {s.sequence_id}), got {s.start}{why}"
-                )
-            total = s.start + len(s.latent)
-            if total < 1:
-                raise InvalidArgument(
-                    f"attention_ragged.sequences[{i}]: sequence {s.sequence_id} would attend 0 "
-                    f"rows (start 0 and no rows sent)"
-                )
-            if total > self.max_rows:
-                raise ResourceExhausted(
-                    f"attention_ragged.sequences[{i}]: sequence {s.sequence_id} would hold "
-                    f"{total} rows, limit {self.max_rows} (--max-kv-rows)"
-                )
-            plan.append((key, s, seq))
-            # Least new memory these rows can take (checked against the quota up front).
-            need += max(0, 4 * total * (k + r) - (seq.cache.nbytes if seq is not None else 0))
-        self.quota.check(kv_b.owner, need, "attention_ragged")
+        owner, device = kv_b.owner, kv_b.spec.device
+        keys = [(owner, kv_b.id, s.sequence_id) for s in rows]
+        with self.lock:
+            plan: list[tuple[Key, RowsIn, Sequence_ | None, int]] = []
+            for i, (key, s) in enumerate(zip(keys, rows, strict=True)):
+                seq = self._seqs.get(key)
+                if seq is not None and (seq.k, seq.r) != (k, r):
+                    raise InvalidArgument(
+                        f"attention_ragged.sequences[{i}]: sequence {s.sequence_id} holds "
+                        f"K={seq.k}, R={seq.r} rows, this call sends K={k}, R={r}"
+                    )
+                resident = seq.cache.length if seq is not None else 0
+                if s.start > resident:
+                    why = (
+                        " (it was evicted under memory pressure; resend its rows from start 0)"
+                        if seq is None and key in self._evicted
+                        else ""
+                    )
+                    raise FailedPrecondition(
+                        f"attention_ragged.sequences[{i}].start: expected <= {resident} "
+                        f"(resident rows of sequence {s.sequence_id}), got {s.start}{why}"
+                    )
+                total = s.start + len(s.latent)
+                if total < 1:
+                    raise InvalidArgument(
+                        f"attention_ragged.sequences[{i}]: sequence {s.sequence_id} would "
+                        f"attend 0 rows (start 0 and no rows sent)"
+                    )
+                if total > self.max_rows:
+                    raise ResourceExhausted(
+                        f"attention_ragged.sequences[{i}]: sequence {s.sequence_id} would hold "
+                        f"{total} rows, limit {self.max_rows} (--max-kv-rows)"
+                    )
+                plan.append((key, s, seq, total))
+            fresh = [
+                self.backend.new_kv(device, k, r) if seq is None else None for _, _, seq, _ in plan
+            ]
+            try:
+                caches = self._admit(kv_b, plan, fresh, k, r)
+            except BaseException:
+                for c in fresh:
+                    if c is not None:
+                        self._drop_fresh(owner, device, c)
+                raise
+            now = time.monotonic()
+            for (key, s, seq, _), cache in zip(plan, caches, strict=True):
+                if seq is None:
+                    seq = Sequence_(cache, device, k, r)
+                    self._seqs[key] = seq
+                    self._evicted.pop(key, None)
+                seq.last_used = now
+                if s.start < cache.length:
+                    cache.truncate(s.start)
+            return caches
 
-        device = kv_b.spec.device
-        protected = set(keys)
+    def _admit(
+        self,
+        kv_b: Handle,
+        plan: list[tuple[Key, RowsIn, Sequence_ | None, int]],
+        fresh: list[KVCache | None],
+        k: int,
+        r: int,
+    ) -> list[KVCache]:
+        """Room for every sequence of ``plan`` (existing caches, or ``fresh`` ones), admitted
+        against the owner's quota and the device budget first (evicting the owner's own idle
+        sequences only where that is enough). Grows the caches; rolls nothing back, so the
+        caller releases ``fresh`` caches on an error (existing ones keep their capacity,
+        charged, their rows untouched)."""
+        owner, device = kv_b.owner, kv_b.spec.device
         caches: list[KVCache] = []
-        for key, s, seq in plan:
-            if seq is None:
-                seq = Sequence_(self.backend.new_kv(device, k, r), device, k, r)
-                self._seqs[key] = seq
-                self._evicted.pop(key, None)
-            seq.last_used = time.monotonic()
-            if s.start < seq.cache.length:
-                seq.cache.truncate(s.start)
-            if len(s.latent):
-                self._reserve(seq, s, protected, key[0])
-            caches.append(seq.cache)
+        need = 0
+        for (_, _s, seq, total), new in zip(plan, fresh, strict=True):
+            cache = seq.cache if seq is not None else new
+            assert cache is not None
+            caches.append(cache)
+            grow = getattr(cache, "growth", None)
+            # Exact growth when the backend says it; else the least the rows can take.
+            need += grow(total) if grow else max(0, 4 * total * (k + r) - cache.nbytes)
+        self.quota.check(owner, need, "attention_ragged")
+        protected = {key for key, _, _, _ in plan}
+        if not self.budget.fits(device, need):
+            spare = sum(q.cache.nbytes for _, q in self._victims(owner, device, kv_b, protected))
+            if not self.budget.fits(device, need - spare):
+                raise ResourceExhausted(
+                    f"attention_ragged: needs {need} more bytes of KV on device {device}, over "
+                    f"its {self.budget.limit}-byte budget (--memory-limit) even after evicting "
+                    f"this owner's {spare} bytes of idle sequences"
+                )
+            while not self.budget.fits(device, need) and self._evict_one(
+                owner, device, kv_b, protected
+            ):
+                pass
+        for (_, s, _, total), cache in zip(plan, caches, strict=True):
+            if total > cache.length:
+                self._grow(cache, total - cache.length, owner, device, kv_b, protected, s)
         return caches
 
-    def _reserve(self, seq: Sequence_, s: RowsIn, protected: set[Key], owner: str) -> None:
-        """Room for the rows, charging the budget for growth and evicting LRU sequences if
-        needed. No rows are claimed, so a refusal leaves nothing to undo."""
+    def _grow(
+        self,
+        cache: KVCache,
+        n: int,
+        owner: str,
+        device: int,
+        kv_b: Handle,
+        protected: set[Key],
+        s: RowsIn,
+    ) -> None:
+        """``cache.reserve(n)`` (evicting the owner's idle sequences while the device is out
+        of memory), charged to the budget and the quota."""
         while True:
-            before = seq.cache.nbytes
+            before = cache.nbytes
             try:
-                seq.cache.reserve(len(s.latent))
+                cache.reserve(n)
             except OutOfDeviceMemory:
-                if self._evict_one(seq.device, protected):
+                if self._evict_one(owner, device, kv_b, protected):
                     continue
                 raise
             break
-        grown = seq.cache.nbytes - before
-        while not self.budget.fits(seq.device, grown) and self._evict_one(seq.device, protected):
-            pass
-        self.budget.charge(seq.device, grown)
-        if not self.budget.fits(seq.device, 0):
-            raise ResourceExhausted(
-                f"attention_ragged: sequence {s.sequence_id} needs {grown} more bytes of KV on "
-                f"device {seq.device}, over its {self.budget.limit}-byte budget (--memory-limit) "
-                f"with nothing left to evict"
-            )
-        if not self.quota.charge(owner, grown):
+        grown = cache.nbytes - before
+        self.budget.charge(device, grown)
+        if not self.quota.charge(owner, grown):  # only where growth was not known up front
             raise ResourceExhausted(
                 f"attention_ragged: sequence {s.sequence_id} needs {grown} more bytes of KV, "
                 f"over the {self.quota.limit}-byte quota of its owner (--quota)"
             )
 
-    def _evict_one(self, device: int, protected: set[Key]) -> bool:
-        victims = [
-            (q.last_used, key)
+    def _drop_fresh(self, owner: str, device: int, cache: KVCache) -> None:
+        """A cache made for a refused call: its memory and charges go."""
+        nbytes = cache.nbytes
+        cache.release()
+        if nbytes:
+            self.budget.release(device, nbytes)
+            self.quota.discharge(owner, nbytes)
+
+    def _victims(
+        self, owner: str, device: int, kv_b: Handle, protected: set[Key]
+    ) -> list[tuple[Key, Sequence_]]:
+        """The owner's sequences on ``device`` that may be evicted now: not in this call, and
+        not on another kv_b whose turn a running call holds."""
+        return [
+            (key, q)
             for key, q in self._seqs.items()
-            if q.device == device and key not in protected
+            if key[0] == owner
+            and q.device == device
+            and key not in protected
+            and (key[1] == kv_b.id or (owner, key[1]) not in self._turns)
         ]
+
+    def _evict_one(self, owner: str, device: int, kv_b: Handle, protected: set[Key]) -> bool:
+        victims = self._victims(owner, device, kv_b, protected)
         if not victims:
             return False
-        _, key = min(victims)
+        key, _ = min(victims, key=lambda v: v[1].last_used)
         self._release(key)
         self._evicted[key] = None
         while len(self._evicted) > 65536:
@@ -186,22 +298,30 @@ class SequenceStore:
         return nbytes
 
     def free(self, owner: str, sequence_id: int, kv_b: int | None) -> tuple[int, int]:
-        """Release a sequence's caches (all kv_b handles, or one); returns (count, bytes)."""
+        """Release a sequence's caches (all kv_b handles, or one), each once no call on its
+        kv_b is running; returns (count, bytes)."""
         with self.lock:
-            keys = [
-                k
+            kv_bs = {
+                k[1]
                 for k in self._seqs
                 if k[0] == owner and k[2] == sequence_id and (kv_b is None or k[1] == kv_b)
-            ]
-            released = sum(self._release(k) for k in keys)
+            }
             for k in [k for k in self._evicted if k[0] == owner and k[2] == sequence_id]:
                 self._evicted.pop(k, None)
-            return len(keys), released
+        count = released = 0
+        for kb in sorted(kv_bs):
+            with self.ordered(_KvB(owner, kb)):
+                with self.lock:
+                    key = (owner, kb, sequence_id)
+                    if key in self._seqs:
+                        count += 1
+                        released += self._release(key)
+        return count, released
 
     def drop_handle(self, kv_b: Handle) -> None:
-        """The kv_b handle went away: its caches go too."""
+        """The kv_b handle went away: its caches go too (hold ``ordered(kv_b)``)."""
         with self.lock:
-            for k in [k for k in self._seqs if k[1] == kv_b.id]:
+            for k in [k for k in self._seqs if k[0] == kv_b.owner and k[1] == kv_b.id]:
                 self._release(k)
 
     def lengths(self, kv_b: Handle, sequence_ids: Sequence[int]) -> list[int]:
@@ -212,11 +332,13 @@ class SequenceStore:
                 out.append(seq.cache.length if seq else 0)
             return out
 
-    def usage(self) -> dict[int, tuple[int, int]]:
-        """device -> (sequences, bytes)."""
+    def usage(self, owner: str | None = None) -> dict[int, tuple[int, int]]:
+        """device -> (sequences, bytes): the worker's, or only ``owner``'s."""
         with self.lock:
             out: dict[int, list[int]] = {}
-            for q in self._seqs.values():
+            for key, q in self._seqs.items():
+                if owner is not None and key[0] != owner:
+                    continue
                 v = out.setdefault(q.device, [0, 0])
                 v[0] += 1
                 v[1] += q.cache.nbytes

@@ -1,30 +1,34 @@
-"""The gRPC handlers: decode, validate, call the store/backend, encode.
+"""The worker's handlers, one per call of ``service Worker``, and its gRPC methods.
 
-Errors become statuses in ONE place (``_guard``): a ``WorkerError`` maps to its status with
-its message; anything else is logged with a request id and answered INTERNAL with a generic
-message. Validation runs before any resident state changes, so a rejected call leaves every
-tensor and KV sequence as it was.
+Each handler is named by the call's kind (``info``, ``upload``, ``matmul``...; the compute
+ones live in ``compute.py``) and takes ``(request, owner, io)``: the request message, the
+caller's owner name and the call's ``ArrayIO``. Every transport runs them through one
+``Dispatch`` (``dispatch.py``), which maps errors to statuses; the gRPC methods here are
+generated from the call table and only move a call in and its answer out. Validation runs
+before any resident state changes, so a rejected call leaves every tensor and KV sequence
+as it was.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
+import secrets
 import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from coliworker import __version__
-from coliworker.client import codec
-from coliworker.server import upload
+from coliworker.server import intake, upload
 from coliworker.server.auth import TokenTable
 from coliworker.server.backend import Backend, Pending, Phases, Result
 from coliworker.server.compute import ComputeOps
 from coliworker.server.config import Config
+from coliworker.server.dispatch import Dispatch
 from coliworker.server.errors import (
     InvalidArgument,
     NotFound,
@@ -33,13 +37,18 @@ from coliworker.server.errors import (
     WorkerError,
 )
 from coliworker.server.idle import IdleWatchdog
-from coliworker.server.limits import Quota, check_upload
+from coliworker.server.limits import Quota
 from coliworker.server.owners import owner_limits
 from coliworker.server.sequences import SequenceStore
 from coliworker.server.session import SessionManager
-from coliworker.server.store import Budget, DeviceUsage, Handle, TensorStore
+from coliworker.server.store import Budget, DeviceUsage, Handle, TensorStore, held
+from coliworker.server.tickets import DataTickets
+from coliworker.server.usage import UsageCounts
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.v1 import worker_pb2_grpc as pb_grpc
+from coliworker.wire import calls, codec
+from coliworker.wire.calls import Call
+from coliworker.wire.codec import ArrayIO
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +61,10 @@ class Hooks:
     def record_group(self, device: int, experts: int, rows: int, phases: Phases) -> None: ...
     def record_upload(self, device: int, nbytes: int, deduplicated: bool) -> None: ...
     def record_eviction(self, device: int) -> None: ...
-    def record_session_request(self, call: str, code: object, seconds: float) -> None: ...
+    def record_session_request(
+        self, call: str, code: object, seconds: float, transport: str = "grpc"
+    ) -> None: ...
+    def bind_usage(self, top: Callable[[int], dict[int, list[tuple[int, int]]]]) -> None: ...
 
 
 @dataclass
@@ -78,26 +90,25 @@ class _Ticket:
         return self._outcome
 
 
-def _guard(method: Callable) -> Callable:
-    """Turn exceptions into gRPC statuses (the one place this happens)."""
+def _unary(call: Call) -> Callable:
+    """The gRPC method of a unary call: everything but the transport is ``Dispatch.run``."""
 
-    @functools.wraps(method)
-    def wrapper(self: WorkerServicer, request, context: grpc.ServicerContext):
-        context.send_initial_metadata(((INSTANCE_METADATA_KEY, self.instance_id),))
-        try:
-            return method(self, request, context)
-        except WorkerError as exc:
-            if type(exc) is WorkerError:
-                return self._internal(exc, context, method.__name__)
-            context.abort(exc.code, exc.message)
-        except codec.CodecError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except Exception as exc:
-            if isinstance(exc, grpc.RpcError) or context.code() is not None:
-                raise  # already aborted (context.abort raises)
-            return self._internal(exc, context, method.__name__)
+    def method(self: WorkerServicer, request: Any, context: grpc.ServicerContext) -> Any:
+        return self._serve_unary(call, request, context)
 
-    return wrapper
+    method.__name__ = method.__qualname__ = call.name
+    return method
+
+
+def _uploading(call: Call) -> Callable:
+    """The gRPC method of Upload / Update: the stream's messages are the handler's data
+    (header first)."""
+
+    def method(self: WorkerServicer, request_iterator: Iterator, context: grpc.ServicerContext):
+        return self._serve_unary(call, None, context, request_iterator)
+
+    method.__name__ = method.__qualname__ = call.name
+    return method
 
 
 class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
@@ -112,6 +123,9 @@ class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
         self.tokens = TokenTable.from_config(config)  # None: authentication off
         self.quota = Quota(config.quota)
         self.store = TensorStore(backend, self.devices, self.budget, self.quota)
+        # per-handle calls and rows; pruned against the live handles when full (usage.py)
+        self.tensor_counts = UsageCounts(live=lambda: self.store._handles)
+        self.hooks.bind_usage(self.tensor_counts.top)  # the top-N metrics
         self.staging = upload.Staging(backend)
         self.owners = owner_limits(config)  # per-owner sessions, uploads, staged bytes
         self.idle = IdleWatchdog(config.idle_timeout)  # stalled streams end (idle.py)
@@ -130,6 +144,10 @@ class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
         # a decode step resolves and checks the same experts' 3N handles on every call.
         self._expert_cache: dict[tuple, tuple[int, list[tuple], int, int]] = {}
         self.sessions = SessionManager(self)
+        self.dispatch = Dispatch(self, self.hooks)
+        # (port, unix socket path, tls) of the socket data plane, set once it listens
+        self.data_endpoint: tuple[int, str, bool] = (0, "", False)
+        self.data_tickets = DataTickets()
 
     # -- plumbing -----------------------------------------------------------------------
 
@@ -144,13 +162,22 @@ class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
             raise Unauthenticated("missing or invalid bearer token")
         return owner
 
-    def _internal(self, exc: BaseException, context: grpc.ServicerContext, op: str):
-        request_id = uuid.uuid4().hex[:12]
-        log.error("internal error in %s (request %s)", op, request_id, exc_info=exc)
-        context.abort(
-            grpc.StatusCode.INTERNAL,
-            f"internal error (request {request_id}); the worker log has the details",
-        )
+    def _serve_unary(
+        self,
+        call: Call,
+        request: Any,
+        context: grpc.ServicerContext,
+        data: Iterator | None = None,
+    ) -> Any:
+        context.send_initial_metadata(((INSTANCE_METADATA_KEY, self.instance_id),))
+        try:
+            owner = self.owner(context)
+        except WorkerError as exc:
+            context.abort(exc.code, exc.message)
+        out = self.dispatch.run(call, request, owner, data=data)
+        if not out.ok:
+            context.abort(out.code, out.message)
+        return out.response
 
     def _tensor(self, handle: int, field: str, owner: str) -> Handle:
         if handle == 0:
@@ -159,8 +186,7 @@ class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
 
     # -- info and lifecycle -------------------------------------------------------------
 
-    @_guard
-    def Info(self, request, context):
+    def info(self, request: pb.InfoRequest, owner: str, io: ArrayIO) -> pb.InfoResponse:
         limit = self.config.memory_limit
         devices = [
             pb.DeviceInfo(
@@ -180,13 +206,18 @@ class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
             max_pending_tickets=c.max_pending_tickets,
             max_sequences_per_call=c.max_sequences_per_call,
             max_kv_rows=c.max_kv_rows,
+            max_frame_bytes=c.max_frame_bytes,
         )
+        port, unix_path, tls = self.data_endpoint
         return pb.InfoResponse(
             version=__version__,
             backend=self.backend.name,
             devices=devices,
             limits=limits,
             instance_id=self.instance_id,
+            data_port=port,
+            data_unix_socket=unix_path,
+            data_tls=tls,
         )
 
     def _info(self, h: Handle) -> pb.TensorInfo:
@@ -202,11 +233,10 @@ class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
             ),
             content_hash=h.data.content_hash,
             nbytes=h.data.nbytes,
-            references=h.data.refs,
+            references=h.data.holders.get(h.owner, 0),  # this owner's own handles on it
         )
 
-    @_guard
-    def Lookup(self, request, context):
+    def lookup(self, request: pb.LookupRequest, owner: str, io: ArrayIO) -> pb.LookupResponse:
         if len(request.content_hash) != 32:
             raise InvalidArgument(
                 f"lookup.content_hash: expected 32 bytes (SHA-256), got {len(request.content_hash)}"
@@ -216,9 +246,7 @@ class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
                 f"lookup.device: expected one of "
                 f"{', '.join(map(str, self.devices))}, got {request.device}"
             )
-        h = self.store.lookup(
-            request.content_hash, request.device, request.acquire, self.owner(context)
-        )
+        h = self.store.lookup(request.content_hash, request.device, request.acquire, owner)
         if h is None:
             return pb.LookupResponse(found=False)
         if request.acquire:
@@ -226,61 +254,44 @@ class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
             return pb.LookupResponse(found=True, tensor=self._info(h))
         return pb.LookupResponse(found=True)
 
-    def _header(self, messages: Iterator, op: str) -> upload.Header:
-        return upload.read_header(messages, op, self.devices, self.config.memory_limit)
+    def _header(self, header: pb.UploadHeader | None, data: Iterator, op: str) -> upload.Header:
+        """The checked header: the message itself (data plane) or the first of ``data``
+        (a gRPC stream)."""
+        if header is None:
+            return upload.read_header(data, op, self.devices, self.config.memory_limit)
+        return upload.check_header(header, op, self.devices, self.config.memory_limit)
 
-    @_guard
-    def Upload(self, request_iterator, context):
-        owner = self.owner(context)
-        header = self._header(request_iterator, "upload")
-        spec, digest = header.spec, header.content_hash
-        if self.store.lookup(digest, spec.device, False) is not None:
-            # Resident already (a client that did not probe first): check the bytes, then
-            # take a reference, or place them after all should that copy go meanwhile.
-            tensor = upload.receive_host(request_iterator, header, "upload", self.staging)
-            handle, dedup, phases = self.store.upload(spec, digest, tensor, owner)
-        else:
-            check_upload(
-                self.quota, self.budget, self.backend, spec.device, header.total, owner, "upload"
-            )
-            incoming = self.store.begin_upload(spec, digest, header.total, owner)
-            try:
-                upload.receive(request_iterator, header, "upload", incoming, self.staging)
-                handle, dedup, phases = incoming.commit()
-            finally:
-                incoming.abort()  # a no-op once committed
-        self.hooks.record_upload(spec.device, 0 if dedup else header.total, dedup)
+    def upload(
+        self,
+        header_msg: pb.UploadHeader | None,
+        owner: str,
+        io: ArrayIO,
+        request_iterator: Iterator,
+    ) -> pb.UploadResponse:
+        handle, dedup, phases, header = intake.put(self, header_msg, request_iterator, owner)
+        self.hooks.record_upload(header.spec.device, 0 if dedup else header.total, dedup)
         return pb.UploadResponse(
             tensor=self._info(handle), deduplicated=dedup, backend_ns=phases.total_ns
         )
 
-    @_guard
-    def Update(self, request_iterator, context):
-        owner = self.owner(context)
-        header = self._header(request_iterator, "update")
-        spec = header.spec
-        if self.store.lookup(header.content_hash, spec.device, False) is None:
-            check_upload(
-                self.quota, self.budget, self.backend, spec.device, header.total, owner, "update"
-            )
-        tensor = upload.receive_host(request_iterator, header, "update", self.staging)
-        handle = self._tensor(header.handle, "update.header.handle", owner)
-        if handle.spec != spec:
-            raise InvalidArgument(
-                f"update.header.spec: expected {handle.spec} (the handle's spec), got {spec}"
-            )
-        self._settle_tickets(handle)
-        phases = self.store.update(handle, header.content_hash, tensor)
-        self.hooks.record_upload(spec.device, tensor.nbytes, False)
+    def update(
+        self,
+        header_msg: pb.UploadHeader | None,
+        owner: str,
+        io: ArrayIO,
+        request_iterator: Iterator,
+    ) -> pb.UpdateResponse:
+        handle, phases, header = intake.replace(self, header_msg, request_iterator, owner)
+        self.hooks.record_upload(header.spec.device, header.total, False)
         return pb.UpdateResponse(tensor=self._info(handle), backend_ns=phases.total_ns)
 
-    @_guard
-    def Free(self, request, context):
-        handle = self._tensor(request.handle, "free.handle", self.owner(context))
+    def free(self, request: pb.FreeRequest, owner: str, io: ArrayIO) -> pb.FreeResponse:
+        handle = self._tensor(request.handle, "free.handle", owner)
         self._settle_tickets(handle)
-        with self.sequences.lock:
+        with self.sequences.ordered(handle):  # after a ragged call on it ends
             self.sequences.drop_handle(handle)
             released, refs = self.store.free(handle)
+        self.tensor_counts.drop(handle.id)
         return pb.FreeResponse(released_bytes=released, references=refs)
 
     def _settle_tickets(self, handle: Handle) -> None:
@@ -295,18 +306,18 @@ class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
             except Exception:
                 pass  # reported to whoever takes the ticket
 
-    def usage(self) -> list[DeviceUsage]:
-        tensors = self.store.tensor_usage()
-        kv = self.sequences.usage()
+    def usage(self, owner: str | None = None) -> list[DeviceUsage]:
+        """Residency by device: the worker's (metrics), or one owner's (its Stats)."""
+        tensors = self.store.tensor_usage(owner)
+        kv = self.sequences.usage(owner)
         return [
             DeviceUsage(d, *tensors[d], *kv.get(d, (0, 0)), self.store.group_totals(d))
             for d in self.devices
         ]
 
-    @_guard
-    def Stats(self, request, context):
+    def stats(self, request: pb.StatsRequest, owner: str, io: ArrayIO) -> pb.StatsResponse:
         out = []
-        for u in self.usage():
+        for u in self.usage(owner):  # an owner sees its own residency only
             g = u.group
             out.append(
                 pb.DeviceStats(
@@ -328,37 +339,24 @@ class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
             )
         return pb.StatsResponse(devices=out)
 
-    # -- compute ------------------------------------------------------------------------
+    # -- compute (the per-op handlers are ComputeOps'; tickets here) ------------------
 
-    @_guard
-    def Matmul(self, request, context):
-        return self.matmul(request, self.owner(context))
-
-    @_guard
-    def ExpertMlp(self, request, context):
-        return self.expert_mlp(request, self.owner(context))
-
-    @_guard
-    def ExpertGroup(self, request, context):
-        return self.expert_group(request, self.owner(context))
-
-    @_guard
-    def ExpertGroupRouted(self, request, context):
-        return self.expert_group_routed(request, self.owner(context))
-
-    @_guard
-    def ExpertGroupIssue(self, request, context):
-        owner = self.owner(context)
-        triples, rows, x, device = self._group_args(request, "expert_group_issue", owner)
+    @held
+    def expert_group_issue(
+        self, request: pb.ExpertGroupRequest, owner: str, io: ArrayIO
+    ) -> pb.ExpertGroupTicket:
+        triples, rows, x, device = self._group_args(request, "expert_group_issue", owner, io)
         with self._lock:
-            if len(self._tickets) >= self.config.max_pending_tickets:
+            mine = sum(1 for t in self._tickets.values() if t.owner == owner)
+            if mine >= self.config.max_pending_tickets:  # per owner: none blocks another
                 raise ResourceExhausted(
-                    f"expert_group_issue: {len(self._tickets)} tickets outstanding, limit "
+                    f"expert_group_issue: {mine} tickets of this owner outstanding, limit "
                     f"{self.config.max_pending_tickets} (--max-pending-tickets); take some first"
                 )
         self._begin_compute("expert_group_issue")
         pending = self.backend.expert_group_issue(triples, rows, x)
-        ticket = next(self._ticket_ids)
+        self.tensor_counts.experts(device, request.experts, rows)
+        ticket = secrets.randbits(62) + 1  # random: says nothing of other owners' tickets
         with self._lock:
             self._tickets[ticket] = _Ticket(
                 pending,
@@ -371,9 +369,9 @@ class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
             )
         return pb.ExpertGroupTicket(ticket=ticket)
 
-    @_guard
-    def ExpertGroupTake(self, request, context):
-        owner = self.owner(context)
+    def expert_group_take(
+        self, request: pb.ExpertGroupTakeRequest, owner: str, io: ArrayIO
+    ) -> pb.ExpertGroupResponse:
         with self._lock:
             t = self._tickets.get(request.ticket)
             if t is None or t.owner != owner:
@@ -382,29 +380,52 @@ class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
                 )
             del self._tickets[request.ticket]
         r = t.settle()
-        return self._group_response(r, t.device, t.experts, t.rows, t.output_dtype)
+        return self._group_response(r, t.device, t.experts, t.rows, t.output_dtype, io)
 
-    @_guard
-    def Attention(self, request, context):
-        return self.attention(request, self.owner(context))
-
-    @_guard
-    def AttentionRagged(self, request, context):
-        return self.attention_ragged(request, self.owner(context))
-
-    @_guard
-    def FreeSequence(self, request, context):
-        owner = self.owner(context)
+    def free_sequence(
+        self, request: pb.FreeSequenceRequest, owner: str, io: ArrayIO
+    ) -> pb.FreeSequenceResponse:
         kv_b = None
         if request.kv_b:
             kv_b = self._tensor(request.kv_b, "free_sequence.kv_b", owner).id
         count, released = self.sequences.free(owner, request.sequence_id, kv_b)
         return pb.FreeSequenceResponse(caches=count, released_bytes=released)
 
+    def data_ticket(
+        self, request: pb.DataTicketRequest, owner: str, io: ArrayIO
+    ) -> pb.DataTicketResponse:
+        ticket = self.data_tickets.issue(owner)
+        return pb.DataTicketResponse(ticket=ticket, expires_ms=self.data_tickets.ttl_ms)
+
+    def tensor_usage(
+        self, request: pb.TensorUsageRequest, owner: str, io: ArrayIO
+    ) -> pb.TensorUsageResponse:
+        device = request.device
+        if device != -1 and device not in self.devices:
+            raise InvalidArgument(
+                f"tensor_usage.device: expected -1 (all) or one of "
+                f"{', '.join(map(str, self.devices))}, got {device}"
+            )
+        mine = [(h.id, h.spec.device) for h in self.store.handles_of(owner)]
+        rows = self.tensor_counts.of(t for t in mine if device in (-1, t[1]))
+        return pb.TensorUsageResponse(
+            tensors=[
+                pb.TensorUsage(handle=h, device=d, calls=c, rows=r)
+                for h, d, c, r in rows[: request.top or None]
+            ]
+        )
+
+    # -- gRPC -------------------------------------------------------------------------------
+
     def Session(self, request_iterator, context):
         """The hot calls multiplexed on one stream (``server/session.py``)."""
         context.send_initial_metadata(((INSTANCE_METADATA_KEY, self.instance_id),))
         return self.sessions.serve(request_iterator, context)
+
+
+for _c in calls.CALLS:
+    if _c.name != "Session":
+        setattr(WorkerServicer, _c.name, (_uploading if _c.streams_data else _unary)(_c))
 
 
 __all__ = ["INSTANCE_METADATA_KEY", "Hooks", "WorkerServicer"]

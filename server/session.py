@@ -21,13 +21,15 @@ may finish out of order. At most ``MAX_IN_FLIGHT`` requests run per stream; beyo
 reader stops reading, which pushes back on the client through gRPC flow control.
 
 Large arrays arrive as ``chunk`` messages ahead of their call and leave the same way; with
-a shared-memory segment attached (``coliworker.client.shm``) arrays are read from and
+a shared-memory segment attached (``coliworker.wire.shm``) arrays are read from and
 written to it. The segment is unmapped when the stream ends for any reason.
 
 With a segment attached the client may also open a doorbell channel (``attach_doorbell``,
-``server/doorbell.py``): its calls then arrive through FIFOs and segment slots, not this
-stream, and run one at a time on the channel's thread through ``call_now`` (same handlers,
-same owner, same errors). The channel closes when the stream ends.
+``server/doorbell.py``): its calls then arrive as frames in segment slots rung through
+FIFOs, not on this stream, and run one at a time on the channel's thread through the same
+dispatch (same owner, same errors). The channel closes when the stream ends.
+
+Every call runs through ``Dispatch.run`` (``dispatch.py``), which maps errors to statuses.
 """
 
 from __future__ import annotations
@@ -38,18 +40,18 @@ import logging
 import queue
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
-from coliworker.client import codec, staging
-from coliworker.client.shm import Segment, ShmError
-from coliworker.server.doorbell import STATUS_OF, Doorbell
-from coliworker.server.errors import WorkerError
+from coliworker.server.dispatch import STATUS_OF
+from coliworker.server.doorbell import Doorbell
 from coliworker.v1 import worker_pb2 as pb
+from coliworker.wire import calls, staging
+from coliworker.wire.codec import ArrayIO
+from coliworker.wire.shm import Segment, ShmError
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +67,7 @@ HAND_BACK_AFTER = 4
 #: Staged bytes one request may send ahead of its call.
 MAX_STAGED_BYTES = 4 << 30
 
-_CALLS = (
-    "matmul",
-    "expert_group",
-    "expert_group_routed",
-    "attention",
-    "attention_ragged",
-    "expert_mlp",
-)
+_CALLS = calls.SESSION_KINDS
 _END = object()
 _WAKE = object()  # re-check who reads (the reader thread handed reading back)
 _SHM_STATUS = {
@@ -111,9 +106,6 @@ class SessionStream:
     def __init__(self, servicer: Any, owner: str) -> None:
         self.servicer = servicer
         self.owner = owner
-        self.handlers: dict[str, Callable[[Any, str], Any]] = {
-            k: getattr(servicer, k) for k in _CALLS
-        }
         self.out: queue.SimpleQueue = queue.SimpleQueue()  # response lists, _Job, or _END
         self.pool: queue.SimpleQueue = queue.SimpleQueue()  # _Job or None (stop)
         self.threads: list[threading.Thread] = []
@@ -330,63 +322,27 @@ class SessionStream:
         code = grpc.StatusCode.OK
         if isinstance(out, list) and out[-1].WhichOneof("result") == "error":
             code = STATUS_OF.get(out[-1].error.code, grpc.StatusCode.UNKNOWN)
-        self.servicer.hooks.record_session_request(job.kind, code, time.perf_counter() - job.t0)
+        self.servicer.hooks.record_session_request(
+            job.kind, code, time.perf_counter() - job.t0, "grpc"
+        )
         return out
 
     def _refuse(self, rid: int, kind: str, code: grpc.StatusCode, message: str, t0: float) -> None:
         """Answer a request refused before it runs, and count it like the ones that run."""
         self.out.put([self._error(rid, code, message)])
-        self.servicer.hooks.record_session_request(kind, code, time.perf_counter() - t0)
+        self.servicer.hooks.record_session_request(kind, code, time.perf_counter() - t0, "grpc")
 
     def _execute(self, job: _Job, chunks: bool = True) -> Iterable[pb.SessionResponse]:
-        side: list = []  # result arrays codec.encode leaves for _place
+        side: list = []  # result arrays the handler leaves for _place
+        out = self.servicer.dispatch.run(
+            calls.BY_KIND[job.kind], job.call, self.owner, ArrayIO(job.source, side)
+        )
+        if not out.ok:
+            return [self._error(job.request_id, out.code, out.message)]
         try:
-            codec.bind(job.source, side)
-            try:
-                result = self.handlers[job.kind](job.call, self.owner)
-            finally:
-                codec.bind(None, None)
-            out = self._place(result, job, side, chunks)
-        except WorkerError as exc:
-            if type(exc) is WorkerError:
-                out = [self._internal(job, exc)]
-            else:
-                out = [self._error(job.request_id, exc.code, exc.message)]
-        except codec.CodecError as exc:
-            out = [self._error(job.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc))]
+            return self._place(out.response, job, side, chunks)
         except ShmError as exc:  # the segment went away while the stream was ending
-            out = [self._error(job.request_id, grpc.StatusCode.CANCELLED, exc.message)]
-        except Exception as exc:
-            out = [self._internal(job, exc)]
-        return out
-
-    def call_now(self, req: pb.SessionRequest) -> pb.SessionResponse:
-        """Run one hot call on this thread (the doorbell channel's): its arrays come from
-        the segment only and its result goes into the region offered, else inline in the
-        one response (no chunks). Errors come back as a ``Status`` result."""
-        rid = req.request_id
-        kind = req.WhichOneof("call")
-        if kind not in self.handlers:
-            return self._error(
-                rid,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"doorbell: expected one of {', '.join(_CALLS)}, got {kind or 'nothing'}",
-            )
-        call = getattr(req, kind)
-        seg = self.segment
-        try:
-            external = staging.check(call, None, seg.check if seg is not None else None, kind)
-        except (ValueError, ShmError) as exc:
-            msg = exc.message if isinstance(exc, ShmError) else str(exc)
-            return self._error(rid, grpc.StatusCode.INVALID_ARGUMENT, msg)
-        output = None
-        if req.HasField("output_shm"):
-            output = (req.output_shm.offset, req.output_shm.length)
-        job = _Job(rid, kind, call, output)
-        if external and seg is not None:
-            job.source = staging.source(None, seg.read, kind, seg.view)
-        (resp,) = self._execute(job, chunks=False)
-        return resp
+            return [self._error(job.request_id, grpc.StatusCode.CANCELLED, exc.message)]
 
     def _place(
         self, body: Any, job: _Job, side: list, chunks: bool = True
@@ -445,15 +401,6 @@ class SessionStream:
 
     def _error(self, rid: int, code: grpc.StatusCode, message: str) -> pb.SessionResponse:
         return pb.SessionResponse(request_id=rid, error=_status(code, message))
-
-    def _internal(self, job: _Job, exc: BaseException) -> pb.SessionResponse:
-        tag = uuid.uuid4().hex[:12]
-        log.error("internal error in session %s (request %s)", job.kind, tag, exc_info=exc)
-        return self._error(
-            job.request_id,
-            grpc.StatusCode.INTERNAL,
-            f"internal error (request {tag}); the worker log has the details",
-        )
 
     def _attach(self, rid: int, msg: pb.ShmAttach) -> pb.SessionResponse:
         if self.segment is not None:

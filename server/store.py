@@ -1,21 +1,30 @@
 """The tensor store: handles, content-hash dedup with reference counts, byte accounting.
 
 A *handle* is one client's reference; handles that upload identical content (same SHA-256,
-same device) share one resident copy, counted in ``TensorData.refs``. Byte budgets are
-enforced here, per device, before the backend allocates anything. Handles are owned: a
-handle is only visible to the owner that created it (the empty owner when authentication
-is off).
+same device) share one resident copy, counted in ``TensorData.refs`` (and per owner in
+``TensorData.holders``). Byte budgets are enforced here, per device, before the backend
+allocates anything. Handles are owned: a handle is only visible to the owner that created it
+(the empty owner when authentication is off), its id is random (63 bits: one owner's ids
+say nothing about another's uploads), and an owner finds content by hash (``lookup``) only
+where it holds a handle on it itself: reaching another owner's copy takes sending the bytes.
+
+A call holds what it uses until it ends (``held``, ``begin_call`` / ``end_call``): a tensor
+whose last handle goes while calls that began before are running is unlinked at once (no
+new call finds it) and its memory released once those calls have ended; an in-place
+``update`` waits for the running calls to end and keeps new ones waiting meanwhile.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import secrets
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -43,6 +52,7 @@ class TensorData:
     resident: Resident
     nbytes: int
     refs: int = 0
+    holders: dict[str, int] = field(default_factory=dict)  # owner -> its handles on this
 
 
 @dataclass
@@ -184,11 +194,13 @@ class TensorStore:
         self._lock = threading.RLock()
         self._by_key: dict[tuple[int, bytes], TensorData] = {}
         self._handles: dict[int, Handle] = {}
-        self._freed: collections.OrderedDict[int, None] = collections.OrderedDict()
-        # Handles of different worker instances differ in their top bits, so a handle from
-        # before a restart is reported as unknown instead of hitting another tensor.
-        self._prefix = secrets.randbits(20) << 40
-        self._counter = 0
+        # Calls in progress by the epoch they began in, and copies unlinked while they ran
+        # (released once no call that began before the unlink is left).
+        self._epoch = 0
+        self._active: collections.Counter[int] = collections.Counter()
+        self._deferred: list[tuple[int, TensorData]] = []
+        self._writers = 0  # in-place updates waiting for the running calls to end
+        self._calls_changed = threading.Condition(self._lock)
         # Bumped whenever a handle goes or changes what it points at: validation results
         # cached against handles (the servicer's expert triples) are stale once it moves.
         self.generation = 0
@@ -197,32 +209,91 @@ class TensorStore:
     # -- handles ------------------------------------------------------------------------
 
     def _new_handle(self, owner: str, data: TensorData) -> Handle:
-        self._counter += 1
-        data.refs += 1
-        h = Handle(self._prefix | self._counter, owner, data)
+        while True:  # random, so ids tell nothing about other owners' uploads
+            hid = secrets.randbits(63)
+            if hid and hid not in self._handles:
+                break
+        self._ref(owner, data)
+        h = Handle(hid, owner, data)
         self._handles[h.id] = h
         return h
 
+    @staticmethod
+    def _ref(owner: str, data: TensorData) -> None:
+        data.refs += 1
+        data.holders[owner] = data.holders.get(owner, 0) + 1
+
     def get(self, handle_id: int, field: str, owner: str = "") -> Handle:
-        """The live handle ``handle_id`` of ``owner``; NotFound names the field otherwise."""
+        """The live handle ``handle_id`` of ``owner``; NotFound names the field otherwise
+        (one text for freed, never issued and another owner's)."""
         with self._lock:
             h = self._handles.get(handle_id)
             if h is None or h.owner != owner:
-                state = "freed" if handle_id in self._freed else "unknown"
-                raise NotFound(f"{field}: {state} tensor handle {handle_id}")
+                raise NotFound(f"{field}: unknown tensor handle {handle_id}")
             return h
 
     def lookup(
         self, content_hash: bytes, device: int, acquire: bool, owner: str = ""
     ) -> Handle | None:
+        """Content ``owner`` holds a handle on (another owner's copy is not found: an owner
+        reaches it only by sending the bytes); with ``acquire`` a new handle on it."""
         with self._lock:
             data = self._by_key.get((device, content_hash))
-            if data is None:
+            if data is None or not data.holders.get(owner):
                 return None
             if not acquire:
                 return Handle(0, owner, data)
             self.quota.acquire(owner, data, "lookup")
             return self._new_handle(owner, data)
+
+    def acquire_same(self, content_hash: bytes, spec: Spec, owner: str, op: str) -> Handle | None:
+        """A new handle of ``owner`` on resident content of this hash *and* spec, whoever
+        holds it (the caller then verifies the bytes and frees the handle if they differ),
+        charged to the owner's quota now; None when there is none."""
+        with self._lock:
+            data = self._by_key.get((spec.device, content_hash))
+            if data is None or data.spec != spec:
+                return None
+            self.quota.acquire(owner, data, op)
+            return self._new_handle(owner, data)
+
+    # -- calls hold what they use -------------------------------------------------------
+
+    def begin_call(self) -> int:
+        """A call starts using resident tensors; returns its epoch for ``end_call``."""
+        with self._lock:
+            while self._writers:
+                self._calls_changed.wait()
+            epoch = self._epoch
+            self._active[epoch] += 1
+            return epoch
+
+    def end_call(self, epoch: int) -> None:
+        with self._lock:
+            self._active[epoch] -= 1
+            if not self._active[epoch]:
+                del self._active[epoch]
+            oldest = min(self._active) if self._active else self._epoch + 1
+            ready = [d for e, d in self._deferred if e < oldest]
+            if ready:
+                self._deferred = [(e, d) for e, d in self._deferred if e >= oldest]
+            if not self._active:
+                self._calls_changed.notify_all()
+        for data in ready:
+            self._release(data)
+
+    def _release(self, data: TensorData) -> None:
+        self.backend.release(data.resident)
+        self.budget.release(data.spec.device, data.nbytes)
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """``begin_call`` / ``end_call`` around the body."""
+        epoch = self.begin_call()
+        try:
+            yield
+        finally:
+            self.end_call(epoch)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -294,8 +365,10 @@ class TensorStore:
         self.budget.release(spec.device, nbytes)
         return handle, True
 
-    def update(self, handle: Handle, content_hash: bytes, tensor: QTensor) -> Phases:
-        """Point ``handle`` at new content (same spec). Other handles keep the old data."""
+    def update(self, handle: Handle, content_hash: bytes, tensor: QTensor | None) -> Phases:
+        """Point ``handle`` at new content (same spec). Other handles keep the old data.
+        ``tensor`` may be None only while the content is resident (the caller holds a handle
+        on it)."""
         spec = handle.spec
         key = (spec.device, content_hash)
         with self._lock:
@@ -306,15 +379,25 @@ class TensorStore:
             existing = self._by_key.get(key)
             if existing is not None:
                 self.quota.acquire(handle.owner, existing, "update")
-                existing.refs += 1
+                self._ref(handle.owner, existing)
                 handle.data = existing
                 self.quota.release(handle.owner, old)
-                self._drop_ref(old)
+                self._drop_ref(handle.owner, old)
                 return Phases()
+            if tensor is None:
+                raise RuntimeError("update: content not resident and no tensor given")
             if old.refs == 1:
-                # Sole owner: overwrite in place, no second allocation.
-                t0 = time.perf_counter_ns()
-                self.backend.replace(old.resident, tensor)
+                # Sole owner: overwrite in place, no second allocation, once no running call
+                # can be reading it (new calls wait meanwhile).
+                self._writers += 1
+                try:
+                    while self._active:
+                        self._calls_changed.wait()
+                    t0 = time.perf_counter_ns()
+                    self.backend.replace(old.resident, tensor)
+                finally:
+                    self._writers -= 1
+                    self._calls_changed.notify_all()
                 del self._by_key[(spec.device, old.content_hash)]
                 old.content_hash = content_hash
                 self._by_key[key] = old
@@ -326,36 +409,44 @@ class TensorStore:
             phases = Phases(h2d_ns=time.perf_counter_ns() - t0)
         with self._lock:
             self.generation += 1
-            data = TensorData(spec, content_hash, resident, tensor.nbytes, refs=1)
+            data = TensorData(spec, content_hash, resident, tensor.nbytes)
+            self._ref(handle.owner, data)
             self._by_key[key] = data
             self.quota.bind(handle.owner, data)
             old = handle.data
             handle.data = data
             self.quota.release(handle.owner, old)
-            self._drop_ref(old)
+            self._drop_ref(handle.owner, old)
         return phases
 
     def free(self, handle: Handle) -> tuple[int, int]:
-        """Drop a handle; returns (bytes released, references left on its data)."""
+        """Drop a handle; returns (bytes released, the owner's handles left on its data)."""
         with self._lock:
             if self._handles.pop(handle.id, None) is None:
-                raise NotFound(f"free.handle: freed tensor handle {handle.id}")
+                raise NotFound(f"free.handle: unknown tensor handle {handle.id}")
             self.generation += 1
-            self._freed[handle.id] = None
-            while len(self._freed) > 65536:
-                self._freed.popitem(last=False)
             data = handle.data
             self.quota.release(handle.owner, data)
-            released = self._drop_ref(data)
-            return released, data.refs
+            released = self._drop_ref(handle.owner, data)
+            return released, data.holders.get(handle.owner, 0)
 
-    def _drop_ref(self, data: TensorData) -> int:
+    def _drop_ref(self, owner: str, data: TensorData) -> int:
+        """One handle of ``owner`` on ``data`` went; the last one unlinks it and releases its
+        memory now, or once the calls running meanwhile have ended (call with the lock)."""
         data.refs -= 1
+        n = data.holders.get(owner, 0) - 1
+        if n > 0:
+            data.holders[owner] = n
+        else:
+            data.holders.pop(owner, None)
         if data.refs > 0:
             return 0
         del self._by_key[(data.spec.device, data.content_hash)]
-        self.backend.release(data.resident)
-        self.budget.release(data.spec.device, data.nbytes)
+        if self._active:
+            self._deferred.append((self._epoch, data))
+            self._epoch += 1
+        else:
+            self._release(data)
         return data.nbytes
 
     # -- statistics ---------------------------------------------------------------------
@@ -370,15 +461,18 @@ class TensorStore:
             g.kernel_ns += phases.kernel_ns
             g.d2h_ns += phases.d2h_ns
 
-    def tensor_usage(self) -> dict[int, tuple[int, int, int]]:
-        """device -> (distinct tensors, their bytes, live handles)."""
+    def tensor_usage(self, owner: str | None = None) -> dict[int, tuple[int, int, int]]:
+        """device -> (distinct tensors, their bytes, live handles): the worker's, or with
+        ``owner`` only what that owner holds (the Stats view of one owner)."""
         with self._lock:
             out = {d: [0, 0, 0] for d in self.devices}
             for data in self._by_key.values():
-                out[data.spec.device][0] += 1
-                out[data.spec.device][1] += data.nbytes
+                if owner is None or data.holders.get(owner):
+                    out[data.spec.device][0] += 1
+                    out[data.spec.device][1] += data.nbytes
             for h in self._handles.values():
-                out[h.spec.device][2] += 1
+                if owner is None or h.owner == owner:
+                    out[h.spec.device][2] += 1
             return {d: (v[0], v[1], v[2]) for d, v in out.items()}
 
     def group_totals(self, device: int) -> GroupTotals:
@@ -389,3 +483,23 @@ class TensorStore:
     def handles_of(self, owner: str) -> list[Handle]:
         with self._lock:
             return [h for h in self._handles.values() if h.owner == owner]
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def held(op: _F) -> _F:
+    """Decorate a handler method of an object with a ``store``: the call holds every tensor
+    it resolves until it returns (``TensorStore.begin_call``), so a concurrent free or update
+    can never leave it reading released or half-written memory."""
+
+    @functools.wraps(op)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        store = self.store
+        epoch = store.begin_call()
+        try:
+            return op(self, *args, **kwargs)
+        finally:
+            store.end_call(epoch)
+
+    return run  # type: ignore[return-value]

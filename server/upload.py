@@ -26,13 +26,13 @@ from typing import Any, Protocol
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from coliworker.client import codec
 from coliworker.kernels.qtensor import QTensor
 from coliworker.server import validate
 from coliworker.server.backend import Backend
 from coliworker.server.errors import InvalidArgument, ResourceExhausted
 from coliworker.server.store import Spec
 from coliworker.v1 import worker_pb2 as pb
+from coliworker.wire import codec
 
 #: The RPCs whose request messages reach the handler as bytes.
 RAW_METHODS = ("Upload", "Update")
@@ -198,7 +198,9 @@ def _message(msg: bytes | pb.UploadChunk, op: str, i: int) -> pb.UploadChunk:
         ) from None
 
 
-def _data(msg: bytes | pb.UploadChunk, op: str, i: int) -> memoryview | bytes:
+def _data(msg: bytes | memoryview | pb.UploadChunk, op: str, i: int) -> memoryview | bytes:
+    if isinstance(msg, memoryview):  # a piece of a data-plane frame's data
+        return msg
     if isinstance(msg, bytes):
         view = _data_view(msg)
         if view is not None:
@@ -224,7 +226,13 @@ def read_header(
     if m is None or m.WhichOneof("part") != "header":
         what = "nothing" if m is None else "a data chunk"
         raise InvalidArgument(f"{op}: expected a header as the first message, got {what}")
-    header = m.header
+    return check_header(m.header, op, devices, memory_limit)
+
+
+def check_header(
+    header: pb.UploadHeader, op: str, devices: tuple[int, ...], memory_limit: int
+) -> Header:
+    """``read_header``'s checks of one UploadHeader (a data-plane frame's body)."""
     spec = validate.spec(header.spec, devices, f"{op}.header.spec")
     wbytes, sbytes = validate.sizes(spec)
     if header.weight_bytes != wbytes:
@@ -326,4 +334,12 @@ def receive_host(
     return QTensor(s.fmt, s.in_features, s.out_features, s.group_size, weights, scales)
 
 
-__all__ = ["BLOCK_BYTES", "RAW_METHODS", "Header", "Staging", "read_header", "receive"]
+__all__ = [
+    "BLOCK_BYTES",
+    "RAW_METHODS",
+    "Header",
+    "Staging",
+    "check_header",
+    "read_header",
+    "receive",
+]

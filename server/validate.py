@@ -11,17 +11,18 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from coliworker.client.codec import CodecError, decode
 from coliworker.kernels.qtensor import MAX_FORMAT, row_bytes, scale_count
 from coliworker.server.errors import InvalidArgument
 from coliworker.server.store import Handle, Spec
 from coliworker.v1 import worker_pb2 as pb
+from coliworker.wire.codec import INLINE, ArrayIO, CodecError
 
 
-def array(msg: pb.Array, field: str, ndim: int) -> np.ndarray:
-    """Decode a float activation array of rank ``ndim`` to float32."""
+def array(msg: pb.Array, field: str, ndim: int, io: ArrayIO = INLINE) -> np.ndarray:
+    """Decode a float activation array of rank ``ndim`` to float32 (its bytes from ``io``
+    when they travel outside the message)."""
     try:
-        return decode(msg, field, ndim=ndim)
+        return io.decode(msg, field, ndim=ndim)
     except CodecError as exc:
         raise InvalidArgument(str(exc)) from None
 

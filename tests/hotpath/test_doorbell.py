@@ -26,12 +26,12 @@ from coliworker.client import (
     WorkerClient,
 )
 from coliworker.client import doorbell as bell
-from coliworker.client.shm import shm_dir
 from coliworker.kernels import reference as ref
 from coliworker.server import doorbell as server_bell
 from coliworker.server.app import build_server
 from coliworker.server.config import Config
 from coliworker.v1 import worker_pb2 as pb
+from coliworker.wire.shm import shm_dir
 
 
 def _ours(pid: int) -> list[str]:
@@ -105,11 +105,12 @@ def test_calls_are_recorded(server, model, session, rng, monkeypatch):
     session.matmul_sync(model.mat, x)
     with pytest.raises(NotFound):
         session.matmul_sync(987654321, x)
-    assert [(c, code) for c, code, _ in seen] == [
+    assert [(c, code) for c, code, _, _ in seen] == [
         ("matmul", grpc.StatusCode.OK),
         ("matmul", grpc.StatusCode.NOT_FOUND),
     ]
-    assert all(sec > 0 for _, _, sec in seen)
+    assert all(sec > 0 for _, _, sec, _ in seen)
+    assert {t for *_, t in seen} == {"shm"}
 
 
 def test_fifos_are_private_and_removed(client, server):
@@ -182,7 +183,10 @@ def _missing() -> pb.DoorbellAttach:
 
 
 def test_worker_refuses_without_segment_or_directory(client):
-    with client.session() as s, pytest.raises(FailedPrecondition, match="attach_shm"):
+    with (
+        client.session(transport="grpc") as s,
+        pytest.raises(FailedPrecondition, match="attach_shm"),
+    ):
         msg = _missing()
         s._submit("attach_doorbell", msg, None).result(10)
     with client.session(shm=True) as s:
@@ -244,10 +248,10 @@ def test_worker_stop_fails_pending_call_with_unavailable(rng):
     matmul = srv.servicer.matmul
     started = threading.Event()
 
-    def slow(request, owner):
+    def slow(request, owner, io):
         started.set()
         time.sleep(0.5)
-        return matmul(request, owner)
+        return matmul(request, owner, io)
 
     srv.servicer.matmul = slow  # the stream looks its handlers up when it starts
     w = WorkerClient(srv.address, timeout=10)

@@ -74,12 +74,13 @@ def test_requests_are_recorded(server, client, model, session, rng, monkeypatch)
     bad = pb.SessionRequest(request_id=7, matmul=pb.MatmulRequest(handle=model.mat.handle, x=ghost))
     (resp,) = list(client._stub.Session(iter([bad])))
     assert resp.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    assert [(c, code) for c, code, _ in seen] == [
+    assert [(c, code) for c, code, _, _ in seen] == [
         ("matmul", grpc.StatusCode.OK),
         ("matmul", grpc.StatusCode.NOT_FOUND),
         ("matmul", grpc.StatusCode.INVALID_ARGUMENT),
     ]
-    assert all(sec > 0 for _, _, sec in seen)
+    assert all(sec > 0 for _, _, sec, _ in seen)
+    assert {t for *_, t in seen} == {"grpc"}
 
 
 def test_ragged_order_on_one_kv_b(client, model, session, rng):
@@ -88,7 +89,7 @@ def test_ragged_order_on_one_kv_b(client, model, session, rng):
 
 
 def test_closed_session_refuses(model, client, rng):
-    s = client.session()
+    s = client.session(transport="grpc")
     s.close()
     with pytest.raises(Exception, match="closed"):
         s.matmul(model.mat, rng.standard_normal((1, D)).astype(np.float32))
@@ -109,6 +110,6 @@ def test_reading_moves_between_threads(model, session, rng):
 def test_chunked_arrays_both_ways(client, model, rng):
     """Arrays over the staging limit travel as chunks in both directions."""
     x = rng.standard_normal((3 * (1 << 20) // (4 * D) + 5, D)).astype(np.float32)
-    with client.session() as s:
+    with client.session(transport="grpc") as s:
         y = s.matmul_sync(model.mat, x)
     np.testing.assert_array_equal(y, client.matmul(model.mat, x))

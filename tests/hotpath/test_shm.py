@@ -13,11 +13,11 @@ import pytest
 from _hotpath import D, mapped, wait_for
 
 from coliworker.client import FailedPrecondition, PermissionDenied, WorkerClient
-from coliworker.client import shm as shm_mod
-from coliworker.client.shm import Segment, shm_dir
 from coliworker.server.app import build_server
 from coliworker.server.config import Config
 from coliworker.v1 import worker_pb2 as pb
+from coliworker.wire import shm as shm_mod
+from coliworker.wire.shm import Segment, shm_dir
 
 
 def test_round_trip_both_directions(client, model, rng, monkeypatch):
@@ -75,7 +75,7 @@ def _attach(s, seg, nonce=None):
 def test_worker_refuses_open_mode_and_wrong_nonce(client):
     seg = Segment.create(1 << 16)
     try:
-        with client.session() as s:
+        with client.session(transport="grpc") as s:
             os.fchmod(seg.fd, 0o644)
             with pytest.raises(PermissionDenied, match="expected 0600"):
                 _attach(s, seg)
@@ -88,7 +88,7 @@ def test_worker_refuses_open_mode_and_wrong_nonce(client):
 
 
 def test_worker_refuses_missing_segment(client):
-    with client.session() as s:
+    with client.session(transport="grpc") as s:
         msg = pb.ShmAttach(name="coliworker-1-0123456789abcdef", size=1 << 16, nonce=b"\0" * 16)
         with pytest.raises(FailedPrecondition, match="another host"):
             s._submit("attach_shm", msg, None).result(10)

@@ -19,11 +19,11 @@ import pytest
 from _hotpath import f32_tensor, int4_tensor, mapped, upload, wait_for
 
 from coliworker.client import WorkerClient
-from coliworker.client import shm as shm_mod
-from coliworker.client.shm import HEADER_BYTES, PARALLEL_BYTES, Segment, ShmError
 from coliworker.kernels import reference as ref
 from coliworker.server.app import build_server
 from coliworker.server.config import Config
+from coliworker.wire import shm as shm_mod
+from coliworker.wire.shm import HEADER_BYTES, PARALLEL_BYTES, Segment, ShmError
 
 TOL = 1e-4  # CuPy kernels vs the float64 reference (fp32 activations); NumPy is far closer
 # matmul [S, IN] x [OUT, IN]^T: x is 9.3 MB (past the backend's 8 MiB direct/threaded inputs), y
@@ -143,7 +143,9 @@ def test_large_calls_exact_both_directions(worker, doorbell, rng):
     x = rng.standard_normal((S, IN)).astype(np.float32)
     rows = [T // 3, T // 3 + 5, T - 2 * (T // 3) - 5]
     xg = rng.standard_normal((T, D)).astype(np.float32)
-    with w.session() as plain:  # gRPC chunks: the bytes the worker computes on, unchanged
+    with w.session(
+        transport="grpc"
+    ) as plain:  # gRPC chunks: the bytes the worker computes on, unchanged
         y_chunks = plain.matmul_sync(mat, x)
         g_chunks = plain.expert_group_sync(experts, rows, xg)
     with w.session(shm=True, doorbell=doorbell) as s:
@@ -171,7 +173,7 @@ def test_large_calls_exact_both_directions(worker, doorbell, rng):
 def test_close_while_registered_with_calls_in_flight(worker, rng):
     srv, w, mat_t, _, (mat, _) = worker
     xs = [rng.standard_normal((S, IN)).astype(np.float32) for _ in range(3)]
-    with w.session() as plain:
+    with w.session(transport="grpc") as plain:
         want = [plain.matmul_sync(mat, x) for x in xs]
     s = w.session(shm=True)
     name = s.segment.name
@@ -205,7 +207,7 @@ def test_falls_back_when_registration_fails(worker, rng, monkeypatch):
 
     monkeypatch.setattr(cupy.cuda.runtime, "hostRegister", refuse)
     x = rng.standard_normal((S, IN)).astype(np.float32)
-    with w.session() as plain:
+    with w.session(transport="grpc") as plain:
         want = plain.matmul_sync(mat, x)
     with w.session(shm=True) as s:
         np.testing.assert_array_equal(s.matmul_sync(mat, x), want)

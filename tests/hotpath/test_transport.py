@@ -29,7 +29,7 @@ def test_unix_socket(model, rng):
             t = upload(w, f32_tensor(rng, D, 7))
             x = rng.standard_normal((3, D)).astype(np.float32)
             y = w.matmul(t, x)
-            with w.session() as s:
+            with w.session(transport="grpc") as s:
                 np.testing.assert_array_equal(s.matmul_sync(t, x), y)
             with w.session(shm=True) as s:
                 np.testing.assert_array_equal(s.matmul_sync(t, x), y)
@@ -45,7 +45,7 @@ def test_half_wire_error_within_bound(server, model, rng, dtype):
     exact = x.astype(np.float64) @ w64.T
     bound = u * (np.abs(x) @ np.abs(w64).T) + u * np.abs(exact) + 1e-6 * np.abs(exact) + 1e-7
     with WorkerClient(server.address, wire_dtype=dtype) as w:
-        for y in (w.matmul(model.mat, x), w.session().matmul_sync(model.mat, x)):
+        for y in (w.matmul(model.mat, x), w.session(transport="grpc").matmul_sync(model.mat, x)):
             assert y.dtype == np.float32
             assert np.all(np.abs(y - exact) <= bound)
             assert np.max(np.abs(y - exact)) > 0  # it did round
@@ -53,7 +53,7 @@ def test_half_wire_error_within_bound(server, model, rng, dtype):
         xr = rng.standard_normal((4, D)).astype(np.float32)
         routes = np.array([[0, 1], [2, 3], [4, 5], [1, 3]], np.int32)
         wts = rng.random((4, 2)).astype(np.float32)
-        with w.session() as s:
+        with w.session(transport="grpc") as s:
             y = s.expert_group_routed_sync(model.experts, xr, routes, wts)
         want = np.asarray(ref.expert_group_routed(model.tensors, xr, routes, wts), np.float64)
         assert np.linalg.norm(y - want) <= 8 * u * np.linalg.norm(want)
@@ -73,7 +73,7 @@ def test_50mb_activation_batch_is_chunked(rng):
             x = rng.standard_normal((50 * 1024 * 1024 // 256, 64)).astype(np.float32)
             assert x.nbytes >= 50 << 20
             want = ref.matmul(t, x)
-            with w.session() as s:
+            with w.session(transport="grpc") as s:
                 y = s.matmul_sync(ref_t, x)
             np.testing.assert_array_equal(y, want)
             with w.session(shm=True, shm_bytes=128 << 20) as s:

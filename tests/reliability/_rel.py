@@ -133,6 +133,8 @@ class WorkerProcess:
     def start(self, timeout: float = 20.0) -> WorkerProcess:
         cmd = [sys.executable, "-m", "coliworker", "serve", "--backend", "numpy"]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--metrics-port", "0"]
+        if "--data-port" not in self.args:  # port + 1 may be taken: any free one
+            cmd += ["--data-port", "0"]
         self.proc = subprocess.Popen(
             cmd + list(self.args),
             env=self.env,

@@ -207,7 +207,7 @@ def test_a_client_that_disconnects_mid_upload_leaves_nothing_half_written(rng):
     srv = serve()
     t = random_tensor(rng, 1, 4096, 1024)  # 4 MiB: several chunks
     weights, scales = arrays(t)
-    from coliworker.client import codec
+    from coliworker.wire import codec
 
     digest = codec.content_hash(1, 4096, 1024, 0, weights, scales)
     sent = threading.Event()
@@ -253,7 +253,7 @@ def test_sigterm_drains_in_flight_calls_then_exits(rng):
     try:
         t = random_tensor(rng, 1, 1024, 512)
         weights, scales = arrays(t)
-        from coliworker.client import codec
+        from coliworker.wire import codec
 
         digest = codec.content_hash(1, 1024, 512, 0, weights, scales)
         data = weights.tobytes() + scales.tobytes()

@@ -222,7 +222,7 @@ def test_truncated_upload_streams_are_refused_and_leave_nothing(worker):
     srv, w, resident = worker
     rng = np.random.default_rng()
     t = random_tensor(rng, 1, 64, 16)
-    from coliworker.client import codec
+    from coliworker.wire import codec
 
     digest = codec.content_hash(1, 64, 16, 0, t.weights, t.scales)
     data = t.weights.tobytes() + t.scales.tobytes()

@@ -15,13 +15,14 @@ from _rel import TOL, DecodeLayer, random_tensor, rel_err, serve, upload
 
 from coliworker.client import InvalidArgument, Unavailable, WorkerRestarted
 from coliworker.client.recovery import RecoveringClient
-from coliworker.client.shm import shm_dir
 from coliworker.kernels import reference as ref
+from coliworker.wire.shm import shm_dir
 
 pytestmark = pytest.mark.slow
 
 MODES = {
-    "stream": {},
+    "stream": {"transport": "grpc"},
+    "socket": {"transport": "socket"},
     "shm": {"shm": True, "shm_bytes": 4 << 20},
     "doorbell": {"shm": True, "shm_bytes": 4 << 20, "doorbell": True},
 }
@@ -168,7 +169,8 @@ def test_a_stream_that_ends_on_a_live_worker_is_retried_on_a_new_one(rng, mode):
                 check(layer.step(s))
                 inner = s._inner
                 pending = layer.step(s)
-                inner._call.cancel()  # the stream ends; the worker instance stays
+                # the stream (or connection) ends; the worker instance stays
+                inner._io.shutdown() if mode == "socket" else inner._call.cancel()
                 # Let the session see the end first: a doorbell channel otherwise keeps
                 # answering until the worker closes its end, and the step may finish there.
                 deadline = time.monotonic() + 10

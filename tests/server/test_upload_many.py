@@ -20,7 +20,6 @@ from coliworker.client import (
     ResourceExhausted,
     UploadItem,
     WorkerClient,
-    codec,
 )
 from coliworker.client.uploads import _Progress
 from coliworker.kernels import layout
@@ -30,6 +29,7 @@ from coliworker.server import upload as server_upload
 from coliworker.server.app import build_server
 from coliworker.server.config import Config
 from coliworker.v1 import worker_pb2 as pb
+from coliworker.wire import codec
 
 BACKENDS = [
     pytest.param("numpy", id="numpy"),

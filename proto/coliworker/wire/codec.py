@@ -1,6 +1,10 @@
 """The wire codec: NumPy arrays <-> ``coliworker.v1.Array``, content hashes, chunking.
 
-Client and worker both convert through this one module. Decoding checks
+Client and worker both convert through this one module, on every transport. An ``Array``
+holds its bytes inline (``data``) or outside its message (a ``staged`` slice of a frame's
+data or of a Session request's chunks, a ``shm`` slice of a shared-memory segment); where
+those bytes are is the transport's business, handed to ``decode`` and ``encode`` as an
+``ArrayIO`` (``INLINE`` when there is no outside: unary gRPC). Decoding checks
 ``len(data) == prod(shape) * itemsize`` and names the field on a mismatch.
 Half-precision wire types: float16 is IEEE binary16; bfloat16 is the upper half of
 binary32 rounded to nearest even (NumPy has no bfloat16, so it travels as uint16 bits).
@@ -11,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -44,20 +47,6 @@ FLOAT_WIRE_TYPES = (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16)
 
 class CodecError(ValueError):
     """A malformed Array; the message names the field and both values."""
-
-
-# Session streams keep large array bytes out of protobuf messages (each read of a bytes
-# field copies it, and each assignment copies it again). While a session call runs on a
-# thread, ``decode`` takes the bytes of an Array whose contents live outside the message
-# (a ``shm`` or ``staged`` slice) from that thread's *source*, and ``encode`` may leave the
-# NumPy array in that thread's *sink* instead of copying it into ``data``
-# (``coliworker.client.staging`` places it afterwards). Unary calls set neither.
-_local = threading.local()
-
-
-def bind(source: Callable[[pb.Array], object] | None, sink: list | None) -> None:
-    """Set (or, with None, None, clear) this thread's array source and sink."""
-    _local.source, _local.sink = source, sink
 
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
@@ -115,16 +104,17 @@ def bfloat16_bits_to_float32(b: np.ndarray) -> np.ndarray:
     return (b.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
-def encode(a: np.ndarray, dtype: int = pb.DTYPE_FLOAT32) -> pb.Array:
-    """Encode a NumPy array as ``dtype`` (float arrays convert; others must match)."""
+def encode(a: np.ndarray, dtype: int = pb.DTYPE_FLOAT32, sink: list | None = None) -> pb.Array:
+    """Encode a NumPy array as ``dtype`` (float arrays convert; others must match). With a
+    ``sink`` the bytes stay out of the message: the wire-typed array is appended to the
+    sink and the result's ``staged.offset`` is its index there, until the transport places
+    it (``staging.place``)."""
     arr = np.asarray(a)
     if dtype == pb.DTYPE_BFLOAT16:
         raw = float32_to_bfloat16_bits(arr.astype(np.float32, copy=False))
     else:
         raw = np.ascontiguousarray(arr, dtype=_NUMPY_OF[dtype])
-    sink = getattr(_local, "sink", None)
     if sink is not None:
-        # placed later by staging.place: ``staged.offset`` indexes the sink until then
         sink.append(raw)
         return pb.Array(
             dtype=dtype, shape=arr.shape, staged=pb.Slice(offset=len(sink) - 1, length=raw.nbytes)
@@ -133,10 +123,16 @@ def encode(a: np.ndarray, dtype: int = pb.DTYPE_FLOAT32) -> pb.Array:
 
 
 def decode(
-    msg: pb.Array, field: str, *, ndim: int | None = None, float_only: bool = True
+    msg: pb.Array,
+    field: str,
+    *,
+    ndim: int | None = None,
+    float_only: bool = True,
+    source: Callable[[pb.Array], Any] | None = None,
 ) -> np.ndarray:
     """Decode an Array; float wire types come back as float32, others as their own type.
 
+    ``source`` gives the bytes of an array held outside the message (its ``data`` empty).
     Raises CodecError naming ``field`` when the dtype is unknown, a dimension is < 1, the
     rank is not ``ndim``, or the byte length disagrees with the shape.
     """
@@ -159,10 +155,8 @@ def decode(
                 raise CodecError(f"{field}.shape[{i}]: expected >= 1, got {d}")
     expected = math.prod(shape) * np_dtype.itemsize
     data = msg.data  # each read of a bytes field copies it: read once
-    if not data:
-        source = getattr(_local, "source", None)
-        if source is not None:
-            data = source(msg)  # shared memory or staged chunks, without a copy into msg
+    if not data and source is not None:
+        data = source(msg)  # shared memory, frame data or staged chunks: no copy into msg
     if len(data) != expected:
         raise CodecError(
             f"{field}.data: expected {expected} bytes ({list(shape)} x {np_dtype.itemsize}), "
@@ -176,11 +170,41 @@ def decode(
     return raw
 
 
-def decode_rows(msg: pb.Array, field: str, width: int) -> np.ndarray:
+def decode_rows(
+    msg: pb.Array, field: str, width: int, source: Callable[[pb.Array], Any] | None = None
+) -> np.ndarray:
     """Decode a float [n, width] block where n may be 0 (an absent/empty Array is 0 rows)."""
     if not msg.shape and not msg.data:
         return np.zeros((0, width), np.float32)
-    return decode(msg, field, ndim=2)
+    return decode(msg, field, ndim=2, source=source)
+
+
+class ArrayIO:
+    """Where one call's outside arrays are: ``source`` reads the bytes of an input array
+    that is not inline, ``sink`` (a list) collects the result arrays the transport places
+    itself. ``INLINE`` has neither: every array inside its message."""
+
+    __slots__ = ("source", "sink")
+
+    def __init__(
+        self, source: Callable[[pb.Array], Any] | None = None, sink: list | None = None
+    ) -> None:
+        self.source, self.sink = source, sink
+
+    def decode(
+        self, msg: pb.Array, field: str, *, ndim: int | None = None, float_only: bool = True
+    ) -> np.ndarray:
+        return decode(msg, field, ndim=ndim, float_only=float_only, source=self.source)
+
+    def decode_rows(self, msg: pb.Array, field: str, width: int) -> np.ndarray:
+        return decode_rows(msg, field, width, self.source)
+
+    def encode(self, a: np.ndarray, dtype: int = pb.DTYPE_FLOAT32) -> pb.Array:
+        return encode(a, dtype, self.sink)
+
+
+#: No outside arrays (unary gRPC): inputs inline, results inline.
+INLINE = ArrayIO()
 
 
 def _bytes(buf: bytes | memoryview | np.ndarray) -> bytes | memoryview:

@@ -15,8 +15,8 @@ from typing import Any
 from google.protobuf.descriptor import Descriptor
 from google.protobuf.message import Message
 
-from coliworker.client.codec import CHUNK_BYTES
 from coliworker.v1 import worker_pb2 as pb
+from coliworker.wire.codec import CHUNK_BYTES
 
 #: Arrays larger than this leave the message and stream as chunks of CHUNK_BYTES.
 STAGE_ABOVE = CHUNK_BYTES

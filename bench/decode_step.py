@@ -1,0 +1,329 @@
+"""One GLM-5.2 decode token as an engine makes it, over each transport, worker in its own process.
+
+Per layer (``--layers``, default 78, each with its own resident tensors): one ragged MLA
+attention call with the new KV row of each sequence over ``--T`` resident rows (default
+4096) through o_proj, then one routed expert group, top-8 of the layer's resident int4
+experts. ``--sequences`` sequences decode together (default 1). Every token rolls each
+sequence back to T rows and appends one, so T stays fixed. Paths:
+
+    unary    WorkerClient's unary RPCs
+    grpc     the Session stream (TCP)
+    socket   the socket data plane (TCP, proto/FRAMES.md)
+    shm      shared memory + doorbell (same host)
+
+Reported per path: ms/token p50 (p90), the worker's backend time per token (the sum of its
+calls' backend_ns), the overhead (token minus backend) and tokens/s. On the NumPy backend
+the widths shrink (``--small``, the default there) because it dequantizes every weight in
+float64 on every call; the wire's per-call costs are what it shows. Writes
+bench/results/decode-step-<date>-<backend>[-s<sequences>].json and .md.
+
+    python bench/decode_step.py --backend cupy
+    python bench/decode_step.py --backend cupy --sequences 8
+    python bench/decode_step.py --backend numpy            # the 2-core VM, small widths
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.rpc import machine  # noqa: E402
+
+PATHS = ("unary", "grpc", "socket", "shm")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """GLM-5.2's widths (or small ones): hidden D, expert I_e, heads H, Q, R, V, K, D_out."""
+
+    d: int = 6144
+    inter: int = 2048
+    heads: int = 64
+    q: int = 192
+    r: int = 64
+    v: int = 256
+    k: int = 512
+    d_out: int = 6144
+
+
+GLM52 = Shape()
+SMALL = Shape(d=256, inter=64, heads=4, q=32, r=16, v=32, k=64, d_out=256)
+
+
+def serve(args: argparse.Namespace) -> None:
+    from coliworker.server.app import build_server
+    from coliworker.server.config import Config
+
+    srv = build_server(
+        Config(backend=args.backend, port=0, metrics_port=None, data_port=0, max_kv_rows=1 << 20)
+    ).start()
+    print(f"READY {srv.port}", flush=True)
+    sys.stdin.read()  # the client closes stdin when done (or dies)
+    srv.stop(1)
+
+
+class Model:
+    """The layers' resident tensors and their sequences on one worker."""
+
+    def __init__(self, w, shape: Shape, layers: int, experts: int, t: int, seqs: int, seed: int):
+        from coliworker.client import UploadItem
+
+        self.shape, self.layers, self.t, self.seqs = shape, layers, t, seqs
+        rng = np.random.default_rng(seed)
+        s = shape
+        pool: dict[tuple[int, int], np.ndarray] = {}
+
+        def item(i: int, o: int, salt: int) -> UploadItem:
+            base = pool.get((i, o))
+            if base is None:
+                raw = rng.integers(0, 256, size=(o, (i + 1) // 2), dtype=np.uint8)
+                base = pool[(i, o)] = raw
+            q = base ^ np.uint8(salt % 251 + 1)  # distinct content per tensor, cheaply
+            q[0, :8] = np.frombuffer(salt.to_bytes(8, "little"), np.uint8)
+            sc = (rng.random(o) * 0.02 + 0.005).astype(np.float32)
+            return UploadItem(q, sc, fmt=2, in_features=i, out_features=o)
+
+        items, salt = [], 0
+        for _ in range(layers):
+            items.append(item(s.k, s.heads * (s.q + s.v), salt := salt + 1))  # kv_b
+            items.append(item(s.heads * s.v, s.d_out, salt := salt + 1))  # o_proj
+            for _ in range(experts):
+                items.append(item(s.d, s.inter, salt := salt + 1))
+                items.append(item(s.d, s.inter, salt := salt + 1))
+                items.append(item(s.inter, s.d, salt := salt + 1))
+        t0 = time.perf_counter()
+        refs = w.upload_many(items)
+        self.upload_s = time.perf_counter() - t0
+        self.bytes = sum(it.weights.nbytes + it.scales.nbytes for it in items)
+        per = 2 + 3 * experts
+        self.kv_b, self.o_proj, self.experts = [], [], []
+        for li in range(layers):
+            r = refs[li * per : (li + 1) * per]
+            self.kv_b.append(r[0])
+            self.o_proj.append(r[1])
+            self.experts.append([tuple(r[2 + 3 * e : 5 + 3 * e]) for e in range(experts)])
+        self.att = dict(q_dim=s.q, rope_dim=s.r, v_dim=s.v, scale=1.0 / np.sqrt(s.q + s.r))
+        self.q = rng.standard_normal((seqs, s.heads, s.q + s.r)).astype(np.float32)
+        self.x = rng.standard_normal((seqs, s.d)).astype(np.float32)
+        topk = min(8, experts)
+        self.routes = np.stack([rng.permutation(experts)[:topk] for _ in range(seqs)]).astype(
+            np.int32
+        )
+        self.weights = (rng.random((seqs, topk)) / topk).astype(np.float32)
+        self.lat = rng.standard_normal((seqs, t + 1, s.k)).astype(np.float32)
+        self.rope = rng.standard_normal((seqs, t + 1, s.r)).astype(np.float32)
+        self.ids = [[1000 * li + j + 1 for j in range(seqs)] for li in range(layers)]
+
+    def prefill(self, session) -> None:
+        """T rows of each layer's sequences (once; each token then rolls back to T)."""
+        for li in range(self.layers):
+            seqs = [
+                (sid, 0, self.lat[j, : self.t], self.rope[j, : self.t])
+                for j, sid in enumerate(self.ids[li])
+            ]
+            session.attention_ragged_sync(
+                self.kv_b[li], self.o_proj[li], self.q, sequences=seqs, **self.att
+            )
+
+    def token_session(self, s) -> int:
+        """One token through a session (each call waited for, as the engine must: the next
+        layer needs this one's output). Returns the backend ns summed."""
+        backend = 0
+        t = self.t
+        for li in range(self.layers):
+            seqs = [
+                (sid, t, self.lat[j, t:], self.rope[j, t:]) for j, sid in enumerate(self.ids[li])
+            ]
+            f = s.attention_ragged(
+                self.kv_b[li], self.o_proj[li], self.q, sequences=seqs, **self.att
+            )
+            f.result()
+            backend += f.backend_ns
+            g = s.expert_group_routed(self.experts[li], self.x, self.routes, self.weights)
+            g.result()
+            backend += g.backend_ns
+        return backend
+
+    def token_unary(self, w) -> int:
+        backend = 0
+        t = self.t
+        for li in range(self.layers):
+            seqs = [
+                (sid, t, self.lat[j, t:], self.rope[j, t:]) for j, sid in enumerate(self.ids[li])
+            ]
+            w.attention_ragged(self.kv_b[li], self.o_proj[li], self.q, sequences=seqs, **self.att)
+            backend += w.last_call.backend_ns
+            w.expert_group_routed(self.experts[li], self.x, self.routes, self.weights)
+            backend += w.last_call.backend_ns
+        return backend
+
+
+def run(args: argparse.Namespace) -> dict:
+    from coliworker.client import WorkerClient
+
+    worker = subprocess.Popen(
+        [sys.executable, __file__, "--serve", "--backend", args.backend],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = worker.stdout.readline().split()
+        if not line or line[0] != "READY":
+            raise SystemExit(f"worker did not start: {line}")
+        with WorkerClient(f"127.0.0.1:{line[1]}", timeout=600, progress=False) as w:
+            info = w.info()
+            print(f"worker {info.backend} {[d.name for d in info.devices]}", flush=True)
+            shape = SMALL if args.small else GLM52
+            m = Model(w, shape, args.layers, args.experts, args.T, args.sequences, args.seed)
+            print(f"uploaded {m.bytes / 1e9:.2f} GB in {m.upload_s:.1f} s", flush=True)
+            with w.session(transport="socket") as s:
+                m.prefill(s)
+            rows = [measure(w, m, p, args) for p in args.paths.split(",")]
+        return {
+            "worker": {"backend": info.backend, "devices": [d.name for d in info.devices]},
+            "shape": shape.__dict__,
+            "layers": args.layers,
+            "T": args.T,
+            "sequences": args.sequences,
+            "experts_per_layer": args.experts,
+            "resident_bytes": m.bytes,
+            "upload_s": m.upload_s,
+            "paths": rows,
+        }
+    finally:
+        worker.stdin.close()
+        worker.wait(60)
+
+
+def measure(w, m: Model, path: str, args: argparse.Namespace) -> dict:
+    if path not in PATHS:
+        raise SystemExit(f"--paths: expected some of {', '.join(PATHS)}, got {path!r}")
+    session = None if path == "unary" else w.session(transport=path)
+    if session is not None:
+        assert session.transport == path, (session.transport, path)
+
+    def token() -> int:
+        return m.token_unary(w) if session is None else m.token_session(session)
+
+    try:
+        for _ in range(args.warmup):
+            token()
+        e2e, backend = [], []
+        for _ in range(args.tokens):
+            t0 = time.perf_counter_ns()
+            b = token()
+            e2e.append(time.perf_counter_ns() - t0)
+            backend.append(b)
+    finally:
+        if session is not None:
+            session.close()
+    ms = np.asarray(e2e) / 1e6
+    bk = np.asarray(backend) / 1e6
+    over = ms - bk
+    calls = 2 * m.layers
+    r = {
+        "path": path,
+        "ms_per_token_p50": float(np.percentile(ms, 50)),
+        "ms_per_token_p90": float(np.percentile(ms, 90)),
+        "backend_ms_per_token_p50": float(np.percentile(bk, 50)),
+        "overhead_ms_per_token_p50": float(np.percentile(over, 50)),
+        "overhead_us_per_call_p50": float(np.percentile(over, 50)) * 1e3 / calls,
+        "tokens_per_s": 1e3 / float(np.percentile(ms, 50)),
+        "calls_per_token": calls,
+        "tokens": args.tokens,
+    }
+    print(
+        f"{path:<7} {r['ms_per_token_p50']:8.2f} ms/token"
+        f"  backend {r['backend_ms_per_token_p50']:7.2f}"
+        f"  overhead {r['overhead_ms_per_token_p50']:7.2f} ms"
+        f" ({r['overhead_us_per_call_p50']:.0f} us/call)  {r['tokens_per_s']:6.2f} tok/s",
+        flush=True,
+    )
+    return r
+
+
+def write(result: dict, args: argparse.Namespace) -> None:
+    date = datetime.datetime.now(datetime.timezone.utc)
+    result["machine"] = machine()
+    result["date"] = date.isoformat(timespec="seconds")
+    result["command"] = "python " + shlex.join(["bench/decode_step.py", *sys.argv[1:]])
+    os.makedirs(args.out, exist_ok=True)
+    suffix = f"-s{args.sequences}" if args.sequences != 1 else ""
+    stem = os.path.join(args.out, f"decode-step-{date:%Y-%m-%d}-{args.backend}{suffix}")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=2)
+    mc = result["machine"]
+    shape = "GLM-5.2 widths" if not args.small else f"small widths {result['shape']}"
+    lines = [
+        f"# bench/decode_step.py — {args.backend} backend",
+        "",
+        f"- date: {result['date']}",
+        f"- commit: {mc['commit']}",
+        f"- machine: {mc['host']}, {mc['cpu']} x{mc['cpus']}, GPU: {mc['gpu']}",
+        f"- command: `{result['command']}`",
+        f"- one token: {args.layers} layers x (ragged MLA attention over T={args.T} rows + o_proj,"
+        f" routed expert group top-{min(8, args.experts)} of {args.experts} int4 experts),"
+        f" {args.sequences} sequence(s); {shape}; {result['resident_bytes'] / 1e9:.2f} GB"
+        f" resident; {args.tokens} tokens timed after {args.warmup}",
+        "",
+        "| path | ms/token p50 | p90 | backend ms/token | overhead ms/token | overhead us/call "
+        "| tokens/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in result["paths"]:
+        lines.append(
+            f"| {r['path']} | {r['ms_per_token_p50']:.2f} | {r['ms_per_token_p90']:.2f} "
+            f"| {r['backend_ms_per_token_p50']:.2f} | {r['overhead_ms_per_token_p50']:.2f} "
+            f"| {r['overhead_us_per_call_p50']:.0f} | {r['tokens_per_s']:.2f} |"
+        )
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {stem}.json and .md")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--backend", default="numpy", choices=("numpy", "cupy"))
+    p.add_argument("--layers", type=int, default=None, help="layers (default 78; 8 with --small)")
+    p.add_argument("--T", type=int, default=None, help="resident KV rows (default 4096; 256 small)")
+    p.add_argument("--sequences", type=int, default=1)
+    p.add_argument("--experts", type=int, default=8, help="resident experts per layer")
+    p.add_argument("--tokens", type=int, default=20, help="tokens timed per path")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--paths", default=",".join(PATHS))
+    p.add_argument(
+        "--small",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="small widths (default: on for numpy, off for cupy)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve:
+        serve(args)
+        return
+    if args.small is None:
+        args.small = args.backend == "numpy"
+    if args.layers is None:
+        args.layers = 8 if args.small else 78
+    if args.T is None:
+        args.T = 256 if args.small else 4096
+    write(run(args), args)
+
+
+if __name__ == "__main__":
+    main()

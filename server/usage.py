@@ -1,0 +1,121 @@
+"""Per-tensor call and row counts: the placement data behind ``TensorUsage`` and the
+``coliworker_tensor_top_*`` metrics.
+
+    UsageCounts()
+    ├── tensor / experts / routed     one compute call that read these handles (hot path)
+    ├── drop(handle)                  the handle was freed: its counts go with it
+    ├── of(handles)                   (handle, device, calls, rows) of one owner's live handles
+    └── top(n)                        per device, the n largest (calls, rows), any owner
+
+Counts are kept per handle id (a handle belongs to one owner and ids are random 63-bit
+numbers, never reused while live), so reading one owner's counts is a lookup of its live
+handles. Memory is bounded: at most ``limit`` entries; when full, entries of handles that
+are no longer live (a call that finished after its tensor was freed) are pruned, and if
+none are, new handles go uncounted until some are freed (``untracked`` says how many
+calls were missed). An expert group counts one call per expert on each of its gate, up and
+down tensors, with that expert's rows; a routed group the (token, slot) pairs routed to the
+expert, and no call for an expert no token was routed to.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+#: Entries kept at most (~150 bytes each): GLM-5.2 whole is ~58k expert tensors.
+LIMIT = 1 << 18
+
+
+class UsageCounts:
+    """Calls and rows per handle id (see the module docstring). Thread-safe."""
+
+    def __init__(
+        self, live: Callable[[], Collection[int]] | None = None, limit: int = LIMIT
+    ) -> None:
+        self.limit = limit
+        self.untracked = 0  # calls not counted because the table was full
+        self._live = live  # the ids of the live handles, to prune with when full
+        self._lock = threading.Lock()
+        self._counts: dict[int, list[int]] = {}  # handle -> [device, calls, rows]
+
+    # -- recording (the compute handlers) --------------------------------------------------
+
+    def _add(self, handle: int, device: int, rows: int) -> None:
+        """Count one call of ``rows`` rows on ``handle`` (call with the lock)."""
+        c = self._counts.get(handle)
+        if c is None:
+            if len(self._counts) >= self.limit and not self._prune():
+                self.untracked += 1
+                return
+            c = self._counts[handle] = [device, 0, 0]
+        c[1] += 1
+        c[2] += rows
+
+    def _prune(self) -> bool:
+        """Drop entries of handles no longer live; True if that made room."""
+        if self._live is None:
+            return False
+        live = self._live()
+        for h in [h for h in self._counts if h not in live]:
+            del self._counts[h]
+        return len(self._counts) < self.limit
+
+    def tensor(self, device: int, rows: int, *handles: int) -> None:
+        """One call (matmul, expert_mlp, attention) that applied ``handles`` to ``rows``
+        rows; a handle of 0 (an absent o_proj) is skipped."""
+        with self._lock:
+            for h in handles:
+                if h:
+                    self._add(h, device, rows)
+
+    def experts(self, device: int, experts: Sequence[Any], rows: Iterable[int]) -> None:
+        """One expert group: ``experts`` are the request's Expert messages (gate, up,
+        down), ``rows[c]`` the rows of expert c."""
+        with self._lock:
+            for e, r in zip(experts, rows, strict=False):
+                self._add(e.gate, device, r)
+                self._add(e.up, device, r)
+                self._add(e.down, device, r)
+
+    def routed(self, device: int, experts: Sequence[Any], routes: np.ndarray) -> None:
+        """One routed group: expert c gets the (token, slot) pairs whose route is c."""
+        per = np.bincount(routes.ravel(), minlength=len(experts)).tolist()
+        hit = [(e, n) for e, n in zip(experts, per, strict=False) if n]
+        self.experts(device, [e for e, _ in hit], [n for _, n in hit])
+
+    def drop(self, handle: int) -> None:
+        """The handle was freed."""
+        with self._lock:
+            self._counts.pop(handle, None)
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def of(self, handles: Iterable[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+        """(handle, device, calls, rows) of each (handle, device) given (live handles of
+        one owner; a handle never called has zero counts), most called first."""
+        with self._lock:
+            out = []
+            for h, device in handles:
+                c = self._counts.get(h)
+                out.append((h, device, c[1], c[2]) if c else (h, device, 0, 0))
+        out.sort(key=lambda t: (-t[2], -t[3], t[0]))
+        return out
+
+    def top(self, n: int) -> dict[int, list[tuple[int, int]]]:
+        """device -> the ``n`` largest (calls, rows) of its tensors, any owner, largest
+        first (what the metrics expose: bounded, and no handle ids)."""
+        with self._lock:
+            by_device: dict[int, list[tuple[int, int]]] = {}
+            for device, calls, rows in self._counts.values():
+                by_device.setdefault(device, []).append((calls, rows))
+        return {d: heapq.nlargest(n, v) for d, v in by_device.items()}
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+
+__all__ = ["LIMIT", "UsageCounts"]
