@@ -11,7 +11,6 @@ buffers after ``place`` / ``append`` never changes what is resident.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +20,7 @@ import numpy as np
 
 from coliworker.kernels import reference
 from coliworker.kernels.qtensor import QTensor, row_bytes, scale_count
+from coliworker.server import hostmem
 from coliworker.server.backend import (
     DeviceInfo,
     ExpertTriple,
@@ -36,25 +36,10 @@ ISSUE_WORKERS = 4  # threads running issued expert groups (NumPy/BLAS release th
 _T = TypeVar("_T")
 
 
-def _meminfo_bytes(key: str) -> int | None:
-    """A ``/proc/meminfo`` field in bytes, or None where there is no such file or field."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                if name == key:
-                    return int(rest.split()[0]) * 1024  # reported in kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def _physical_memory() -> tuple[int, int]:
-    """(total, available) host RAM in bytes, read now."""
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = _meminfo_bytes("MemTotal") or os.sysconf("SC_PHYS_PAGES") * page
-    free = _meminfo_bytes("MemAvailable") or os.sysconf("SC_AVPHYS_PAGES") * page
-    return int(total), int(free)
+    """(total, available) host RAM in bytes, read now, bounded by the process's memory
+    cgroup (a container's limit, not the host's RAM: ``hostmem.py``)."""
+    return hostmem.host_memory()
 
 
 def _allocate(what: str, make: Callable[[], _T]) -> _T:

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from coliworker.server.auth import OPEN_SERVICES
+from coliworker.server.errors import InvalidArgument
 from coliworker.server.idle import IdleWatchdog, Watch
 
 #: Calls gRPC itself admits beyond --max-in-flight (health checks, refusals): a backstop.
@@ -81,10 +82,16 @@ def _releasing(responses: Iterator[Any], release: _Release) -> Iterator[Any]:
         release()
 
 
-def _touching(requests: Iterator[Any], watch: Watch) -> Iterator[Any]:
-    for r in requests:
-        watch.touch()
-        yield r
+def _touching(requests: Iterator[Any], watch: Watch, method: str) -> Iterator[Any]:
+    try:
+        for r in requests:
+            watch.touch()
+            yield r
+    except grpc.RpcError:  # cancelled: by the client, or by the watchdog (nothing arrived)
+        raise InvalidArgument(
+            f"{method}: the stream ended before its last message (cancelled, or nothing sent "
+            f"for --idle-timeout)"
+        ) from None
 
 
 def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
@@ -214,7 +221,7 @@ class GuardInterceptor(grpc.ServerInterceptor):
                 checked = _checked(requests, context, method)
                 if idle is not None:
                     watch = idle.watch(context.cancel, f"{method} stream")
-                    checked = _touching(checked, watch)
+                    checked = _touching(checked, watch, method)
                 out = inner_s(checked, context)
                 if release is not None and handler.stream_stream:
                     streams = True

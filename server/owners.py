@@ -11,11 +11,13 @@ each owner (token; "" when authentication is off) may hold at most:
 
 and all owners together at most ``streams`` thread-holding streams (sessions + uploads):
 ``--workers`` minus ``RESERVED_THREADS``, so that unary calls and health checks always find
-a thread however many streams are open. A refusal is RESOURCE_EXHAUSTED naming the limit and
+a thread however many streams are open; one owner at most half of them, so that no single
+owner takes the streams of all others. A refusal is RESOURCE_EXHAUSTED naming the limit and
 changes nothing. Every transport uses the same object (``WorkerServicer.owners``):
 
     with servicer.owners.open_session(owner):      # the whole life of a Session stream
         ...
+    return servicer.owners.session_stream(owner, context, lambda: serve(...))  # gRPC
     with servicer.owners.upload(owner):            # one upload, header to response
         with servicer.owners.staged(owner, nbytes, "update"):   # a host buffer's life
             ...
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from coliworker.server.errors import ResourceExhausted
@@ -65,6 +67,14 @@ class OwnerLimits:
                     f"{what}: {self._who(owner)} has {n} open, limit {limit} ({flag}); "
                     f"close some first"
                 )
+            mine = self._sessions.get(owner, 0) + self._uploads.get(owner, 0)
+            share = max(1, self.streams // 2)
+            if mine >= share:
+                raise ResourceExhausted(
+                    f"{what}: {self._who(owner)} has {mine} sessions and uploads open, the most "
+                    f"one owner may hold (half of the {self.streams} the worker allows: "
+                    f"--workers minus {RESERVED_THREADS}); close some first"
+                )
             if self._open >= self.streams:
                 raise ResourceExhausted(
                     f"{what}: the worker has {self._open} sessions and uploads open, limit "
@@ -89,6 +99,29 @@ class OwnerLimits:
         self._enter(self._sessions, self.sessions, owner, "session", "--max-sessions-per-owner")
         try:
             yield
+        finally:
+            self._leave(self._sessions, owner)
+
+    def session_stream(
+        self, owner: str, context: Any, serve: Callable[[], Iterator[Any]]
+    ) -> Iterator[Any]:
+        """A gRPC Session stream's responses, ``serve()``, counted as one of ``owner``'s open
+        sessions until they end; refused (RESOURCE_EXHAUSTED, ``serve`` never called) past
+        the limits."""
+        try:
+            self._enter(self._sessions, self.sessions, owner, "session", "--max-sessions-per-owner")
+        except ResourceExhausted as exc:
+            context.abort(exc.code, exc.message)
+        try:
+            responses = serve()
+        except BaseException:
+            self._leave(self._sessions, owner)
+            raise
+        return self._until_end(responses, owner)
+
+    def _until_end(self, responses: Iterator[Any], owner: str) -> Iterator[Any]:
+        try:
+            yield from responses
         finally:
             self._leave(self._sessions, owner)
 

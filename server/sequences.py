@@ -208,6 +208,8 @@ class SequenceStore:
             need += grow(total) if grow else max(0, 4 * total * (k + r) - cache.nbytes)
         self.quota.check(owner, need, "attention_ragged")
         protected = {key for key, _, _, _ in plan}
+        if need and not self.budget.limit:
+            self._check_free(owner, device, kv_b, protected, need)
         if not self.budget.fits(device, need):
             spare = sum(q.cache.nbytes for _, q in self._victims(owner, device, kv_b, protected))
             if not self.budget.fits(device, need - spare):
@@ -224,6 +226,24 @@ class SequenceStore:
             if total > cache.length:
                 self._grow(cache, total - cache.length, owner, device, kv_b, protected, s)
         return caches
+
+    def _check_free(
+        self, owner: str, device: int, kv_b: Handle, protected: set[Key], need: int
+    ) -> None:
+        """With no --memory-limit the device's free memory bounds growth (host memory within
+        the process's cgroup for the NumPy backend: an allocation past it would be an OOM
+        kill, not an error)."""
+        free = next((d.free_memory_bytes for d in self.backend.devices() if d.id == device), None)
+        if free is None or need <= free:
+            return
+        spare = sum(q.cache.nbytes for _, q in self._victims(owner, device, kv_b, protected))
+        if need > free + spare:
+            raise ResourceExhausted(
+                f"attention_ragged: needs {need} more bytes of KV on device {device}, which has "
+                f"{free} bytes free (with this owner's {spare} bytes of idle sequences)"
+            )
+        while need > free and self._evict_one(owner, device, kv_b, protected):
+            free = next(d.free_memory_bytes for d in self.backend.devices() if d.id == device)
 
     def _grow(
         self,

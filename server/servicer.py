@@ -420,7 +420,9 @@ class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
     def Session(self, request_iterator, context):
         """The hot calls multiplexed on one stream (``server/session.py``)."""
         context.send_initial_metadata(((INSTANCE_METADATA_KEY, self.instance_id),))
-        return self.sessions.serve(request_iterator, context)
+        return self.owners.session_stream(  # one of the owner's --max-sessions-per-owner
+            self.owner(context), context, lambda: self.sessions.serve(request_iterator, context)
+        )
 
 
 for _c in calls.CALLS:
