@@ -33,8 +33,11 @@ from coliworker.v1 import worker_pb2 as pb
 from coliworker.wire import calls, frames, staging
 
 _STATUS_OF = {c.value[0]: c for c in grpc.StatusCode}
-#: How long a thread waiting for a reply polls the socket before it sleeps, us.
-SPIN_US = 250
+#: How long a thread waiting for a reply polls the socket before it sleeps, us: longer than
+#: a decode call's backend time (0.2-0.4 ms on an H200), so the waiting thread is awake
+#: when the reply lands (a sleeping one takes ~20-60 us more to wake); it costs that
+#: thread's core meanwhile, which at decode waits for the answer anyway.
+SPIN_US = 1000
 CONNECT_TIMEOUT_S = 10.0
 
 
@@ -264,8 +267,7 @@ class SocketSession(SessionCalls):
         """Read one REPLY and complete its call; False on timeout. Holds ``_reading``."""
         try:
             head = self._io.recv_header(deadline)
-            body = self._io.recv_bytes(head.body_bytes)
-            data = self._io.recv_array(head.data_bytes)
+            body, data = self._io.recv_rest(head)
         except TimeoutError:
             return False
         except (frames.Closed, frames.FrameError, OSError) as exc:
@@ -288,11 +290,11 @@ class SocketSession(SessionCalls):
         return True
 
     @staticmethod
-    def _value(head: frames.Header, body: bytearray, data: Any, decode: Decoder, call, fut) -> Any:
+    def _value(head: frames.Header, body: Any, data: Any, decode: Decoder, call, fut) -> Any:
         if head.status:
             code = _STATUS_OF.get(head.status, grpc.StatusCode.UNKNOWN)
             raise errors.from_status(code, bytes(body).decode("utf-8", "replace"))
-        resp = call.response.FromString(bytes(body))
+        resp = call.response.FromString(body)
         if staging.check(resp, data, None, "result"):
             return decode(resp, fut, staging.source(data, None, "result"))
         return decode(resp, fut, None)

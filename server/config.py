@@ -69,7 +69,7 @@ class Config:
     data_port: int | None = -1  # -1: --port + 1 (a free port when --port is 0)
     data_unix_socket: str = ""
     max_frame_bytes: int = 1 << 30
-    data_spin_us: int = 200
+    data_spin_us: int = 1000
     max_data_connections: int = 256
     # Security and limits (auth.py, limits.py).
     token_file: str = ""
@@ -299,7 +299,7 @@ SETTINGS: tuple[Setting, ...] = (
         "COLIWORKER_DATA_SPIN_US",
         int,
         "how long a data-plane connection polls for the next call before it sleeps, 0..10000 "
-        "us (polling saves ~20 us per call and costs a core meanwhile; default 200)",
+        "us (polling saves ~20-60 us per call and costs a core meanwhile; default 1000)",
     ),
     Setting(
         "max_data_connections",

@@ -331,11 +331,15 @@ class _Connection:
                 rid,
             )
         t0 = time.perf_counter()
-        body = self.io.recv_bytes(head.body_bytes)
+        if call.streams_data:  # the data goes to the upload pipeline as it arrives
+            body: Any = self.io.recv_bytes(head.body_bytes)
+        else:
+            body, data = self.io.recv_rest(head)
         try:
-            request = call.request.FromString(bytes(body))
+            request = call.request.FromString(body)
         except DecodeError:
-            self.io.discard(head.data_bytes)
+            if call.streams_data:
+                self.io.discard(head.data_bytes)
             message = (
                 f"{call.kind}: the body is not a {call.request.__name__} message "
                 f"({head.body_bytes} bytes)"
@@ -345,7 +349,6 @@ class _Connection:
         if call.streams_data:
             self._upload(call, request, head, t0)
             return
-        data = self.io.recv_array(head.data_bytes)
         try:
             external = staging.check(request, data, None, call.kind)
         except ValueError as exc:

@@ -207,6 +207,17 @@ class FrameSocket:
             self.recv_exact(memoryview(buf), deadline, first=False)
         return buf
 
+    def recv_rest(self, head: Header) -> tuple[memoryview, np.ndarray]:
+        """The body and the data of the frame whose header was just read, in one read into
+        one fresh buffer placed so that the data (right after the body) is 64-byte aligned."""
+        nb, nd = head.body_bytes, head.data_bytes
+        raw = np.empty(nb + nd + ALIGN, np.uint8)
+        start = -(raw.ctypes.data + nb) % ALIGN
+        buf = raw[start : start + nb + nd]
+        if nb + nd:
+            self.recv_exact(memoryview(buf), first=False)
+        return memoryview(buf[:nb]), buf[nb:]
+
     def recv_array(self, n: int) -> np.ndarray:
         """``n`` bytes into a fresh 64-byte aligned uint8 array (frame data)."""
         raw = np.empty(n + ALIGN, np.uint8)
