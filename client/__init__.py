@@ -20,6 +20,7 @@ from coliworker.client.errors import (
     WorkerError,
     WorkerRestarted,
 )
+from coliworker.client.pool import PoolRef, WorkerPool
 from coliworker.client.recovery import RecoveringClient
 from coliworker.client.security import TLS
 from coliworker.client.session import Session
@@ -43,6 +44,7 @@ __all__ = [
     "InvalidArgument",
     "NotFound",
     "PermissionDenied",
+    "PoolRef",
     "RecoveringClient",
     "ResourceExhausted",
     "TLS",
@@ -55,5 +57,6 @@ __all__ = [
     "WorkerClient",
     "WorkerError",
     "WorkerInfo",
+    "WorkerPool",
     "WorkerRestarted",
 ]
