@@ -15,7 +15,7 @@ from coliworker.server.metrics import Metrics
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Pages written together with a feature that is still landing; linked ahead of time.
-PENDING = {ROOT / "docs" / "transports.md"}
+PENDING = {ROOT / "docs" / "c-client.md"}
 LINK = re.compile(r"\]\(([^)#\s]+)(#[^)\s]*)?\)")
 
 

@@ -1,0 +1,206 @@
+"""The host CPU one decode call costs on each side of the data plane, without a transport.
+
+In one process: a worker servicer (NumPy backend, its compute replaced by a stub that
+returns a preallocated result, so only the host code runs) and the client's request code.
+For a routed expert group of 8 experts x 1 row (D=6144) and a ragged attention call (q
+[1, 64, 256], one new KV row) it times, per call:
+
+    client build     the request message and its CALL frame (``SessionCalls`` + frames)
+    worker parse     the body parsed, the arrays' slices checked
+    worker dispatch  ``Dispatch.run``: validation, store, metrics, usage counts, encoding
+    worker reply     the REPLY frame (arrays placed, body serialized)
+    client decode    the reply parsed and the result decoded
+
+and the dispatch again with the per-tensor usage counting switched off, to show its share.
+Compare the sum with a raw socket echo (bench/rpc.py) to see what the transport leaves.
+
+    python bench/call_cost.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import sys
+import threading
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import rpc  # noqa: E402
+
+
+def run(n: int) -> dict:
+    from coliworker.client import WorkerClient, requests
+    from coliworker.client.session_calls import SessionCalls
+    from coliworker.server.app import build_server
+    from coliworker.server.backend import Result
+    from coliworker.server.config import Config
+    from coliworker.v1 import worker_pb2 as pb
+    from coliworker.wire import calls, frames, staging
+    from coliworker.wire.codec import ArrayIO
+
+    srv = build_server(Config(backend="numpy", port=0, metrics_port=None, data_port=None))
+    srv.start()
+    rng = np.random.default_rng(0)
+    w = WorkerClient(srv.address, progress=False)
+    experts = [rpc._upload_expert(w, rng, 16) for _ in range(rpc.N_EXPERTS)]
+    kv_b = rpc._int4(w, rng, rpc.K, rpc.H * (rpc.Q + rpc.V))
+    o_proj = rpc._int4(w, rng, rpc.H * rpc.V, rpc.D_OUT)
+    x = rng.standard_normal((1, rpc.D)).astype(np.float32)
+    routes = np.arange(rpc.TOPK, dtype=np.int32)[None]
+    weights = np.full((1, rpc.TOPK), 1 / rpc.TOPK, np.float32)
+    att = dict(q_dim=rpc.Q, rope_dim=rpc.R, v_dim=rpc.V, scale=1.0 / np.sqrt(rpc.Q + rpc.R))
+    q = rng.standard_normal((1, rpc.H, rpc.Q + rpc.R)).astype(np.float32)
+    lat = rng.standard_normal((1, rpc.K)).astype(np.float32)
+    rope = rng.standard_normal((1, rpc.R)).astype(np.float32)
+    be = srv.servicer.backend
+    out = np.zeros((1, rpc.D), np.float32)
+    be.expert_group_routed = lambda *a: Result(out)
+    be.attention_ragged = lambda *a, **k: Result(out)
+
+    class Client(SessionCalls):
+        def __init__(self) -> None:
+            self._tls = threading.local()
+            self.wire_dtype = pb.DTYPE_FLOAT32
+
+    c = Client()
+    cases = {
+        "expert_group_routed": (
+            lambda: requests.expert_group_routed(c._enc, experts, x, routes, weights),
+            "y",
+        ),
+        "attention_ragged": (
+            lambda: requests.attention_ragged(
+                c._enc, kv_b, o_proj, q, sequences=[(7, 0, lat, rope)], **att
+            ),
+            "out",
+        ),
+    }
+    result = {}
+    for kind, (build, field) in cases.items():
+        call = calls.BY_KIND[kind]
+
+        def client_build(build=build, call=call):
+            body = build()
+            pieces, nd = frames.place(body, c._take_side())
+            return frames.frame(frames.CALL, call.method, 1, body.SerializeToString(), pieces, nd)
+
+        raw = b"".join(bytes(b) for b in client_build())
+        head = frames.parse(raw)
+        body = raw[frames.HEADER_BYTES : frames.HEADER_BYTES + head.body_bytes]
+        data = np.frombuffer(raw[frames.HEADER_BYTES + head.body_bytes :], np.uint8)
+        if kind == "attention_ragged":  # every call appends the same row at 0: roll back
+            srv.servicer.free_sequence(pb.FreeSequenceRequest(sequence_id=7), "", None)
+
+        def parse(call=call, body=body, data=data):
+            req = call.request.FromString(body)
+            staging.check(req, data, None, call.kind)
+            return req
+
+        req = parse()
+
+        def dispatch(call=call, req=req, data=data):
+            sink: list = []
+            io = ArrayIO(staging.source(data, None, call.kind), sink)
+            o = srv.servicer.dispatch.run(call, req, "", io, transport="socket")
+            assert o.ok, o.message
+            return o, sink
+
+        o, sink = dispatch()
+
+        def reply(call=call, o=o, sink=sink):
+            resp = type(o.response)()
+            resp.CopyFrom(o.response)
+            pieces, nd = frames.place(resp, list(sink))
+            return frames.frame(frames.REPLY, call.method, 1, resp.SerializeToString(), pieces, nd)
+
+        rb = b"".join(bytes(b) for b in reply())
+        rh = frames.parse(rb)
+        rbody = rb[frames.HEADER_BYTES : frames.HEADER_BYTES + rh.body_bytes]
+        rdata = np.frombuffer(rb[frames.HEADER_BYTES + rh.body_bytes :], np.uint8)
+        decode = SessionCalls._decoder(field)
+
+        class Fut:
+            backend_ns = 0
+            lengths: list = []
+
+        def client_decode(call=call, rbody=rbody, rdata=rdata, decode=decode):
+            resp = call.response.FromString(rbody)
+            staging.check(resp, rdata, None, "result")
+            return decode(resp, Fut(), staging.source(rdata, None, "result"))
+
+        row = {}
+        for name, fn in (
+            ("client build", client_build),
+            ("worker parse", parse),
+            ("worker dispatch", dispatch),
+            ("worker reply", reply),
+            ("client decode", client_decode),
+        ):
+            row[name] = _time(fn, n)
+        counts = srv.servicer.tensor_counts
+        saved = counts.tensor, counts.experts, counts.routed
+        counts.tensor = counts.experts = counts.routed = lambda *a, **k: None
+        row["worker dispatch, usage counting off"] = _time(dispatch, n)
+        counts.tensor, counts.experts, counts.routed = saved
+        row["sum"] = sum(v for k, v in row.items() if "off" not in k)
+        result[kind] = row
+        print(kind, json.dumps(row, indent=1), flush=True)
+    w.close()
+    srv.stop(0)
+    return result
+
+
+def _time(fn, n: int) -> float:
+    for _ in range(max(50, n // 10)):
+        fn()
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter_ns() - t0) / n / 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--calls", type=int, default=3000)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = p.parse_args()
+    result = run(args.calls)
+    date = datetime.datetime.now(datetime.timezone.utc)
+    mc = rpc.machine()
+    doc = {
+        "date": date.isoformat(timespec="seconds"),
+        "machine": mc,
+        "command": "python " + shlex.join(["bench/call_cost.py", *sys.argv[1:]]),
+        "us_per_call": result,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"call-cost-{date:%Y-%m-%d}-{mc['host']}")
+    with open(stem + ".json", "w") as f:
+        json.dump(doc, f, indent=2)
+    names = list(next(iter(result.values())))
+    lines = [
+        "# bench/call_cost.py — host CPU per decode call, no transport",
+        "",
+        f"- date: {doc['date']}; commit: {mc['commit']}",
+        f"- machine: {mc['host']}, {mc['cpu']} x{mc['cpus']}, python {mc['python']}",
+        f"- command: `{doc['command']}`",
+        "",
+        "| us per call | " + " | ".join(result) + " |",
+        "|---|" + "---|" * len(result),
+    ]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(f"{r[name]:.1f}" for r in result.values()) + " |")
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {stem}.json and .md")
+
+
+if __name__ == "__main__":
+    main()
