@@ -59,6 +59,9 @@ from coliworker.client.worker import DeviceInfo, DeviceStats, TensorRef, WorkerC
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.v1 import worker_pb2_grpc as pb_grpc
 
+#: Expert lists whose routing is kept (cleared when full).
+ROUTES_KEPT = 4096
+
 
 class WorkerPool:
     """Several workers as one client (see the module docstring).
@@ -100,6 +103,8 @@ class WorkerPool:
         self._refs: dict[int, PoolRef] = {}  # handle -> ref (raw integer handles)
         self._live: dict[int, PoolRef] = {}  # id(ref) -> ref
         self._local = threading.local()
+        # expert lists -> (member, its epoch, the member's refs): see _experts
+        self._routes: dict[tuple, tuple[_Member, int, list[tuple[Any, ...]]]] = {}
         self._resolved_at = time.monotonic()
         for address in listed:
             self._add(address)
@@ -339,7 +344,29 @@ class WorkerPool:
     def _experts(
         self, op: str, experts: Iterable[Sequence[Any]]
     ) -> tuple[_Member, list[tuple[Any, ...]]]:
+        """``_route`` of an expert list; a decode step sends the same lists every token, so
+        their routing is kept (by the refs themselves; dropped on free, checked against
+        the member's state): ~1 us instead of ~20 for 8 experts."""
         triples = [tuple(e) for e in experts]
+        try:
+            key = tuple(triples)
+            hit = self._routes.get(key)
+        except TypeError:  # an unhashable handle: route it the long way
+            key, hit = None, None
+        if hit is not None:
+            m, epoch, out = hit
+            if m.down_since is None and m.epoch == epoch:
+                return m, out
+        m, out = self._experts_routed(op, triples)
+        if key is not None:
+            if len(self._routes) >= ROUTES_KEPT:
+                self._routes.clear()
+            self._routes[key] = (m, m.epoch, out)
+        return m, out
+
+    def _experts_routed(
+        self, op: str, triples: list[tuple[Any, ...]]
+    ) -> tuple[_Member, list[tuple[Any, ...]]]:
         names = ("gate", "up", "down")
         m, flat = self._route(
             op,
@@ -488,6 +515,7 @@ class WorkerPool:
             if ref is not None:
                 self._live.pop(id(ref), None)
                 self._refs.pop(ref.handle, None)
+            self._routes.clear()  # a kept route may name it (or its raw handle)
         return released
 
     def free_sequence(self, sequence_id: int, kv_b: Any = None) -> int:
