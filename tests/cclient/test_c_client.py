@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +25,7 @@ import pytest
 from coliworker.client import WorkerClient
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reliability"))
-from _rel import TOKENS, WorkerProcess, free_port  # noqa: E402
+from _rel import TOKENS, WorkerProcess, free_port, make_pki  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "build"
@@ -47,9 +48,25 @@ def built() -> Path:
     return TEST_ABI
 
 
-def _worker(*args: str, env: dict[str, str] | None = None) -> tuple[WorkerProcess, int]:
+class _TlsWorker(WorkerProcess):
+    """A worker whose gRPC port speaks TLS: serving once its data port accepts."""
+
+    data_port = 0
+
+    def serving(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.data_port), 0.5).close()
+        except OSError:
+            return False
+        return True
+
+
+def _worker(
+    *args: str, env: dict[str, str] | None = None, kind: type[WorkerProcess] = WorkerProcess
+) -> tuple[WorkerProcess, int]:
     data_port = free_port()
-    w = WorkerProcess("--data-port", str(data_port), *args, env=env)
+    w = kind("--data-port", str(data_port), *args, env=env)
+    w.data_port = data_port  # type: ignore[attr-defined]
     return w.start(), data_port
 
 
@@ -179,5 +196,38 @@ def test_token(built: Path, tmp_path: Path) -> None:
         with pytest.raises(AssertionError, match="refused"):
             _run(built, "multi", {"COLIWORKER_ADDRESS": f"127.0.0.1:{port}"})
         assert _resident(w.address, TOKENS["alice"]) == (0, 0, 0)
+    finally:
+        w.stop()
+
+
+def test_mutual_tls(tmp_path: Path) -> None:
+    """Built with COLIWORKER_WITH_TLS=1: mutual TLS on the data plane (the worker's own
+    certificate, --tls-client-ca), the worker's address checked against its certificate."""
+    if not os.path.exists("/usr/include/openssl/ssl.h"):
+        pytest.skip("no OpenSSL headers (libssl-dev): the TLS build cannot be made")
+    out = subprocess.run(
+        [str(ROOT / "scripts" / "build-c")],
+        cwd=ROOT,
+        env={**os.environ, "COLIWORKER_WITH_TLS": "1", "COLIWORKER_BUILD_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0 and "warning" not in out.stderr, out.stderr
+    pki = make_pki(str(tmp_path))
+    tls = ("--tls-cert", pki["server_cert"], "--tls-key", pki["server_key"])
+    w, port = _worker(
+        "--devices", "0,1,2", *tls, "--tls-client-ca", pki["ca_cert"], kind=_TlsWorker
+    )
+    try:
+        env = {
+            "COLIWORKER_ADDRESS": f"127.0.0.1:{port}",
+            "COLIWORKER_TLS_CA": pki["ca_cert"],
+            "COLIWORKER_TLS_CERT": pki["client_cert"],
+            "COLIWORKER_TLS_KEY": pki["client_key"],
+        }
+        _run(tmp_path / "test_abi", "multi", env)
+        no_cert = {k: v for k, v in env.items() if "CERT" not in k and "KEY" not in k}
+        with pytest.raises(AssertionError, match="init over two workers"):
+            _run(tmp_path / "test_abi", "multi", no_cert)
     finally:
         w.stop()
