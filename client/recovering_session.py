@@ -4,7 +4,9 @@
         fut = s.expert_group_routed(experts, x, routes, weights)
         y = fut.result()            # the same result, even if the worker restarted meanwhile
 
-It wraps a plain ``Session`` (the inner stream) and keeps each call until it is answered.
+It wraps an inner session of any transport (``open_session``: the gRPC stream, the socket
+data plane, shared memory) and keeps each call until it is answered; the calls are
+``SessionCalls``' own, submitted through ``_submit``, which it replays by kind.
 When the stream or its doorbell channel ends (a killed worker, a cancelled stream), every
 call in flight fails with that one error; the first ``result()`` or submit that meets it
 
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -121,6 +123,8 @@ class RecoveringSession(SessionCalls):
 
     def __init__(self, client: RecoveringClient, **options: Any) -> None:
         self._client = client
+        self._tls = threading.local()
+        self.wire_dtype = client.wire_dtype
         self._options = options
         self._lock = threading.Lock()  # submits, and one recovery at a time
         self._calls: list[_Call] = []  # submitted and not yet answered, in submission order
@@ -157,7 +161,30 @@ class RecoveringSession(SessionCalls):
 
     # -- submitting and recovering --------------------------------------------------------
 
-    def _submit(self, send: Send) -> RecoveringFuture:
+    def _submit(
+        self,
+        kind: str,
+        body: Any,
+        decode: Any,
+        out_bytes: int = 0,
+        side: list[np.ndarray] | None = None,
+    ) -> RecoveringFuture:
+        """A call of ``SessionCalls`` (built once there), kept to send again: its arrays are
+        copied now (the engine may reuse its buffers), and each send rewrites the handles
+        of a dead instance to their re-uploaded copies (the client's remap)."""
+        side = [np.array(a) for a in (self._take_side() if side is None else side)]
+        client = self._client
+
+        def send(s: Session) -> SessionFuture:
+            b = type(body)()
+            b.CopyFrom(body)
+            if client._remap:
+                client._rewrite(b)
+            return s._submit(kind, b, decode, out_bytes, side=list(side))
+
+        return self._send(send)
+
+    def _send(self, send: Send) -> RecoveringFuture:
         while True:
             with self._lock:
                 if self._closed:
@@ -245,56 +272,8 @@ class RecoveringSession(SessionCalls):
             return t
         return self._client._remap.get(int(t), int(t))
 
-    def _experts(self, experts: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        return [tuple(self._handle(t) for t in e) for e in experts]
-
-    def matmul(self, t: Any, x: np.ndarray) -> RecoveringFuture:
-        """x float32 [S, I] -> future of y float32 [S, O]."""
-        x = np.array(x, np.float32)
-        return self._submit(lambda s: s.matmul(self._handle(t), x))
-
-    def expert_mlp(self, gate: Any, up: Any, down: Any, x: np.ndarray) -> RecoveringFuture:
-        """x float32 [S, D] -> future of down(silu(gate x) * up x) float32 [S, D]."""
-        x = np.array(x, np.float32)
-        h = self._handle
-        return self._submit(lambda s: s.expert_mlp(h(gate), h(up), h(down), x))
-
-    def expert_group(
-        self, experts: Iterable[Sequence[Any]], rows: Sequence[int], x: np.ndarray
-    ) -> RecoveringFuture:
-        """The packed form: x float32 [sum(rows), D] -> future of y packed the same way."""
-        triples = [tuple(e) for e in experts]
-        rows, x = [int(r) for r in rows], np.array(x, np.float32)
-        return self._submit(lambda s: s.expert_group(self._experts(triples), rows, x))
-
-    def expert_group_routed(
-        self,
-        experts: Iterable[Sequence[Any]],
-        x: np.ndarray,
-        routes: np.ndarray,
-        weights: np.ndarray,
-    ) -> RecoveringFuture:
-        """x float32 [T, D]; routes int [T, K]; weights float32 [T, K] -> future of
-        y[t] = sum_j weights[t, j] * expert_{routes[t, j]}(x[t])."""
-        triples = [tuple(e) for e in experts]
-        x, w = np.array(x, np.float32), np.array(weights, np.float32)
-        r = np.array(routes, np.int32)
-        return self._submit(lambda s: s.expert_group_routed(self._experts(triples), x, r, w))
-
-    def attention(
-        self,
-        kv_b: Any,
-        q: np.ndarray,
-        latent: np.ndarray,
-        rope: np.ndarray,
-        *,
-        o_proj: Any = None,
-        **dims: Any,
-    ) -> RecoveringFuture:
-        """Causal MLA over one sequence (as ``Session.attention``), as a future."""
-        q, lat, rop = (np.array(a, np.float32) for a in (q, latent, rope))
-        h = self._handle
-        return self._submit(lambda s: s.attention(h(kv_b), q, lat, rop, o_proj=h(o_proj), **dims))
+    # The other calls are SessionCalls' own, through ``_submit``; ragged attention also
+    # keeps the client's KV history, so it builds its call at each send.
 
     def attention_ragged(
         self,
@@ -322,7 +301,7 @@ class RecoveringSession(SessionCalls):
             c._record(ref, seqs)
             return fut
 
-        return self._submit(send)
+        return self._send(send)
 
 
 __all__ = ["RecoveringFuture", "RecoveringSession"]

@@ -275,9 +275,9 @@ class Session(SessionCalls):
         body: Any,
         decode: Decoder | None,
         out_bytes: int = 0,
+        side: list[np.ndarray] | None = None,
     ) -> SessionFuture:
-        side: list[np.ndarray] = getattr(self._tls, "side", None) or []
-        self._tls.side = []
+        side = self._take_side() if side is None else side
         if self._bell is not None and kind != "attach_doorbell":
             return self._submit_bell(kind, body, decode or raw, out_bytes, side)
         rid = next(self._ids)

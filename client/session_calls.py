@@ -69,8 +69,19 @@ class SessionFuture:
 class SessionCalls:
     """The calls of a session (futures), their ``*_sync`` forms (submit, then wait
     ``self.timeout`` for the result) and the context manager. A transport implements
-    ``_submit(kind, body, decode, out_bytes)``; arrays ``_enc`` staged are in this thread's
-    side list (``_take_side``)."""
+    ``_submit(kind, body, decode, out_bytes, side=None)``: ``body`` is the call's request
+    message, its outside arrays (``staged.offset`` = an index) are ``side``, by default the
+    ones ``_enc`` staged on this thread (``_take_side``)."""
+
+    #: The calls every session (and ``WorkerClient``, one RPC each) offers.
+    OPS = (
+        "matmul",
+        "expert_mlp",
+        "expert_group",
+        "expert_group_routed",
+        "attention",
+        "attention_ragged",
+    )
 
     timeout: float | None
     wire_dtype: int

@@ -223,9 +223,14 @@ class SocketSession(SessionCalls):
     # -- submitting -------------------------------------------------------------------------
 
     def _submit(
-        self, kind: str, body: Any, decode: Decoder | None, out_bytes: int = 0
+        self,
+        kind: str,
+        body: Any,
+        decode: Decoder | None,
+        out_bytes: int = 0,
+        side: list | None = None,
     ) -> SessionFuture:
-        side = self._take_side()
+        side = self._take_side() if side is None else side
         call = calls.BY_KIND[kind]
         rid = next(self._ids)
         fut = _SocketFuture(rid, self)

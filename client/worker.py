@@ -18,6 +18,7 @@ import numpy as np
 from coliworker.client import requests, uploads
 from coliworker.client.errors import WorkerError, from_rpc_error
 from coliworker.client.security import TLS, make_channel
+from coliworker.client.unary import UnaryCalls, sync
 from coliworker.client.uploads import UploadItem, _Progress
 from coliworker.kernels.qtensor import row_bytes, scale_count
 from coliworker.v1 import worker_pb2 as pb
@@ -187,6 +188,7 @@ class WorkerClient:
         # token: bearer token sent on every call; tls: TLS settings (True: system roots).
         self._channel = channel or make_channel(address, options, tls=tls, token=token)
         self.token, self.tls = token, tls  # the data plane authenticates the same way
+        self._unary = UnaryCalls(self)
         self._stub = pb_grpc.WorkerStub(self._channel)
         self._local = threading.local()
         self._raw: dict[str, Any] = {}
@@ -257,10 +259,6 @@ class WorkerClient:
         if a.ndim != ndim:
             raise ValueError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
         return codec.encode(a, self.wire_dtype)
-
-    def _dec(self, a: pb.Array, backend_ns: int) -> np.ndarray:
-        self.last_call.backend_ns = backend_ns
-        return codec.decode(a, "result")
 
     # -- info and lifecycle -------------------------------------------------------------
 
@@ -434,26 +432,14 @@ class WorkerClient:
             for d in r.devices
         ]
 
-    # -- compute ------------------------------------------------------------------------
+    # -- compute: the session calls (``SessionCalls``), each one unary RPC (``unary.py``) ---
 
-    def matmul(self, t: Handle, x: np.ndarray) -> np.ndarray:
-        """x float32 [S, I] -> y float32 [S, O]."""
-        r = self._call(self._stub.Matmul, requests.matmul(self._enc, t, x))
-        return self._dec(r.y, r.backend_ns)
-
-    def expert_mlp(self, gate: Handle, up: Handle, down: Handle, x: np.ndarray) -> np.ndarray:
-        """x float32 [S, D] -> down(silu(gate x) * up x) float32 [S, D]."""
-        r = self._call(self._stub.ExpertMlp, requests.expert_mlp(self._enc, gate, up, down, x))
-        return self._dec(r.y, r.backend_ns)
-
-    def expert_group(
-        self, experts: Iterable[Sequence[Handle]], rows: Sequence[int], x: np.ndarray
-    ) -> np.ndarray:
-        """experts: (gate, up, down) per expert; x float32 [sum(rows), D] packed by expert
-        (rows[c] rows for expert c) -> y float32 packed the same way."""
-        req = requests.expert_group(self._enc, experts, rows, x)
-        r = self._call(self._stub.ExpertGroup, req)
-        return self._dec(r.y, r.backend_ns)
+    matmul = sync("matmul")
+    expert_mlp = sync("expert_mlp")
+    expert_group = sync("expert_group")
+    expert_group_routed = sync("expert_group_routed")
+    attention = sync("attention")
+    attention_ragged = sync("attention_ragged")
 
     def expert_group_async(
         self, experts: Iterable[Sequence[Handle]], rows: Sequence[int], x: np.ndarray
@@ -462,80 +448,6 @@ class WorkerClient:
         req = requests.expert_group(self._enc, experts, rows, x)
         t = self._call(self._stub.ExpertGroupIssue, req)
         return ExpertGroupFuture(self, t.ticket)
-
-    def expert_group_routed(
-        self,
-        experts: Iterable[Sequence[Handle]],
-        x: np.ndarray,
-        routes: np.ndarray,
-        weights: np.ndarray,
-    ) -> np.ndarray:
-        """x float32 [T, D]; routes int [T, K] into experts; weights float32 [T, K]
-        -> y[t] = sum_j weights[t, j] * expert_{routes[t, j]}(x[t]), float32 [T, D]."""
-        req = requests.expert_group_routed(self._enc, experts, x, routes, weights)
-        r = self._call(self._stub.ExpertGroupRouted, req)
-        return self._dec(r.y, r.backend_ns)
-
-    def attention(
-        self,
-        kv_b: Handle,
-        q: np.ndarray,
-        latent: np.ndarray,
-        rope: np.ndarray,
-        *,
-        q_dim: int,
-        rope_dim: int,
-        v_dim: int,
-        scale: float,
-        o_proj: Handle | None = None,
-    ) -> np.ndarray:
-        """Causal MLA over one sequence: q [S, H, Q+R], latent [T, K], rope [T, R]
-        -> context [S, H, V], or [S, D_out] with o_proj."""
-        req = requests.attention(
-            self._enc,
-            kv_b,
-            q,
-            latent,
-            rope,
-            q_dim=q_dim,
-            rope_dim=rope_dim,
-            v_dim=v_dim,
-            scale=scale,
-            o_proj=o_proj,
-        )
-        r = self._call(self._stub.Attention, req)
-        return self._dec(r.out, r.backend_ns)
-
-    def attention_ragged(
-        self,
-        kv_b: Handle,
-        o_proj: Handle | None,
-        q: np.ndarray,
-        *,
-        sequences: Sequence[tuple[int, int, np.ndarray, np.ndarray]],
-        q_dim: int,
-        rope_dim: int,
-        v_dim: int,
-        scale: float,
-    ) -> np.ndarray:
-        """Row s of q [S, H, Q+R] attends the worker-resident KV of sequences[s] =
-        (sequence_id, start, latent rows [n, K], rope rows [n, R]): rows from ``start`` on;
-        a start below the resident length rolls back first. -> [S, D_out] (or [S, H, V]
-        without o_proj). The resident lengths after the call are in ``last_call.lengths``."""
-        req = requests.attention_ragged(
-            self._enc,
-            kv_b,
-            o_proj,
-            q,
-            sequences=sequences,
-            q_dim=q_dim,
-            rope_dim=rope_dim,
-            v_dim=v_dim,
-            scale=scale,
-        )
-        r = self._call(self._stub.AttentionRagged, req)
-        self.last_call.lengths = list(r.lengths)
-        return self._dec(r.out, r.backend_ns)
 
     def free_sequence(self, sequence_id: int, kv_b: Handle | None = None) -> int:
         """Release a sequence's KV caches (all layers, or one kv_b); returns bytes freed."""

@@ -84,6 +84,15 @@ def stage(msg: Message, limit: int = STAGE_ABOVE) -> list[bytes | memoryview]:
     return out
 
 
+def inline(msg: Message, side: list[Any]) -> None:
+    """Put the bytes of ``msg``'s staged arrays (``staged.offset`` indexing ``side``, as
+    ``codec.encode`` with a sink leaves them) back into their ``data`` (unary gRPC)."""
+    for a in iter_arrays(msg):
+        if a.HasField("staged") and not a.data:
+            a.data = memoryview(side[a.staged.offset]).cast("B").tobytes()
+            a.ClearField("staged")
+
+
 def check(
     msg: Message,
     staged: bytes | bytearray | None,
@@ -172,4 +181,13 @@ def resolve(
             a.ClearField("shm")
 
 
-__all__ = ["STAGE_ABOVE", "check", "iter_arrays", "pieces", "resolve", "source", "stage"]
+__all__ = [
+    "STAGE_ABOVE",
+    "check",
+    "inline",
+    "iter_arrays",
+    "pieces",
+    "resolve",
+    "source",
+    "stage",
+]
