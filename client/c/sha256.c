@@ -3,9 +3,16 @@
  * content hash = SHA-256(b"coliworker.tensor.v1\0" || fmt, I, O, group_size as int32 LE
  *                        || weight bytes || scale bytes)   (UploadHeader.content_hash)
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "cw.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#include <immintrin.h>
+#define CW_SHA_NI 1
+#endif
 
 static const uint32_t K256[64] = {
     0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4,
@@ -47,6 +54,64 @@ static void blocks(uint32_t h[8], const uint8_t *p, size_t nblocks) {
     }
 }
 
+#ifdef CW_SHA_NI
+/* The x86 SHA extensions: ~6x the portable rounds (a 6.3 MB int4 expert tensor hashes in
+ * ~4 ms instead of ~25), chosen at run time. */
+__attribute__((target("sha,sse4.1"))) static void blocks_ni(uint32_t h[8], const uint8_t *p,
+                                                           size_t nblocks) {
+    const __m128i swap = _mm_set_epi64x(0x0c0d0e0f08090a0bLL, 0x0405060700010203LL);
+    __m128i t = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&h[0]), 0xB1); /* CDAB */
+    __m128i s1 = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&h[4]), 0x1B); /* EFGH */
+    __m128i s0 = _mm_alignr_epi8(t, s1, 8);        /* ABEF */
+    s1 = _mm_blend_epi16(s1, t, 0xF0);             /* CDGH */
+    while (nblocks--) {
+        __m128i abef = s0, cdgh = s1, w[4];
+        for (int i = 0; i < 16; i++) {
+            __m128i m;
+            if (i < 4) {
+                m = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(p + 16 * i)), swap);
+            } else { /* W[4i..4i+3] from the 16 before them */
+                m = _mm_sha256msg1_epu32(w[(i - 4) & 3], w[(i - 3) & 3]);
+                m = _mm_add_epi32(m, _mm_alignr_epi8(w[(i - 1) & 3], w[(i - 2) & 3], 4));
+                m = _mm_sha256msg2_epu32(m, w[(i - 1) & 3]);
+            }
+            w[i & 3] = m;
+            m = _mm_add_epi32(m, _mm_loadu_si128((const __m128i *)&K256[4 * i]));
+            s1 = _mm_sha256rnds2_epu32(s1, s0, m);
+            s0 = _mm_sha256rnds2_epu32(s0, s1, _mm_shuffle_epi32(m, 0x0E));
+        }
+        s0 = _mm_add_epi32(s0, abef);
+        s1 = _mm_add_epi32(s1, cdgh);
+        p += 64;
+    }
+    t = _mm_shuffle_epi32(s0, 0x1B);               /* FEBA */
+    s1 = _mm_shuffle_epi32(s1, 0xB1);              /* DCHG */
+    _mm_storeu_si128((__m128i *)&h[0], _mm_blend_epi16(t, s1, 0xF0)); /* DCBA */
+    _mm_storeu_si128((__m128i *)&h[4], _mm_alignr_epi8(s1, t, 8));    /* HGFE */
+}
+
+static int has_sha_ni(void) {
+    static int known = -1;
+    if (known < 0) {
+        unsigned a, b, c, d;
+        int sse41 = __get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 19)) && (c & (1u << 9));
+        int sha = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b & (1u << 29));
+        known = sse41 && sha && !getenv("COLIWORKER_NO_SHA_NI");
+    }
+    return known;
+}
+#endif
+
+static void run_blocks(uint32_t h[8], const uint8_t *p, size_t nblocks) {
+#ifdef CW_SHA_NI
+    if (has_sha_ni()) {
+        blocks_ni(h, p, nblocks);
+        return;
+    }
+#endif
+    blocks(h, p, nblocks);
+}
+
 void cw_sha256_init(cw_sha256 *s) {
     static const uint32_t iv[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
                                    0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
@@ -63,11 +128,11 @@ void cw_sha256_update(cw_sha256 *s, const void *data, size_t n) {
         memcpy(s->buf + s->fill, p, k);
         s->fill += k; p += k; n -= k;
         if (s->fill < 64) return;
-        blocks(s->h, s->buf, 1);
+        run_blocks(s->h, s->buf, 1);
         s->fill = 0;
     }
     if (n >= 64) {
-        blocks(s->h, p, n / 64);
+        run_blocks(s->h, p, n / 64);
         p += n & ~(size_t)63;
         n &= 63;
     }
