@@ -78,7 +78,7 @@ typedef struct {
     size_t len;
 } pb_field;
 int pb_next(pb_rd *r, pb_field *f); /* 1: a field; 0: end (r->bad set on malformed) */
-/* The values of a repeated int field (packed or not) as they appear, one at a time. */
+/* A decoded Array: its bytes inline (data) or a staged slice of the frame's data. */
 typedef struct {
     int dtype, nd, staged, has_data;
     int64_t shape[8];
