@@ -20,6 +20,7 @@ bench/results/decode-step-<date>-<backend>[-s<sequences>].json and .md.
     python bench/decode_step.py --backend cupy
     python bench/decode_step.py --backend cupy --sequences 8
     python bench/decode_step.py --backend numpy            # the 2-core VM, small widths
+    python bench/decode_step.py --backend cupy --workers 2 # two workers sharing the GPU
 """
 
 from __future__ import annotations
@@ -76,7 +77,17 @@ def serve(args: argparse.Namespace) -> None:
 class Model:
     """The layers' resident tensors and their sequences on one worker."""
 
-    def __init__(self, w, shape: Shape, layers: int, experts: int, t: int, seqs: int, seed: int):
+    def __init__(
+        self,
+        w,
+        shape: Shape,
+        layers: int,
+        experts: int,
+        t: int,
+        seqs: int,
+        seed: int,
+        devices: int = 1,
+    ):
         from coliworker.client import UploadItem
 
         self.shape, self.layers, self.t, self.seqs = shape, layers, t, seqs
@@ -84,7 +95,7 @@ class Model:
         s = shape
         pool: dict[tuple[int, int], np.ndarray] = {}
 
-        def item(i: int, o: int, salt: int) -> UploadItem:
+        def item(i: int, o: int, salt: int, device: int) -> UploadItem:
             base = pool.get((i, o))
             if base is None:
                 raw = rng.integers(0, 256, size=(o, (i + 1) // 2), dtype=np.uint8)
@@ -92,16 +103,17 @@ class Model:
             q = base ^ np.uint8(salt % 251 + 1)  # distinct content per tensor, cheaply
             q[0, :8] = np.frombuffer(salt.to_bytes(8, "little"), np.uint8)
             sc = (rng.random(o) * 0.02 + 0.005).astype(np.float32)
-            return UploadItem(q, sc, fmt=2, in_features=i, out_features=o)
+            return UploadItem(q, sc, fmt=2, in_features=i, out_features=o, device=device)
 
         items, salt = [], 0
-        for _ in range(layers):
-            items.append(item(s.k, s.heads * (s.q + s.v), salt := salt + 1))  # kv_b
-            items.append(item(s.heads * s.v, s.d_out, salt := salt + 1))  # o_proj
+        for li in range(layers):
+            dev = li * devices // layers  # a layer's tensors on one device (of a pool)
+            items.append(item(s.k, s.heads * (s.q + s.v), salt := salt + 1, dev))  # kv_b
+            items.append(item(s.heads * s.v, s.d_out, salt := salt + 1, dev))  # o_proj
             for _ in range(experts):
-                items.append(item(s.d, s.inter, salt := salt + 1))
-                items.append(item(s.d, s.inter, salt := salt + 1))
-                items.append(item(s.inter, s.d, salt := salt + 1))
+                items.append(item(s.d, s.inter, salt := salt + 1, dev))
+                items.append(item(s.d, s.inter, salt := salt + 1, dev))
+                items.append(item(s.inter, s.d, salt := salt + 1, dev))
         t0 = time.perf_counter()
         refs = w.upload_many(items)
         self.upload_s = time.perf_counter() - t0
@@ -170,29 +182,50 @@ class Model:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from coliworker.client import WorkerClient
+    from coliworker.client import WorkerClient, WorkerPool
 
-    worker = subprocess.Popen(
-        [sys.executable, __file__, "--serve", "--backend", args.backend],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    workers = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--serve", "--backend", args.backend],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(args.workers)
+    ]
     try:
-        line = worker.stdout.readline().split()
-        if not line or line[0] != "READY":
-            raise SystemExit(f"worker did not start: {line}")
-        with WorkerClient(f"127.0.0.1:{line[1]}", timeout=600, progress=False) as w:
+        addresses = []
+        for worker in workers:
+            line = worker.stdout.readline().split()
+            if not line or line[0] != "READY":
+                raise SystemExit(f"worker did not start: {line}")
+            addresses.append(f"127.0.0.1:{line[1]}")
+        client = (
+            WorkerPool(addresses, timeout=600, progress=False)
+            if args.workers > 1
+            else WorkerClient(addresses[0], timeout=600, progress=False)
+        )
+        with client as w:
             info = w.info()
             print(f"worker {info.backend} {[d.name for d in info.devices]}", flush=True)
             shape = SMALL if args.small else GLM52
-            m = Model(w, shape, args.layers, args.experts, args.T, args.sequences, args.seed)
+            m = Model(
+                w,
+                shape,
+                args.layers,
+                args.experts,
+                args.T,
+                args.sequences,
+                args.seed,
+                devices=len(info.devices) if args.workers > 1 else 1,
+            )
             print(f"uploaded {m.bytes / 1e9:.2f} GB in {m.upload_s:.1f} s", flush=True)
             with w.session(transport="socket") as s:
                 m.prefill(s)
             rows = [measure(w, m, p, args) for p in args.paths.split(",")]
         return {
             "worker": {"backend": info.backend, "devices": [d.name for d in info.devices]},
+            "workers": args.workers,
             "shape": shape.__dict__,
             "layers": args.layers,
             "T": args.T,
@@ -203,8 +236,10 @@ def run(args: argparse.Namespace) -> dict:
             "paths": rows,
         }
     finally:
-        worker.stdin.close()
-        worker.wait(60)
+        for worker in workers:
+            worker.stdin.close()
+        for worker in workers:
+            worker.wait(60)
 
 
 def measure(w, m: Model, path: str, args: argparse.Namespace) -> dict:
@@ -261,6 +296,7 @@ def write(result: dict, args: argparse.Namespace) -> None:
     result["command"] = "python " + shlex.join(["bench/decode_step.py", *sys.argv[1:]])
     os.makedirs(args.out, exist_ok=True)
     suffix = f"-s{args.sequences}" if args.sequences != 1 else ""
+    suffix += f"-w{args.workers}" if args.workers != 1 else ""
     stem = os.path.join(args.out, f"decode-step-{date:%Y-%m-%d}-{args.backend}{suffix}")
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=2)
@@ -276,7 +312,13 @@ def write(result: dict, args: argparse.Namespace) -> None:
         f"- one token: {args.layers} layers x (ragged MLA attention over T={args.T} rows + o_proj,"
         f" routed expert group top-{min(8, args.experts)} of {args.experts} int4 experts),"
         f" {args.sequences} sequence(s); {shape}; {result['resident_bytes'] / 1e9:.2f} GB"
-        f" resident; {args.tokens} tokens timed after {args.warmup}",
+        f" resident; {args.tokens} tokens timed after {args.warmup}"
+        + (
+            f"; a WorkerPool of {args.workers} worker processes on this host's GPU(s), the"
+            " layers split between them"
+            if args.workers > 1
+            else ""
+        ),
         "",
         "| path | ms/token p50 | p90 | backend ms/token | overhead ms/token | overhead us/call "
         "| tokens/s |",
@@ -300,6 +342,12 @@ def main() -> None:
     p.add_argument("--T", type=int, default=None, help="resident KV rows (default 4096; 256 small)")
     p.add_argument("--sequences", type=int, default=1)
     p.add_argument("--experts", type=int, default=8, help="resident experts per layer")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="worker processes behind a WorkerPool (the layers split between them)",
+    )
     p.add_argument("--tokens", type=int, default=20, help="tokens timed per path")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--paths", default=",".join(PATHS))

@@ -40,6 +40,15 @@ def _bounds(a: np.ndarray) -> tuple[int, int]:
     return int(a.min()), int(a.max())
 
 
+class Experts(list):
+    """The resident (gate, up, down) triples of a checked expert list, and their handle
+    ids (``ids``: what the usage counts are kept by)."""
+
+    def __init__(self, ids: tuple) -> None:
+        super().__init__()
+        self.ids = ids
+
+
 class ComputeOps:
     """Per-op request handling shared by every transport (see the module docstring)."""
 
@@ -51,7 +60,7 @@ class ComputeOps:
     hooks: Any
     _lock: threading.Lock
     _compute_calls: int
-    _expert_cache: dict[tuple, tuple[int, list[tuple], int, int]]
+    _expert_cache: dict[tuple, tuple[int, Experts, int, int]]
 
     def _tensor(self, handle: int, field: str, owner: str) -> Handle:
         raise NotImplementedError
@@ -118,7 +127,7 @@ class ComputeOps:
             y=self._out(r, request.output_dtype, request.x.dtype, io), backend_ns=r.backend_ns
         )
 
-    def _experts(self, experts, op: str, owner: str) -> tuple[list[tuple], int, int]:
+    def _experts(self, experts, op: str, owner: str) -> tuple[Experts, int, int]:
         """Resolve and check experts; returns (resident triples, device, D)."""
         n = len(experts)
         if not 1 <= n <= self.config.max_experts:
@@ -130,7 +139,7 @@ class ComputeOps:
         hit = self._expert_cache.get(key)
         if hit is not None and hit[0] == gen:
             return hit[1], hit[2], hit[3]
-        triples, named, dim = [], [], None
+        triples, named, dim = Experts(key[1:]), [], None
         for c, e in enumerate(experts):
             f = f"{op}.experts[{c}]"
             g = self._tensor(e.gate, f"{f}.gate", owner)
@@ -194,7 +203,7 @@ class ComputeOps:
         triples, rows, x, device = self._group_args(request, "expert_group", owner, io)
         self._begin_compute("expert_group")
         r = self._timed(self.backend.expert_group, triples, rows, x)
-        self.tensor_counts.experts(device, request.experts, rows)
+        self.tensor_counts.experts(device, triples.ids, rows)
         return self._group_response(
             r, device, len(triples), sum(rows), request.output_dtype or request.x.dtype, io
         )
@@ -234,7 +243,7 @@ class ComputeOps:
             )
         self._begin_compute(op)
         r = self._timed(self.backend.expert_group_routed, triples, x, routes, weights)
-        self.tensor_counts.routed(device, request.experts, routes)
+        self.tensor_counts.routed(device, triples.ids, routes)
         return self._group_response(
             r,
             device,

@@ -26,7 +26,7 @@ from coliworker import __version__
 from coliworker.server import intake, upload
 from coliworker.server.auth import TokenTable
 from coliworker.server.backend import Backend, Pending, Phases, Result
-from coliworker.server.compute import ComputeOps
+from coliworker.server.compute import ComputeOps, Experts
 from coliworker.server.config import Config
 from coliworker.server.dispatch import Dispatch
 from coliworker.server.errors import (
@@ -142,7 +142,7 @@ class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
         self._compute_calls = 0
         # (owner, (gate, up, down) handles...) -> (store generation, triples, device, D):
         # a decode step resolves and checks the same experts' 3N handles on every call.
-        self._expert_cache: dict[tuple, tuple[int, list[tuple], int, int]] = {}
+        self._expert_cache: dict[tuple, tuple[int, Experts, int, int]] = {}
         self.sessions = SessionManager(self)
         self.dispatch = Dispatch(self, self.hooks)
         # (port, unix socket path, tls) of the socket data plane, set once it listens
@@ -355,7 +355,7 @@ class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
                 )
         self._begin_compute("expert_group_issue")
         pending = self.backend.expert_group_issue(triples, rows, x)
-        self.tensor_counts.experts(device, request.experts, rows)
+        self.tensor_counts.experts(device, triples.ids, rows)
         ticket = secrets.randbits(62) + 1  # random: says nothing of other owners' tickets
         with self._lock:
             self._tickets[ticket] = _Ticket(

@@ -2,7 +2,8 @@
 ``coliworker_tensor_top_*`` metrics.
 
     UsageCounts()
-    ├── tensor / experts / routed     one compute call that read these handles (hot path)
+    ├── tensor / experts / routed     one compute call that read these handles (hot path;
+    │                                 a group's totals are spread over its handles when read)
     ├── drop(handle)                  the handle was freed: its counts go with it
     ├── of(handles)                   (handle, device, calls, rows) of one owner's live handles
     └── top(n)                        per device, the n largest (calls, rows), any owner
@@ -22,12 +23,13 @@ from __future__ import annotations
 import heapq
 import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import Any
 
 import numpy as np
 
 #: Entries kept at most (~150 bytes each): GLM-5.2 whole is ~58k expert tensors.
 LIMIT = 1 << 18
+#: Distinct expert lists whose totals wait to be spread over their handles.
+PENDING = 4096
 
 
 class UsageCounts:
@@ -41,18 +43,21 @@ class UsageCounts:
         self._live = live  # the ids of the live handles, to prune with when full
         self._lock = threading.Lock()
         self._counts: dict[int, list[int]] = {}  # handle -> [device, calls, rows]
+        # expert groups not yet spread over their handles: (expert handle triples) ->
+        # [device, calls per expert, rows per expert]; folded into _counts when read
+        self._pending: dict[tuple, list] = {}
 
     # -- recording (the compute handlers) --------------------------------------------------
 
-    def _add(self, handle: int, device: int, rows: int) -> None:
-        """Count one call of ``rows`` rows on ``handle`` (call with the lock)."""
+    def _add(self, handle: int, device: int, rows: int, calls: int = 1) -> None:
+        """Count ``calls`` calls of ``rows`` rows in all on ``handle`` (call with the lock)."""
         c = self._counts.get(handle)
         if c is None:
             if len(self._counts) >= self.limit and not self._prune():
                 self.untracked += 1
                 return
             c = self._counts[handle] = [device, 0, 0]
-        c[1] += 1
+        c[1] += calls
         c[2] += rows
 
     def _prune(self) -> bool:
@@ -72,24 +77,38 @@ class UsageCounts:
                 if h:
                     self._add(h, device, rows)
 
-    def experts(self, device: int, experts: Sequence[Any], rows: Iterable[int]) -> None:
-        """One expert group: ``experts`` are the request's Expert messages (gate, up,
-        down), ``rows[c]`` the rows of expert c."""
+    def experts(self, device: int, experts: tuple, rows: Sequence[int] | np.ndarray) -> None:
+        """One expert group: ``experts`` are its (gate, up, down) handle ids, ``rows[c]``
+        the rows of expert c (an expert with 0 rows gets no call). The hot path: added to
+        the group's pending totals, spread over the handles only when read."""
+        n = np.asarray(rows, np.int64)
         with self._lock:
-            for e, r in zip(experts, rows, strict=False):
-                self._add(e.gate, device, r)
-                self._add(e.up, device, r)
-                self._add(e.down, device, r)
+            p = self._pending.get(experts)
+            if p is None:
+                if len(self._pending) >= PENDING:
+                    self._fold()
+                p = self._pending[experts] = [device, np.zeros(len(n), np.int64), np.zeros_like(n)]
+            p[1] += n > 0
+            p[2] += n
 
-    def routed(self, device: int, experts: Sequence[Any], routes: np.ndarray) -> None:
+    def routed(self, device: int, experts: tuple, routes: np.ndarray) -> None:
         """One routed group: expert c gets the (token, slot) pairs whose route is c."""
-        per = np.bincount(routes.ravel(), minlength=len(experts)).tolist()
-        hit = [(e, n) for e, n in zip(experts, per, strict=False) if n]
-        self.experts(device, [e for e, _ in hit], [n for _, n in hit])
+        self.experts(device, experts, np.bincount(routes.ravel(), minlength=len(experts)))
+
+    def _fold(self) -> None:
+        """Spread the pending group totals over their handles (call with the lock)."""
+        pending, self._pending = self._pending, {}
+        for experts, (device, calls, rows) in pending.items():
+            for triple, c, r in zip(experts, calls.tolist(), rows.tolist(), strict=True):
+                if not c:
+                    continue
+                for h in triple:
+                    self._add(h, device, r, c)
 
     def drop(self, handle: int) -> None:
         """The handle was freed."""
         with self._lock:
+            self._fold()
             self._counts.pop(handle, None)
 
     # -- reading ---------------------------------------------------------------------------
@@ -98,6 +117,7 @@ class UsageCounts:
         """(handle, device, calls, rows) of each (handle, device) given (live handles of
         one owner; a handle never called has zero counts), most called first."""
         with self._lock:
+            self._fold()
             out = []
             for h, device in handles:
                 c = self._counts.get(h)
@@ -109,6 +129,7 @@ class UsageCounts:
         """device -> the ``n`` largest (calls, rows) of its tensors, any owner, largest
         first (what the metrics expose: bounded, and no handle ids)."""
         with self._lock:
+            self._fold()
             by_device: dict[int, list[tuple[int, int]]] = {}
             for device, calls, rows in self._counts.values():
                 by_device.setdefault(device, []).append((calls, rows))
