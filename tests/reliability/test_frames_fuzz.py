@@ -1,0 +1,775 @@
+"""Property-based fuzzing of the socket data plane's frame parser (``proto/FRAMES.md``), as
+``test_fuzz.py`` fuzzes the gRPC surface: garbage before the HELLO, truncated frames, sizes
+far past the limits (refused before any buffer is allocated), wrong lengths, odd and
+duplicate request ids, unknown methods and frame types, CALL frames with random bodies for
+every data-plane method (with ``staged`` slices pointing anywhere), garbage after a valid
+HELLO or after a valid call. Every frame the worker sends back is a typed REPLY (or
+WELCOME); a broken frame closes only its own connection; after each example a fresh
+connection still gets Info and an exact matmul, and nothing resident changes. Also: an
+idle unauthenticated connection is closed after the HELLO timeout, and a client killed -9
+in the middle of a frame leaves the worker serving."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from _rel import TOKENS, serve, token_env
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_fuzz import FUZZ, Resident, message
+
+from coliworker.client import WorkerClient
+from coliworker.v1 import worker_pb2 as pb
+from coliworker.wire import calls, codec, frames, staging
+
+#: gRPC status values a frame may carry back (OK and the typed refusals).
+TYPED = {0, 3, 5, 7, 8, 9, 16}
+INVALID, EXHAUSTED = 3, 8
+MAX_FRAME = 16 << 20  # the fuzzed worker's --max-frame-bytes
+#: A worker that neither answers nor closes within this is hung (not a timing assertion:
+#: every answer here is expected at once).
+HANG_S = 20.0
+#: The shorter bound of the tests that expect a hang (xfail): ten times what is expected.
+ANSWER_S = 3.0
+SMALL = settings(FUZZ, max_examples=40)
+PER_METHOD = settings(FUZZ, max_examples=25)
+METHODS = sorted(calls.DATA_PLANE)
+MATMUL = calls.BY_KIND["matmul"].method
+INFO = calls.BY_KIND["info"].method
+
+
+# -- the worker ------------------------------------------------------------------------------
+
+
+class Failures(logging.Handler):
+    """The worker's logged errors (a connection thread that died of an exception it did
+    not expect logs "data connection failed")."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[str] = []
+        #: The known bug test_client_gone_mid_upload_is_not_an_internal_error pins: kept
+        #: apart so the fuzz tests still catch every other logged error.
+        self.upload_closed: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, frames.Closed) and record.getMessage().startswith(
+            ("internal error in upload", "internal error in update")
+        ):
+            self.upload_closed.append(record.getMessage())
+        else:
+            self.records.append(self.format(record))
+
+
+class Plane:
+    """The fuzzed worker, its resident state and the answers it must keep giving."""
+
+    def __init__(self) -> None:
+        self.failures = Failures()
+        logging.getLogger("coliworker").addHandler(self.failures)
+        self.srv = serve(
+            max_message_bytes=4 << 20, memory_limit=256 << 20, max_frame_bytes=MAX_FRAME
+        )
+        self.w = WorkerClient(self.srv.address, timeout=30, progress=False)
+        self.resident = Resident(self.w)
+        self.port = self.srv.data.port
+        self.want = self.w.matmul(self.resident.h, self.resident.x)  # unary: bit-exact
+        self.instance = self.w.info().instance_id
+        self.budget = dict(self.srv.servicer.budget.used)
+
+    def check(self) -> None:
+        """Nothing resident changed and no device budget is still held by a refused or
+        abandoned upload."""
+        self.resident.check(self.w)
+        assert self.srv.servicer.budget.used == self.budget
+
+    def connect(self) -> socket.socket:
+        s = socket.create_connection(("127.0.0.1", self.port), HANG_S)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.settimeout(HANG_S)
+        return s
+
+    def hello(self) -> socket.socket:
+        """A connection past a valid HELLO (WELCOME OK read)."""
+        s = self.connect()
+        s.sendall(hello_frame())
+        head, body, _ = read_frame(s)
+        assert head.type == frames.WELCOME and head.status == 0, body
+        return s
+
+    def healthy(self) -> None:
+        """A fresh connection gets Info and an exact matmul; no connection thread died of
+        an exception."""
+        assert not self.failures.records, self.failures.records
+        s = self.hello()
+        try:
+            s.sendall(call_bytes(INFO, 1, pb.InfoRequest()) + matmul_bytes(self, 2))
+            got = {}
+            for _ in range(2):
+                head, body, data = read_frame(s)
+                assert head.type == frames.REPLY and head.status == 0, body
+                got[head.request_id] = (head, body, data)
+            info = pb.InfoResponse.FromString(got[1][1])
+            assert info.instance_id == self.instance
+            np.testing.assert_array_equal(decode_matmul(got[2][1], got[2][2]), self.want)
+        finally:
+            s.close()
+
+    def connections_drain(self, base: int) -> None:
+        """Connections whose clients went away are released (bounded wait, not timing)."""
+        end = time.monotonic() + HANG_S
+        while self.srv.data.connections() > base and time.monotonic() < end:
+            time.sleep(0.02)
+        assert self.srv.data.connections() <= base, "a closed connection is still served"
+
+    def close(self) -> None:
+        logging.getLogger("coliworker").removeHandler(self.failures)
+        self.w.close()
+        self.srv.stop(grace=None)
+
+
+@pytest.fixture(scope="module")
+def plane():
+    p = Plane()
+    yield p
+    p.check()
+    p.close()
+
+
+# -- frames ----------------------------------------------------------------------------------
+
+
+def hello_frame(**fields: Any) -> bytes:
+    body = pb.DataHello(version=1, **fields).SerializeToString()
+    return b"".join(bytes(b) for b in frames.frame(frames.HELLO, 0, 0, body))
+
+
+def call_bytes(method: int, rid: int, request, data: bytes = b"") -> bytes:
+    body = request.SerializeToString()
+    return frames.pack(frames.CALL, method, rid, 0, len(body), len(data)) + body + data
+
+
+def matmul_parts(p: Plane) -> tuple[bytes, bytes]:
+    side: list = []
+    req = pb.MatmulRequest(
+        handle=p.resident.h.handle, x=codec.encode(p.resident.x, pb.DTYPE_FLOAT32, side)
+    )
+    pieces, _ = frames.place(req, side)
+    data = b"".join(bytes(x) for x in pieces)
+    return req.SerializeToString(), data
+
+
+def matmul_bytes(p: Plane, rid: int) -> bytes:
+    body, data = matmul_parts(p)
+    return frames.pack(frames.CALL, MATMUL, rid, 0, len(body), len(data)) + body + data
+
+
+def decode_matmul(body: bytes, data: bytes) -> np.ndarray:
+    mm = pb.MatmulResponse.FromString(body)
+    return codec.decode(mm.y, "y", source=lambda a: data[a.staged.offset :][: a.staged.length])
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes | None:
+    """n bytes, or None if the worker closed (or reset) the connection first; a worker that
+    neither answers nor closes within HANG_S fails the test."""
+    out = bytearray()
+    while len(out) < n:
+        try:
+            k = s.recv(n - len(out))
+        except ConnectionResetError:
+            return None
+        except TimeoutError:
+            pytest.fail(f"the worker neither answered nor closed within {HANG_S} s (hung)")
+        if not k:
+            return None
+        out += k
+    return bytes(out)
+
+
+def read_frame(s: socket.socket) -> tuple[frames.Header, bytes, bytes]:
+    raw = recv_exact(s, frames.HEADER_BYTES)
+    assert raw is not None, "the worker closed the connection without an answer"
+    head = frames.parse(raw)
+    body = recv_exact(s, head.body_bytes)
+    data = recv_exact(s, head.data_bytes)
+    assert body is not None and data is not None, "the worker closed mid-frame"
+    return head, body, data
+
+
+def send(s: socket.socket, blob: bytes) -> None:
+    """Send what the worker takes (it may close early on a broken frame), then half-close
+    so it sees the end of the stream."""
+    try:
+        s.sendall(blob)
+        s.shutdown(socket.SHUT_WR)
+    except OSError:  # EPIPE, ECONNRESET, ENOTCONN: the worker closed first
+        pass
+
+
+def drain(s: socket.socket) -> list[tuple[frames.Header, bytes, bytes]]:
+    """Every frame the worker sends until it closes; each must be well formed and typed."""
+    out = []
+    while True:
+        raw = recv_exact(s, frames.HEADER_BYTES)
+        if raw is None:
+            return out
+        head = frames.parse(raw)  # a malformed answer raises here
+        assert head.type in (frames.WELCOME, frames.REPLY), head
+        assert head.status in TYPED, f"untyped status {head.status}"
+        if head.status:
+            assert head.data_bytes == 0, head
+        body = recv_exact(s, head.body_bytes)
+        data = recv_exact(s, head.data_bytes)
+        if body is None or data is None:
+            return out  # closed while answering: the connection ended
+        if head.status:
+            body.decode("utf-8")  # an error's body is its message
+        out.append((head, body, data))
+
+
+def exchange(p: Plane, blob: bytes, after_hello: bool = True) -> list:
+    s = p.hello() if after_hello else p.connect()
+    try:
+        send(s, blob)
+        return drain(s)
+    finally:
+        s.close()
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# -- garbage, truncation, sizes --------------------------------------------------------------
+
+
+def test_garbage_before_hello(plane):
+    @SMALL
+    @given(
+        st.one_of(
+            st.binary(max_size=256),
+            st.binary(max_size=64).map(lambda b: frames.MAGIC + b),
+            st.tuples(st.sampled_from([1, 2, 3, 4, 0, 5, 255]), st.binary(max_size=64)).map(
+                lambda t: frames.MAGIC + bytes([t[0]]) + t[1]
+            ),
+        ),
+        st.booleans(),
+    )
+    def fuzz(garbage, then_hello):
+        blob = garbage + (hello_frame() if then_hello else b"")
+        out = exchange(plane, blob, after_hello=False)
+        for i, (head, _, _) in enumerate(out):
+            if head.status:  # the answer naming the problem is the connection's last
+                assert i == len(out) - 1 and head.status in (INVALID, EXHAUSTED, 16)
+        plane.healthy()
+
+    fuzz()
+    plane.check()
+
+
+def test_truncated_frames(plane):
+    """A HELLO, or a CALL after a valid HELLO, cut at any byte; or whole but with its body or
+    data shorter than declared; then the connection is closed."""
+    body, data = matmul_parts(plane)
+    whole = matmul_bytes(plane, 7)
+    hello = hello_frame()
+
+    @SMALL
+    @given(
+        st.sampled_from(["hello", "call", "short_body", "short_data", "upload"]),
+        st.integers(0, 1 << 16),
+        st.integers(1, 1 << 20),
+    )
+    def fuzz(kind, cut, extra):
+        if kind == "hello":
+            exchange(plane, hello[: cut % len(hello)], after_hello=False)
+        elif kind == "call":
+            out = exchange(plane, whole[: cut % len(whole)])
+            assert out == []  # nothing answered: the call never arrived whole
+        elif kind == "short_body":  # body_bytes says more than comes
+            head = frames.pack(frames.CALL, MATMUL, 7, 0, len(body) + 1 + extra % 4096, len(data))
+            assert exchange(plane, head + body + data) == []
+        elif kind == "short_data":  # data_bytes says more than comes
+            head = frames.pack(frames.CALL, MATMUL, 7, 0, len(body), len(data) + extra)
+            assert exchange(plane, head + body + data[: cut % (len(data) + 1)]) == []
+        else:  # an upload frame whose data stops early
+            up = upload_header(extra)
+            hb = up.SerializeToString()
+            method = calls.BY_KIND["upload"].method
+            head = frames.pack(frames.CALL, method, 7, 0, len(hb), up.weight_bytes)
+            exchange(plane, head + hb + os.urandom(cut % up.weight_bytes))
+        plane.healthy()
+
+    fuzz()
+    plane.check()
+
+
+def upload_header(n: int, fmt: int = 0) -> pb.UploadHeader:
+    """A well-formed fp32 header of about n weight bytes (n rounded down to rows of 4x4)."""
+    rows = max(1, n // 16)
+    return pb.UploadHeader(
+        spec=pb.TensorSpec(fmt=fmt, in_features=4, out_features=rows),
+        content_hash=bytes(32),
+        weight_bytes=rows * 16,
+    )
+
+
+@pytest.mark.parametrize(
+    "body_bytes, data_bytes, text",
+    [
+        (frames.MAX_BODY_BYTES + 1, 0, "body_bytes"),
+        (2**32 - 1, 0, "body_bytes"),
+        (10, 1 << 40, "max-frame-bytes"),  # 1 TB of data
+        (10, 2**64 - 1, "max-frame-bytes"),
+        (10, MAX_FRAME, "max-frame-bytes"),  # body + data one past the limit
+        (frames.MAX_BODY_BYTES, MAX_FRAME, "max-frame-bytes"),
+    ],
+)
+def test_oversized_frames_refused_before_allocation(plane, body_bytes, data_bytes, text):
+    before = rss()
+    s = plane.hello()
+    try:
+        s.sendall(frames.pack(frames.CALL, MATMUL, 11, 0, body_bytes, data_bytes))
+        head, body, _ = read_frame(s)  # answered at once: nothing more is sent
+        assert head.type == frames.REPLY and head.status == EXHAUSTED, body
+        assert head.request_id == 11 and text in body.decode()
+        assert recv_exact(s, 1) is None  # then that connection (only) is closed
+    finally:
+        s.close()
+    assert rss() - before < 64 << 20, "a refused size was allocated"
+    plane.healthy()
+
+
+def test_oversized_hello_refused_before_allocation(plane):
+    before = rss()
+    for body_bytes in (frames.MAX_HELLO_BYTES + 1, frames.MAX_BODY_BYTES, 2**32 - 1):
+        s = plane.connect()
+        try:
+            s.sendall(frames.pack(frames.HELLO, 0, 0, 0, body_bytes, 0))
+            head, _, _ = read_frame(s)
+            assert head.status in (INVALID, EXHAUSTED)
+            assert recv_exact(s, 1) is None
+        finally:
+            s.close()
+    s = plane.connect()
+    try:  # a HELLO with data
+        s.sendall(frames.pack(frames.HELLO, 0, 0, 0, 0, 1 << 40))
+        head, _, _ = read_frame(s)
+        assert head.type == frames.WELCOME and head.status == INVALID
+    finally:
+        s.close()
+    assert rss() - before < 64 << 20
+    plane.healthy()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="dataplane._upload discards the whole declared data (io.discard) before it sends "
+    "the refusal: an Upload whose header is refused at once (1 TB tensor over "
+    "--memory-limit) gets no REPLY until the client has sent all its data_bytes; "
+    "FRAMES.md 6 says it is answered as soon as it is refused",
+)
+@pytest.mark.parametrize("mismatch", [False, True], ids=["too_big", "data_bytes_mismatch"])
+def test_refused_upload_is_answered_at_once(plane, mismatch):
+    """An Upload frame declaring 1 TB of data whose header the worker refuses: the REPLY
+    comes before the data (which the client then need not send)."""
+    before = rss()
+    header = pb.UploadHeader(
+        spec=pb.TensorSpec(fmt=0, in_features=1 << 18, out_features=1 << 20),
+        content_hash=bytes(32),
+        weight_bytes=1 << 40,
+    )
+    total = (1 << 40) + (1 if mismatch else 0)
+    hb = header.SerializeToString()
+    s = plane.hello()
+    s.settimeout(ANSWER_S)  # answered at once: no REPLY within ANSWER_S is none at all
+    try:
+        s.sendall(frames.pack(frames.CALL, calls.BY_KIND["upload"].method, 12, 0, len(hb), total))
+        s.sendall(hb)
+        try:
+            raw = s.recv(frames.HEADER_BYTES, socket.MSG_WAITALL)
+        except TimeoutError:
+            raw = b""
+        assert len(raw) == frames.HEADER_BYTES, "no REPLY to a refused upload"
+        head = frames.parse(raw)
+        assert head.request_id == 12 and head.status in (INVALID, EXHAUSTED)
+    finally:
+        s.close()
+    assert rss() - before < 64 << 20
+    plane.healthy()
+
+
+# -- wrong lengths, request ids, methods, frame types ----------------------------------------
+
+
+def test_wrong_lengths(plane):
+    """body_bytes / data_bytes smaller or larger than what follows (the bytes a wrong length
+    leaves over are read as the next frame), then a valid Info."""
+    body, data = matmul_parts(plane)
+
+    @SMALL
+    @given(st.integers(-len(body), 64), st.integers(-len(data), 256), st.booleans())
+    def fuzz(db, dd, pad):
+        nb, nd = len(body) + db, len(data) + dd
+        tail = os.urandom(max(0, db) + max(0, dd)) if pad else b""
+        blob = frames.pack(frames.CALL, MATMUL, 3, 0, nb, nd) + body + data + tail
+        blob += call_bytes(INFO, 4, pb.InfoRequest())
+        out = exchange(plane, blob)
+        if db == 0 and dd == 0:
+            assert [h.request_id for h, _, _ in out] == [3, 4]
+            np.testing.assert_array_equal(decode_matmul(out[0][1], out[0][2]), plane.want)
+        for head, _, _ in out:
+            assert head.request_id in (0, 3, 4)
+        plane.healthy()
+
+    fuzz()
+    plane.check()
+
+
+def test_request_ids_any_and_duplicate(plane):
+    """Pipelined calls with request ids drawn from a few values (0, 2^64-1, repeats): each
+    call gets one REPLY carrying its id, and the matmuls are exact."""
+    ids = st.sampled_from([0, 1, 1, 2**63, 2**64 - 1, 42])
+
+    @SMALL
+    @given(st.lists(st.tuples(ids, st.booleans()), min_size=1, max_size=8))
+    def fuzz(plan):
+        blob = b"".join(
+            matmul_bytes(plane, rid) if mm else call_bytes(INFO, rid, pb.InfoRequest())
+            for rid, mm in plan
+        )
+        out = exchange(plane, blob)
+        assert sorted(h.request_id for h, _, _ in out) == sorted(r for r, _ in plan)
+        assert all(h.status == 0 for h, _, _ in out)
+        for head, body, data in out:
+            if head.method == MATMUL:
+                np.testing.assert_array_equal(decode_matmul(body, data), plane.want)
+            else:
+                assert head.method == INFO
+        plane.healthy()
+
+    fuzz()
+    plane.check()
+
+
+def test_unknown_methods_and_bad_headers(plane):
+    """A CALL naming no data-plane method, a frame of another type or with flags or status
+    set: one INVALID_ARGUMENT REPLY with the request id as read, and that connection ends."""
+    not_methods = st.integers(0, 65535).filter(lambda m: m not in calls.DATA_PLANE)
+
+    @SMALL
+    @given(
+        st.one_of(
+            st.tuples(st.just("method"), not_methods),
+            st.tuples(st.just("type"), st.sampled_from([0, 1, 2, 4, 5, 99, 255])),
+            st.tuples(st.just("flags"), st.integers(1, 255)),
+            st.tuples(st.just("status"), st.integers(1, 2**32 - 1)),
+        ),
+        st.integers(0, 2**64 - 1),
+        st.binary(max_size=32),
+    )
+    def fuzz(bad, rid, body):
+        what, v = bad
+        method, type_, flags, status = INFO, frames.CALL, 0, 0
+        if what == "method":
+            method = v
+        elif what == "type":
+            type_ = v
+        elif what == "flags":
+            flags = v
+        else:
+            status = v
+        head = frames.HEADER.pack(frames.MAGIC, type_, flags, method, rid, status, len(body), 0)
+        out = exchange(plane, head + body + call_bytes(INFO, 5, pb.InfoRequest()))
+        assert len(out) == 1, out
+        head, msg, _ = out[0]
+        assert head.status == INVALID and head.request_id == rid
+        assert msg.decode().startswith("frame.")
+        plane.healthy()
+
+    fuzz()
+    plane.check()
+
+
+# -- random bodies for every data-plane method -----------------------------------------------
+
+
+@st.composite
+def staged_request(draw, call: calls.Call, handles: list[int]):
+    """A random request of ``call`` and the frame data after it: arrays sometimes moved
+    out of the message to ``staged`` slices inside, at the edge of, or past the data."""
+    req = draw(message(call.request.DESCRIPTOR, handles))
+    n = draw(st.sampled_from([0, 4, 64, 200, 1024, 4096]))
+    data = draw(st.binary(min_size=n, max_size=n)) if n <= 64 else os.urandom(n)
+    if call.streams_data:
+        if draw(st.booleans()):  # make the header's sizes agree with the data
+            req.weight_bytes, req.scale_bytes = n, 0
+        return req, data
+    mode = draw(st.sampled_from(["as drawn", "inside", "anywhere", "inline"]))
+    for a in staging.iter_arrays(req):
+        if mode == "as drawn":
+            continue
+        if mode == "inline":
+            a.ClearField("staged")
+            a.ClearField("shm")
+            continue
+        a.ClearField("data")
+        a.ClearField("shm")
+        if mode == "inside" and n:
+            off = draw(st.integers(0, n))
+            length = draw(st.integers(0, n - off))
+        else:
+            off = draw(st.sampled_from([0, n, n + 1, 2**32, 2**63, 2**64 - 1]))
+            length = draw(st.sampled_from([0, 1, n, 2**32, 2**64 - 1 - off]))
+        a.staged.offset, a.staged.length = off, length
+    return req, data
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: calls.BY_METHOD[m].name)
+def test_random_bodies_get_typed_replies(plane, method):
+    call = calls.BY_METHOD[method]
+    # Free/Update/FreeSequence with a resident handle would legitimately change state.
+    destructive = call.name in ("Free", "Update", "FreeSequence")
+    handles = [] if destructive else plane.resident.handles
+
+    @PER_METHOD
+    @given(staged_request(call, handles), st.integers(0, 2**64 - 1))
+    def fuzz(drawn, rid):
+        req, data = drawn
+        blob = call_bytes(method, rid, req, data) + call_bytes(INFO, 2, pb.InfoRequest())
+        out = exchange(plane, blob)
+        # the format is intact: the call gets its REPLY and the connection goes on
+        assert [(h.request_id, h.method) for h, _, _ in out] == [(rid, method), (2, INFO)]
+        assert out[1][0].status == 0
+        plane.healthy()
+
+    fuzz()
+    plane.check()
+
+
+def test_random_garbage_bodies_get_typed_replies(plane):
+    """Bodies of random bytes (mostly not a valid message) for every method."""
+
+    @SMALL
+    @given(st.sampled_from(METHODS), st.binary(max_size=256), st.binary(max_size=128))
+    def fuzz(method, body, data):
+        if calls.BY_METHOD[method].name in ("Free", "Update", "FreeSequence"):
+            return  # a random body could name nothing resident anyway; keep it simple
+        blob = frames.pack(frames.CALL, method, 9, 0, len(body), len(data)) + body + data
+        out = exchange(plane, blob + call_bytes(INFO, 2, pb.InfoRequest()))
+        assert [(h.request_id, h.method) for h, _, _ in out] == [(9, method), (2, INFO)]
+        plane.healthy()
+
+    fuzz()
+    plane.check()
+
+
+def test_garbage_after_a_valid_hello(plane):
+    @SMALL
+    @given(
+        st.one_of(
+            st.binary(min_size=1, max_size=512),
+            st.binary(max_size=64).map(lambda b: frames.MAGIC + b),
+            st.binary(max_size=24).map(lambda b: frames.MAGIC + bytes([frames.CALL, 0]) + b),
+        )
+    )
+    def fuzz(garbage):
+        exchange(plane, garbage)  # every answer typed (drain), then closed
+        plane.healthy()
+
+    fuzz()
+    plane.check()
+
+
+def test_random_bytes_after_a_valid_call(plane):
+    @SMALL
+    @given(st.binary(min_size=1, max_size=512))
+    def fuzz(garbage):
+        out = exchange(plane, matmul_bytes(plane, 1) + garbage)
+        assert out, "the valid call got no REPLY"
+        head, body, data = out[0]
+        assert head.request_id == 1 and head.status == 0
+        np.testing.assert_array_equal(decode_matmul(body, data), plane.want)
+        plane.healthy()
+
+    fuzz()
+    plane.check()
+
+
+# -- idle and killed clients -----------------------------------------------------------------
+
+
+@pytest.fixture
+def secured(monkeypatch):
+    """A worker with tokens and a short HELLO timeout."""
+    monkeypatch.setattr(frames, "HELLO_TIMEOUT_S", 0.3)
+    srv = serve(tokens=token_env())
+    yield srv
+    srv.stop(grace=None)
+
+
+def closed_by_worker(s: socket.socket) -> bool:
+    s.settimeout(HANG_S)
+    try:
+        while True:
+            k = s.recv(4096)
+            if not k:
+                return True
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_idle_unauthenticated_connection_is_closed(secured):
+    base = secured.data.connections()
+    before = rss()
+    socks = [socket.create_connection(("127.0.0.1", secured.data.port), HANG_S) for _ in range(16)]
+    try:
+        for s in socks:
+            assert closed_by_worker(s), "an idle connection outlived the HELLO timeout"
+    finally:
+        for s in socks:
+            s.close()
+    end = time.monotonic() + HANG_S
+    while secured.data.connections() > base and time.monotonic() < end:
+        time.sleep(0.02)
+    assert secured.data.connections() == base
+    assert rss() - before < 16 << 20  # 16 idle connections: a small buffer each
+    with WorkerClient(secured.address, token=TOKENS["alice"]) as w:
+        with w.session(transport="socket") as s:
+            assert s.transport == "socket"
+            x = np.ones((1, 4), np.float32)
+            t = w.upload(np.eye(4, dtype=np.float32), None, fmt=0, in_features=4, out_features=4)
+            np.testing.assert_array_equal(s.matmul_sync(t, x), x)
+
+
+@pytest.mark.parametrize(
+    "partial",
+    [
+        pytest.param(
+            "header",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="dataplane._handshake: FrameSocket.recv_exact applies the HELLO "
+                "deadline only until the first byte; a connection that sends 10 bytes of a "
+                "HELLO header and then nothing is never closed (FRAMES.md 2: closed when no "
+                "complete HELLO within 5 s), holding a thread and a connection slot",
+            ),
+        ),
+        pytest.param(
+            "body",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="dataplane._handshake: recv_bytes(body, deadline) applies the HELLO "
+                "deadline only until the first body byte; a HELLO header declaring 100 body "
+                "bytes followed by 10 of them is never closed (FRAMES.md 2)",
+            ),
+        ),
+    ],
+)
+def test_partial_hello_is_closed_after_the_timeout(secured, partial):
+    hello = hello_frame(token=TOKENS["alice"])
+    if partial == "header":
+        blob = hello[:10]
+    else:
+        body = pb.DataHello(version=1, token="x" * 90).SerializeToString()
+        blob = frames.pack(frames.HELLO, 0, 0, 0, len(body), 0) + body[:10]
+    s = socket.create_connection(("127.0.0.1", secured.data.port), HANG_S)
+    try:
+        s.sendall(blob)
+        s.settimeout(ANSWER_S)  # 10x the patched HELLO timeout: a hang, not slowness
+        try:
+            k = s.recv(4096)
+            closed = not k or k[:4] == frames.MAGIC
+        except ConnectionResetError:
+            closed = True
+        except TimeoutError:
+            closed = False
+        assert closed, "a partial HELLO held its connection past the HELLO timeout"
+    finally:
+        s.close()
+
+
+KILLED_CLIENT = textwrap.dedent(
+    """
+    import socket, sys
+    from coliworker.v1 import worker_pb2 as pb
+    from coliworker.wire import frames, calls
+    port, handle = int(sys.argv[1]), int(sys.argv[2])
+    s = socket.create_connection(("127.0.0.1", port))
+    hello = pb.DataHello(version=1).SerializeToString()
+    s.sendall(frames.pack(frames.HELLO, 0, 0, 0, len(hello), 0) + hello)
+    head = s.recv(frames.HEADER_BYTES, socket.MSG_WAITALL)
+    assert frames.parse(head).status == 0
+    s.recv(frames.parse(head).body_bytes, socket.MSG_WAITALL)
+    n = 10 << 20
+    x = pb.Array(dtype=pb.DTYPE_FLOAT32, shape=[n // 64, 16], staged=pb.Slice(length=n))
+    body = pb.MatmulRequest(handle=handle, x=x).SerializeToString()
+    head = frames.pack(frames.CALL, calls.BY_KIND["matmul"].method, 1, 0, len(body), n)
+    s.sendall(head + body + bytes(n // 2))  # half of the frame's data
+    print("sent", flush=True)
+    sys.stdin.read()  # until killed
+    """
+)
+
+
+def test_client_killed_mid_frame(plane):
+    base = plane.srv.data.connections()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_CLIENT, str(plane.port), str(plane.resident.h.handle)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "sent"
+        plane.healthy()  # serving while that frame hangs half sent
+        proc.kill()
+        proc.wait(HANG_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(HANG_S)
+        proc.stdin.close()
+        proc.stdout.close()
+    plane.connections_drain(base)
+    plane.healthy()
+    plane.check()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="dispatch.status_of: a client that closes in the middle of an Upload frame's data "
+    "(header accepted, the pipeline reading the bytes) raises frames.Closed inside the "
+    "upload handler, which the worker logs as 'internal error in upload' at ERROR with a "
+    "traceback and counts as INTERNAL (session_requests / compute_errors, transport "
+    "socket): a client disconnect, not a worker fault",
+)
+def test_client_gone_mid_upload_is_not_an_internal_error(plane):
+    base = plane.srv.data.connections()
+    plane.failures.upload_closed.clear()
+    header = upload_header(1 << 20)  # 1 MiB, accepted at the header
+    hb = header.SerializeToString()
+    method = calls.BY_KIND["upload"].method
+    s = plane.hello()
+    try:
+        s.sendall(frames.pack(frames.CALL, method, 1, 0, len(hb), header.weight_bytes) + hb)
+        s.sendall(bytes(header.weight_bytes // 2))
+    finally:
+        s.close()
+    plane.connections_drain(base)
+    plane.healthy()
+    plane.check()  # nothing stored, no budget held
+    assert plane.failures.upload_closed == [], plane.failures.upload_closed[0]
