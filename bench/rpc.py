@@ -157,6 +157,8 @@ def serve(args: argparse.Namespace) -> None:
         max_message_bytes=64 << 20,
         memory_limit=0,
         data_port=0,
+        workers=32,  # six sessions of one owner at once, each holding a stream's thread
+        max_sessions_per_owner=16,
     )
     srv = build_server(cfg)
     srv.server.add_generic_rpc_handlers((_echo_handlers(),))
