@@ -47,6 +47,8 @@ _EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 #: Pieces of an upload's data handed to the upload pipeline at a time.
 UPLOAD_PIECE = 1 << 20
+#: The rest of a refused upload's data read and dropped at most; beyond, the connection ends.
+DRAIN_BYTES = 256 << 20
 
 
 def tls_context(config: Config) -> ssl.SSLContext | None:
@@ -235,7 +237,7 @@ class _Connection:
                 return False
             self.sock = tls
             self.io = frames.FrameSocket(tls, self.plane.config.data_spin_us)
-        head = self.io.recv_header(deadline)
+        head = self.io.recv_header(deadline, hard=True)
         if head.type != frames.HELLO or head.data_bytes or head.body_bytes > frames.MAX_HELLO_BYTES:
             self._welcome_error(
                 _INVALID,
@@ -244,7 +246,7 @@ class _Connection:
                 f"{head.body_bytes} body and {head.data_bytes} data bytes",
             )
             return False
-        body = self.io.recv_bytes(head.body_bytes, deadline)
+        body = self.io.recv_bytes(head.body_bytes, deadline, hard=True)
         try:
             hello = pb.DataHello.FromString(bytes(body))
         except DecodeError:
@@ -377,7 +379,6 @@ class _Connection:
         total = head.data_bytes
         expected = header.weight_bytes + header.scale_bytes
         if total != expected:
-            self.io.discard(total)
             self._refused(
                 call,
                 head.request_id,
@@ -386,14 +387,23 @@ class _Connection:
                 f"scale_bytes), got {total}",
                 t0,
             )
+            self._drop(total)
             return
-        state = {"read": 0}
+        state = {"read": 0, "closed": False}
         pieces = self._pieces(total, state)
         out = self.dispatch.run(call, header, self.owner, data=pieces, transport="socket")
-        rest = total - state["read"]
+        if state["closed"]:
+            raise frames.Closed(partial=True)  # the client went away mid-data: nobody to answer
+        self._reply(call, head.request_id, out, [])  # a refusal is answered at once
+        self._drop(total - state["read"])
+
+    def _drop(self, rest: int) -> None:
+        """Read past the rest of a refused upload's data, so the connection stays in step;
+        more than DRAIN_BYTES ends the connection instead (the reply has gone out)."""
+        if rest > DRAIN_BYTES:
+            raise frames.Closed()
         if rest:
             self.io.discard(rest)
-        self._reply(call, head.request_id, out, [])
 
     def _pieces(self, total: int, state: dict) -> Iterator[memoryview]:
         """The upload's data, UPLOAD_PIECE bytes at a time, read from the socket into one
@@ -402,7 +412,11 @@ class _Connection:
         view = memoryview(buf)
         while state["read"] < total:
             k = min(len(buf), total - state["read"])
-            self.io.recv_exact(view[:k], first=False)
+            try:
+                self.io.recv_exact(view[:k], first=False)
+            except frames.Closed:
+                state["closed"] = True
+                raise
             state["read"] += k
             yield view[:k]
 

@@ -24,6 +24,7 @@ import grpc
 from coliworker.server.errors import WorkerError
 from coliworker.wire.calls import Call
 from coliworker.wire.codec import INLINE, ArrayIO, CodecError
+from coliworker.wire.frames import Closed
 from coliworker.wire.shm import ShmError
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ def status_of(exc: BaseException, op: str) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, ShmError):
         return _SHM_STATUS.get(exc.kind, grpc.StatusCode.CANCELLED), exc.message
+    if isinstance(exc, Closed):  # the client went away while its call read its data
+        return grpc.StatusCode.CANCELLED, f"{op}: the connection closed during the call"
     tag = uuid.uuid4().hex[:12]
     log.error("internal error in %s (request %s)", op, tag, exc_info=exc)
     return (

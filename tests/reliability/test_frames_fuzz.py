@@ -38,7 +38,7 @@ MAX_FRAME = 16 << 20  # the fuzzed worker's --max-frame-bytes
 #: A worker that neither answers nor closes within this is hung (not a timing assertion:
 #: every answer here is expected at once).
 HANG_S = 20.0
-#: The shorter bound of the tests that expect a hang (xfail): ten times what is expected.
+#: The shorter bound where an answer is due at once (a refused upload, a timed-out HELLO).
 ANSWER_S = 3.0
 SMALL = settings(FUZZ, max_examples=40)
 PER_METHOD = settings(FUZZ, max_examples=25)
@@ -373,13 +373,6 @@ def test_oversized_hello_refused_before_allocation(plane):
     plane.healthy()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dataplane._upload discards the whole declared data (io.discard) before it sends "
-    "the refusal: an Upload whose header is refused at once (1 TB tensor over "
-    "--memory-limit) gets no REPLY until the client has sent all its data_bytes; "
-    "FRAMES.md 6 says it is answered as soon as it is refused",
-)
 @pytest.mark.parametrize("mismatch", [False, True], ids=["too_big", "data_bytes_mismatch"])
 def test_refused_upload_is_answered_at_once(plane, mismatch):
     """An Upload frame declaring 1 TB of data whose header the worker refuses: the REPLY
@@ -658,25 +651,8 @@ def test_idle_unauthenticated_connection_is_closed(secured):
 @pytest.mark.parametrize(
     "partial",
     [
-        pytest.param(
-            "header",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="dataplane._handshake: FrameSocket.recv_exact applies the HELLO "
-                "deadline only until the first byte; a connection that sends 10 bytes of a "
-                "HELLO header and then nothing is never closed (FRAMES.md 2: closed when no "
-                "complete HELLO within 5 s), holding a thread and a connection slot",
-            ),
-        ),
-        pytest.param(
-            "body",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="dataplane._handshake: recv_bytes(body, deadline) applies the HELLO "
-                "deadline only until the first body byte; a HELLO header declaring 100 body "
-                "bytes followed by 10 of them is never closed (FRAMES.md 2)",
-            ),
-        ),
+        "header",
+        "body",
     ],
 )
 def test_partial_hello_is_closed_after_the_timeout(secured, partial):
@@ -749,14 +725,6 @@ def test_client_killed_mid_frame(plane):
     plane.check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="dispatch.status_of: a client that closes in the middle of an Upload frame's data "
-    "(header accepted, the pipeline reading the bytes) raises frames.Closed inside the "
-    "upload handler, which the worker logs as 'internal error in upload' at ERROR with a "
-    "traceback and counts as INTERNAL (session_requests / compute_errors, transport "
-    "socket): a client disconnect, not a worker fault",
-)
 def test_client_gone_mid_upload_is_not_an_internal_error(plane):
     base = plane.srv.data.connections()
     plane.failures.upload_closed.clear()

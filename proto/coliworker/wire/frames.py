@@ -168,11 +168,16 @@ class FrameSocket:
             raise TimeoutError("no data before the deadline")
 
     def recv_exact(
-        self, view: memoryview, deadline: float | None = None, first: bool = True
+        self,
+        view: memoryview,
+        deadline: float | None = None,
+        first: bool = True,
+        hard: bool = False,
     ) -> None:
         """Fill ``view`` completely. Raises Closed (``partial`` unless nothing of a frame
         was read: ``first`` and no byte yet), TimeoutError past ``deadline`` while no byte
-        has come (once a frame has begun, the rest is waited for)."""
+        has come (once a frame has begun the rest is waited for, unless ``hard``: a HELLO
+        must be complete by its deadline)."""
         got, n = 0, len(view)
         spin_end = 0
         while got < n:
@@ -185,7 +190,7 @@ class FrameSocket:
                 if now < spin_end:
                     os.sched_yield()
                     continue
-                self._wait(select.POLLIN, deadline if got == 0 else None)
+                self._wait(select.POLLIN, deadline if got == 0 or hard else None)
                 spin_end = time.perf_counter_ns() + self.spin_ns
                 continue
             except ssl.SSLWantWriteError:
@@ -197,14 +202,14 @@ class FrameSocket:
                 raise Closed(partial=not (first and got == 0))
             got += k
 
-    def recv_header(self, deadline: float | None = None) -> Header:
-        self.recv_exact(memoryview(self._head), deadline, first=True)
+    def recv_header(self, deadline: float | None = None, hard: bool = False) -> Header:
+        self.recv_exact(memoryview(self._head), deadline, first=True, hard=hard)
         return parse(self._head)
 
-    def recv_bytes(self, n: int, deadline: float | None = None) -> bytearray:
+    def recv_bytes(self, n: int, deadline: float | None = None, hard: bool = False) -> bytearray:
         buf = bytearray(n)
         if n:
-            self.recv_exact(memoryview(buf), deadline, first=False)
+            self.recv_exact(memoryview(buf), deadline, first=False, hard=hard)
         return buf
 
     def recv_rest(self, head: Header) -> tuple[memoryview, np.ndarray]:
