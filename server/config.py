@@ -241,7 +241,7 @@ SETTINGS: tuple[Setting, ...] = (
         "--max-pending-tickets",
         "COLIWORKER_MAX_PENDING_TICKETS",
         int,
-        "async expert-group tickets outstanding at once (default 64)",
+        "async expert-group tickets one owner may hold outstanding at once (default 64)",
     ),
     Setting(
         "max_sequences_per_call",
