@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from coliworker.server.config import Config
@@ -45,8 +46,12 @@ _UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED.value[0]
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+_ISSUE = calls.BY_KIND["expert_group_issue"].method
 #: Pieces of an upload's data handed to the upload pipeline at a time.
 UPLOAD_PIECE = 1 << 20
+#: Frames from this size on are read into the connection's reused buffer (smaller ones into
+#: fresh memory: cheap, and never shared with a call still running).
+SCRATCH_FROM = 4 << 20
 #: The rest of a refused upload's data read and dropped at most; beyond, the connection ends.
 DRAIN_BYTES = 256 << 20
 
@@ -198,6 +203,18 @@ class _Connection:
         self.io: frames.FrameSocket = frames.FrameSocket(sock, plane.config.data_spin_us)
         self.owner = ""
         self.busy = False
+        self._big: np.ndarray | None = None  # the last large frame's buffer, reused
+
+    def _scratch(self, head: frames.Header) -> np.ndarray | None:
+        """A reused buffer for a large frame (its data is consumed before the reply:
+        the backends copy what they keep), or None for a fresh one."""
+        n = head.body_bytes + head.data_bytes + frames.ALIGN
+        if n < SCRATCH_FROM or head.method == _ISSUE:  # issued work outlives its frame
+            return None
+        if self._big is None or self._big.nbytes < n:
+            self._big = None
+            self._big = np.empty(n, np.uint8)
+        return self._big
 
     def run(self) -> None:
         try:
@@ -336,7 +353,7 @@ class _Connection:
         if call.streams_data:  # the data goes to the upload pipeline as it arrives
             body: Any = self.io.recv_bytes(head.body_bytes)
         else:
-            body, data = self.io.recv_rest(head)
+            body, data = self.io.recv_rest(head, self._scratch(head))
         try:
             request = call.request.FromString(body)
         except DecodeError:
