@@ -81,6 +81,7 @@ class DataPlane:
         self.unix_path = ""
         self._lock = threading.Lock()
         self._connections: set[_Connection] = set()
+        self._per_owner: dict[str, int] = {}  # authenticated connections by owner
         self._threads: list[threading.Thread] = []
         self._stopping = False
         port = config.data_bind_port
@@ -145,6 +146,25 @@ class DataPlane:
     def _gone(self, conn: _Connection) -> None:
         with self._lock:
             self._connections.discard(conn)
+            if conn.counted:
+                left = self._per_owner[conn.owner] - 1
+                if left:
+                    self._per_owner[conn.owner] = left
+                else:
+                    del self._per_owner[conn.owner]
+
+    def admit(self, conn: _Connection) -> int | None:
+        """Count an authenticated connection against its owner's share (half of
+        --max-data-connections, so no owner can take them all); None when admitted, else
+        the share."""
+        share = max(1, self.config.max_data_connections // 2)
+        with self._lock:
+            n = self._per_owner.get(conn.owner, 0)
+            if n >= share:
+                return share
+            self._per_owner[conn.owner] = n + 1
+            conn.counted = True
+        return None
 
     def stop(self, grace: float | None = None) -> None:
         """Stop accepting; idle connections close now, busy ones after their call (at most
@@ -203,6 +223,7 @@ class _Connection:
         self.io: frames.FrameSocket = frames.FrameSocket(sock, plane.config.data_spin_us)
         self.owner = ""
         self.busy = False
+        self.counted = False  # counted in its owner's share of the connections
         self._big: np.ndarray | None = None  # the last large frame's buffer, reused
 
     def _scratch(self, head: frames.Header) -> np.ndarray | None:
@@ -278,6 +299,14 @@ class _Connection:
         if owner is None:
             return False
         self.owner = owner
+        share = self.plane.admit(self)
+        if share is not None:
+            self._welcome_error(
+                _EXHAUSTED,
+                f"data plane: this owner has {share} connections open, its share of "
+                f"--max-data-connections {self.plane.config.max_data_connections}; close some",
+            )
+            return False
         c = self.plane.config
         welcome = pb.DataWelcome(
             version=frames.VERSION,

@@ -314,3 +314,32 @@ def test_off_means_no_data_plane(rng):
             assert w.session(transport="auto", shm_bytes=1 << 20).transport in ("shm", "grpc")
     finally:
         srv.stop(0)
+
+
+def test_one_owner_cannot_take_every_connection(rng):
+    """An owner gets at most half of --max-data-connections; another still connects."""
+    tokens = ",".join(f"{k}:{v}" for k, v in TOKENS.items())
+    srv = build_server(
+        Config(backend="numpy", port=0, metrics_port=None, tokens=tokens, max_data_connections=4)
+    ).start()
+    held = []
+    try:
+        for _ in range(2):
+            fs = _raw(srv)
+            held.append(fs)
+            assert _hello(fs, token=TOKENS["alice"]).status == 0
+        fs = _raw(srv)
+        held.append(fs)
+        head = frames.FrameSocket.recv_header  # the third of alice's is refused, typed
+        body = pb.DataHello(version=1, token=TOKENS["alice"]).SerializeToString()
+        fs.send(frames.frame(frames.HELLO, 0, 0, body))
+        h = head(fs)
+        assert h.status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert b"max-data-connections" in bytes(fs.recv_bytes(h.body_bytes))
+        bob = _raw(srv)
+        held.append(bob)
+        assert _hello(bob, token=TOKENS["bob"]).status == 0
+    finally:
+        for fs in held:
+            fs.close()
+        srv.stop(0)
