@@ -36,6 +36,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from coliworker.server.config import Config
+from coliworker.server.errors import WorkerError
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.wire import calls, frames, staging
 from coliworker.wire.codec import ArrayIO
@@ -47,11 +48,15 @@ _INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 _ISSUE = calls.BY_KIND["expert_group_issue"].method
+_UPLOADS = frozenset(c.method for c in calls.CALLS if c.streams_data)
 #: Pieces of an upload's data handed to the upload pipeline at a time.
 UPLOAD_PIECE = 1 << 20
 #: Frames from this size on are read into the connection's reused buffer (smaller ones into
 #: fresh memory: cheap, and never shared with a call still running).
 SCRATCH_FROM = 4 << 20
+#: Frames from this size on are admitted against the owner's --max-staged-bytes-per-owner
+#: (uploads are admitted by the upload path itself).
+STAGE_FROM = 1 << 20
 #: The rest of a refused upload's data read and dropped at most; beyond, the connection ends.
 DRAIN_BYTES = 256 << 20
 
@@ -352,9 +357,32 @@ class _Connection:
             head = self.io.recv_header()
             self.busy = True
             try:
-                self._frame(head, limit)
+                n = head.body_bytes + head.data_bytes
+                if STAGE_FROM <= n <= limit and head.method not in _UPLOADS:
+                    # a large frame is host memory this owner holds until its call is done
+                    if not self._admit(head, n):
+                        continue
+                    try:
+                        self._frame(head, limit)
+                    finally:
+                        self.servicer.owners.unstage(self.owner, n)
+                else:
+                    self._frame(head, limit)
             finally:
                 self.busy = False
+
+    def _admit(self, head: frames.Header, n: int) -> bool:
+        """Admit a large frame against the owner's staged host bytes; when refused, answer
+        RESOURCE_EXHAUSTED and read past the frame (False)."""
+        call = calls.BY_METHOD.get(head.method)
+        kind = call.kind if call is not None else "frame"
+        try:
+            self.servicer.owners.stage(self.owner, n, kind)
+        except WorkerError as exc:
+            self.io.send(frames.error_frame(head.method, head.request_id, _EXHAUSTED, exc.message))
+            self._drop(n)
+            return False
+        return True
 
     def _frame(self, head: frames.Header, limit: int) -> None:
         rid, method = head.request_id, head.method

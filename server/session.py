@@ -48,6 +48,7 @@ import grpc
 
 from coliworker.server.dispatch import STATUS_OF
 from coliworker.server.doorbell import Doorbell
+from coliworker.server.errors import WorkerError
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.wire import calls, staging
 from coliworker.wire.codec import ArrayIO
@@ -98,6 +99,7 @@ class _Job:
     source: Any = None  # staging.source of the request's outside arrays, if any
     done: bool = field(default=False)
     t0: float = 0.0  # perf_counter when the request was read (the session metrics' start)
+    staged: int = 0  # bytes of chunks staged for it, admitted against the owner
 
 
 class SessionStream:
@@ -116,7 +118,8 @@ class SessionStream:
         self.busy: dict[Any, collections.deque[_Job]] = {}
         self.slots = threading.Semaphore(MAX_IN_FLIGHT)
         self.staged: dict[int, bytearray] = {}
-        self.overflow: set[int] = set()  # request ids whose chunks exceeded the limit
+        # request ids whose chunks were refused (the call is answered with the reason)
+        self.overflow: dict[int, str] = {}
         self.segment: Segment | None = None
         self.doorbell: Doorbell | None = None
         self.requests: Iterator[pb.SessionRequest] = iter(())
@@ -193,6 +196,9 @@ class SessionStream:
             threads, self.threads = self.threads, []
         for _ in threads:
             self.pool.put(None)
+        staged, self.staged = self.staged, {}
+        for buf in staged.values():  # chunks of calls that never came
+            self._unstage(buf)
         if self.doorbell is not None:
             self.doorbell.close()
         if self.segment is not None:
@@ -234,18 +240,46 @@ class SessionStream:
         if kind == "chunk":
             if rid in self.overflow:
                 return
+            data = req.chunk  # each read of a bytes field copies it: read once
             buf = self.staged.get(rid)
+            why = None
+            if buf is None and len(self.staged) >= MAX_IN_FLIGHT:
+                why = f"session.chunk: {len(self.staged)} requests already stage chunks here"
+            elif len(buf or b"") + len(data) > MAX_STAGED_BYTES:
+                why = f"session.chunk: staged chunks exceed {MAX_STAGED_BYTES} bytes per request"
+            else:
+                try:  # every staged byte is admitted against the owner's host-memory share
+                    self.servicer.owners.stage(self.owner, len(data), "session.chunk")
+                except WorkerError as exc:
+                    why = exc.message
+            if why is not None:
+                self._unstage(self.staged.pop(rid, None))
+                self.overflow[rid] = why  # the call is answered with the reason
+                return
             if buf is None:
                 buf = self.staged[rid] = bytearray()
-            data = req.chunk  # each read of a bytes field copies it: read once
-            if len(buf) + len(data) > MAX_STAGED_BYTES:
-                del self.staged[rid]  # the call is answered with the error
-                self.overflow.add(rid)
-                return
             buf.extend(data)
             return
         t0 = time.perf_counter()
         staged = self.staged.pop(rid, None)
+        try:
+            self._accept_call(req, rid, kind, staged, t0)
+        except BaseException:
+            self._unstage(staged)
+            raise
+
+    def _unstage(self, staged: bytearray | None) -> None:
+        if staged:
+            self.servicer.owners.unstage(self.owner, len(staged))
+
+    def _accept_call(
+        self, req: pb.SessionRequest, rid: int, kind: str | None, staged: bytearray | None, t0
+    ) -> None:
+        """Accept one call (its staged chunks, if any, are admitted and given back when the
+        call is done or refused)."""
+        if staged is not None and kind not in calls.SESSION_KINDS:
+            self._unstage(staged)
+            staged = None
         if kind == "attach_shm":
             self.out.put([self._attach(rid, req.attach_shm)])
             return
@@ -257,8 +291,8 @@ class SessionStream:
             return
         call = getattr(req, kind)
         if rid in self.overflow:
-            self.overflow.discard(rid)
-            msg = f"{kind}: staged chunks exceed {MAX_STAGED_BYTES} bytes per request"
+            msg = f"{kind}: {self.overflow.pop(rid)}"
+            self._unstage(staged)
             self._refuse(rid, kind, grpc.StatusCode.RESOURCE_EXHAUSTED, msg, t0)
             return
         seg = self.segment
@@ -266,12 +300,13 @@ class SessionStream:
             external = staging.check(call, staged, seg.check if seg is not None else None, kind)
         except (ValueError, ShmError) as exc:
             msg = exc.message if isinstance(exc, ShmError) else str(exc)
+            self._unstage(staged)
             self._refuse(rid, kind, grpc.StatusCode.INVALID_ARGUMENT, msg, t0)
             return
         output = None
         if req.HasField("output_shm"):
             output = (req.output_shm.offset, req.output_shm.length)
-        job = _Job(rid, kind, call, output, t0=t0)
+        job = _Job(rid, kind, call, output, t0=t0, staged=len(staged) if staged else 0)
         if external:  # the handler's decode reads the bytes straight from chunks / segment
             job.source = staging.source(
                 staged,
@@ -383,6 +418,8 @@ class SessionStream:
         return itertools.chain(_chunks(rid, views), (resp,))
 
     def _finish(self, job: _Job) -> None:
+        if job.staged:
+            self.servicer.owners.unstage(self.owner, job.staged)
         nxt = None
         with self.lock:
             self.in_flight -= 1

@@ -3,13 +3,24 @@ arrival order for ragged attention on one kv_b."""
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import numpy as np
 import pytest
-from _hotpath import D, check_ragged_order, check_results_equal_unary, routed_reference, routing
+from _hotpath import (
+    D,
+    check_ragged_order,
+    check_results_equal_unary,
+    routed_reference,
+    routing,
+    wait_for,
+)
 
-from coliworker.client import InvalidArgument, NotFound
+from coliworker.client import InvalidArgument, NotFound, WorkerClient
 from coliworker.kernels import reference as ref
+from coliworker.server.app import build_server
+from coliworker.server.config import Config
 from coliworker.v1 import worker_pb2 as pb
 
 
@@ -113,3 +124,38 @@ def test_chunked_arrays_both_ways(client, model, rng):
     with client.session(transport="grpc") as s:
         y = s.matmul_sync(model.mat, x)
     np.testing.assert_array_equal(y, client.matmul(model.mat, x))
+
+
+def test_staged_chunks_are_admitted_against_the_owner(rng):
+    """Chunks for request ids that never get a call are host memory the owner holds: past
+    --max-staged-bytes-per-owner the request is refused (RESOURCE_EXHAUSTED when its call
+    comes), and every staged byte is given back when the stream ends."""
+    srv = build_server(
+        Config(backend="numpy", port=0, metrics_port=None, max_staged_bytes_per_owner=1 << 20)
+    ).start()
+    try:
+        with WorkerClient(srv.address) as w:
+            mat = w.upload(np.eye(4, dtype=np.float32), None, fmt=0, in_features=4, out_features=4)
+            piece = bytes(300 << 10)
+            x = pb.Array(dtype=pb.DTYPE_FLOAT32, shape=[1, 4], data=np.ones(4, "<f4").tobytes())
+            reqs = [pb.SessionRequest(request_id=i, chunk=piece) for i in range(1, 9)]
+            reqs.append(
+                pb.SessionRequest(request_id=8, matmul=pb.MatmulRequest(handle=mat.handle, x=x))
+            )
+            gate = threading.Event()
+
+            def requests():
+                yield from reqs
+                gate.wait(10)  # keep the stream open until the answer has been read
+
+            out = []
+            for resp in w._stub.Session(requests()):
+                out.append(resp)
+                assert srv.servicer.owners.held("")[2] <= 1 << 20
+                gate.set()
+            (resp,) = out
+            assert resp.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            assert "max-staged-bytes-per-owner" in resp.error.message
+        assert wait_for(lambda: srv.servicer.owners.held("")[2] == 0)
+    finally:
+        srv.stop(0)

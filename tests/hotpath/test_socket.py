@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 from _hotpath import D, check_ragged_order, check_results_equal_unary
 
-from coliworker.client import InvalidArgument, NotFound, Unauthenticated, WorkerClient
+from coliworker.client import (
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unauthenticated,
+    WorkerClient,
+)
 from coliworker.client.socket_session import SocketSession
 from coliworker.server.app import build_server
 from coliworker.server.config import Config
@@ -342,4 +348,24 @@ def test_one_owner_cannot_take_every_connection(rng):
     finally:
         for fs in held:
             fs.close()
+        srv.stop(0)
+
+
+def test_large_frames_are_admitted_against_the_owner(rng):
+    """A data-plane call's frame is host memory its owner holds while it runs: past
+    --max-staged-bytes-per-owner it is refused, typed, and the connection goes on."""
+    srv = build_server(
+        Config(backend="numpy", port=0, metrics_port=None, max_staged_bytes_per_owner=2 << 20)
+    ).start()
+    try:
+        with WorkerClient(srv.address) as w, w.session(transport="socket") as s:
+            t = w.upload(np.eye(64, dtype=np.float32), None, fmt=0, in_features=64, out_features=64)
+            small = rng.standard_normal((4096, 64)).astype(np.float32)  # 1 MiB: admitted
+            np.testing.assert_array_equal(s.matmul_sync(t, small), w.matmul(t, small))
+            big = rng.standard_normal((16384, 64)).astype(np.float32)  # 4 MiB: over the share
+            with pytest.raises(ResourceExhausted, match="max-staged-bytes-per-owner"):
+                s.matmul_sync(t, big)
+            np.testing.assert_array_equal(s.matmul_sync(t, small), w.matmul(t, small))
+            assert srv.servicer.owners.held("")[2] == 0
+    finally:
         srv.stop(0)
