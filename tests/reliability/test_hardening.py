@@ -121,6 +121,7 @@ def test_sigterm_as_soon_as_the_port_accepts_drains_and_exits_0():
         port = free_port()
         cmd = [sys.executable, "-m", "coliworker", "serve", "--backend", "numpy"]
         cmd += ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"]
+        cmd += ["--data-port", "0"]  # port + 1 may be taken by another test's worker
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             deadline = time.monotonic() + 30
