@@ -304,8 +304,16 @@ class SessionStream:
             self._refuse(rid, kind, grpc.StatusCode.INVALID_ARGUMENT, msg, t0)
             return
         output = None
-        if req.HasField("output_shm"):
+        if req.HasField("output_shm"):  # checked before the call runs, not after
             output = (req.output_shm.offset, req.output_shm.length)
+            try:
+                if seg is None:
+                    raise ShmError("invalid", "output_shm: no shared-memory segment is attached")
+                seg.check(*output, f"{kind}.output_shm")
+            except ShmError as exc:
+                self._unstage(staged)
+                self._refuse(rid, kind, grpc.StatusCode.INVALID_ARGUMENT, exc.message, t0)
+                return
         job = _Job(rid, kind, call, output, t0=t0, staged=len(staged) if staged else 0)
         if external:  # the handler's decode reads the bytes straight from chunks / segment
             job.source = staging.source(

@@ -8,11 +8,13 @@ import subprocess
 import sys
 import textwrap
 
+import grpc
 import numpy as np
 import pytest
 from _hotpath import D, mapped, wait_for
 
-from coliworker.client import FailedPrecondition, PermissionDenied, WorkerClient
+from coliworker.client import FailedPrecondition, InvalidArgument, PermissionDenied, WorkerClient
+from coliworker.client.session_calls import SessionFuture
 from coliworker.server.app import build_server
 from coliworker.server.config import Config
 from coliworker.v1 import worker_pb2 as pb
@@ -166,3 +168,39 @@ def test_allocator_reuses_and_coalesces():
     for off in blocks[::2] + blocks[1::2]:
         a.free(off, 100)
     assert a.free_bytes() == 1024 and a.alloc(1024) == shm_mod.HEADER_BYTES
+
+
+def test_output_region_is_checked_before_the_call_runs(client, server, model, rng, monkeypatch):
+    """An output_shm outside the segment (or with none attached) is INVALID_ARGUMENT naming
+    the field, and the compute never runs."""
+    ran = []
+    matmul = server.servicer.matmul
+    monkeypatch.setattr(server.servicer, "matmul", lambda *a: ran.append(1) or matmul(*a))
+    x = rng.standard_normal((1, D)).astype(np.float32)
+    req = pb.SessionRequest(
+        request_id=3,
+        matmul=pb.MatmulRequest(
+            handle=model.mat.handle,
+            x=pb.Array(dtype=pb.DTYPE_FLOAT32, shape=[1, D], data=x.tobytes()),
+        ),
+        output_shm=pb.Slice(offset=1 << 40, length=4 * D),
+    )
+    (resp,) = list(client._stub.Session(iter([req])))  # no segment attached
+    assert resp.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "output_shm" in resp.error.message
+    with client.session(shm=True) as s:
+        s.matmul_sync(model.mat, x)  # a good call first: the segment is attached
+        ran.clear()
+        body = pb.MatmulRequest(
+            handle=model.mat.handle,
+            x=pb.Array(dtype=pb.DTYPE_FLOAT32, shape=[1, D], data=x.tobytes()),
+        )
+        rid = 99
+        fut = SessionFuture(rid)
+        s._pending[rid] = (fut, lambda b, f, src: b)
+        bad = pb.SessionRequest(request_id=rid, matmul=body)
+        bad.output_shm.offset, bad.output_shm.length = s.segment.size, 4 * D
+        s._send.put([bad])
+        with pytest.raises(InvalidArgument, match="matmul.output_shm"):
+            fut.result(10)
+        assert ran == []
