@@ -409,10 +409,11 @@ class Metrics:
         kind: str = "unary",
     ) -> None:
         self._child(self.rpc_seconds, kind, service, method).observe(time.perf_counter() - started)
-        self._child(self.rpc_in_flight, kind, service, method).dec()
         self._child(self.rpc_handled, kind, service, method, code.name).inc()
         if code is not grpc.StatusCode.OK and method in COMPUTE_METHODS:
             self.compute_errors.labels(code.name).inc()
+        # last: whoever sees the call no longer in flight also sees it counted as handled
+        self._child(self.rpc_in_flight, kind, service, method).dec()
 
 
 def _status(context: grpc.ServicerContext, default: grpc.StatusCode) -> grpc.StatusCode:
