@@ -41,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from coliworker.client import errors
+from coliworker.client.session_calls import read_until
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.wire import bell, frames
 from coliworker.wire.shm import Segment, pid_alive, shm_dir
@@ -222,17 +223,7 @@ class Channel:
         self._pump_for(fut, deadline)
 
     def _pump_for(self, fut: Any, deadline: float | None) -> None:
-        while not fut.done():
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self._reading.acquire(timeout=-1 if left is None else left):
-                return
-            try:
-                if fut.done():
-                    return
-                if not self._pump(deadline):
-                    return  # timed out
-            finally:
-                self._reading.release()
+        read_until(fut, deadline, self._reading, self._pump)
 
     def _pump(self, deadline: float | None) -> bool:
         """Read what the worker has answered (waiting until ``deadline``) and complete

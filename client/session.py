@@ -37,7 +37,13 @@ import numpy as np
 
 from coliworker.client import doorbell as bell
 from coliworker.client import errors
-from coliworker.client.session_calls import Decoder, SessionCalls, SessionFuture, raw
+from coliworker.client.session_calls import (
+    Decoder,
+    SessionCalls,
+    SessionFuture,
+    WaitingFuture,
+    raw,
+)
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.wire import bell as bell_slots
 from coliworker.wire import calls, frames, staging
@@ -50,25 +56,6 @@ _STATUS_OF = {c.value[0]: c for c in grpc.StatusCode}
 def _error(status: pb.Status) -> errors.WorkerError:
     code = _STATUS_OF.get(status.code, grpc.StatusCode.UNKNOWN)
     return errors.from_status(code, status.message)
-
-
-class _BellFuture(SessionFuture):
-    """A doorbell call: ``result()`` reads the channel's answers on the calling thread."""
-
-    __slots__ = ("_channel",)
-
-    def __init__(self, request_id: int, channel: bell.Channel) -> None:
-        super().__init__(request_id)
-        self._channel = channel
-
-    def result(self, timeout: float | None = None) -> Any:
-        if not self.done():
-            self._channel.wait(self, timeout)
-            if not self.done():
-                raise errors.DeadlineExceeded(
-                    f"session request {self.request_id}: no result after {timeout} s"
-                )
-        return super().result()
 
 
 def _chunks(rid: int, pieces: list[memoryview]) -> Iterator[pb.SessionRequest]:
@@ -316,7 +303,7 @@ class Session(SessionCalls):
         ch, alloc, seg = self._bell, self._alloc, self.segment
         assert ch is not None and alloc is not None and seg is not None
         rid = next(self._ids)
-        fut = _BellFuture(rid, ch)
+        fut = WaitingFuture(rid, ch)
         call = calls.BY_KIND[kind]
         try:
             if self._closed:

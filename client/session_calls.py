@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -64,6 +65,50 @@ class SessionFuture:
     def _set(self, value: Any = None, error: BaseException | None = None) -> None:
         self._value, self._error = value, error
         self._done.release()
+
+
+def read_until(
+    fut: SessionFuture,
+    deadline: float | None,
+    reading: threading.Lock,
+    read: Callable[[float | None], bool],
+) -> None:
+    """Read answers on this thread until ``fut`` is done or ``deadline`` (monotonic) passes:
+    one waiting thread at a time holds ``reading`` and calls ``read(deadline)``, which
+    completes whatever calls it reads and returns False on timeout; the others wait for the
+    lock and find their future done."""
+    while not fut.done():
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not reading.acquire(timeout=-1 if left is None else left):
+            return
+        try:
+            if fut.done():
+                return
+            if not read(deadline):
+                return  # timed out
+        finally:
+            reading.release()
+
+
+class WaitingFuture(SessionFuture):
+    """The future of a transport with no reader thread: ``result()`` reads the answers on
+    the calling thread, through ``waiter.wait(future, timeout)`` (the doorbell channel, the
+    socket session)."""
+
+    __slots__ = ("_waiter",)
+
+    def __init__(self, request_id: int, waiter: Any) -> None:
+        super().__init__(request_id)
+        self._waiter = waiter
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            self._waiter.wait(self, timeout)
+            if not self.done():
+                raise errors.DeadlineExceeded(
+                    f"session request {self.request_id}: no result after {timeout} s"
+                )
+        return super().result()
 
 
 class SessionCalls:
@@ -259,4 +304,4 @@ class SessionCalls:
         return self.attention_ragged(*args, **kwargs).result(self.timeout)
 
 
-__all__ = ["SessionCalls", "SessionFuture"]
+__all__ = ["SessionCalls", "SessionFuture", "WaitingFuture", "read_until"]

@@ -28,7 +28,14 @@ from typing import Any
 import grpc
 
 from coliworker.client import errors
-from coliworker.client.session_calls import Decoder, SessionCalls, SessionFuture, raw
+from coliworker.client.session_calls import (
+    Decoder,
+    SessionCalls,
+    SessionFuture,
+    WaitingFuture,
+    raw,
+    read_until,
+)
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.wire import calls, frames, staging
 
@@ -39,25 +46,6 @@ _STATUS_OF = {c.value[0]: c for c in grpc.StatusCode}
 #: thread's core meanwhile, which at decode waits for the answer anyway.
 SPIN_US = 1000
 CONNECT_TIMEOUT_S = 10.0
-
-
-class _SocketFuture(SessionFuture):
-    """A data-plane call: ``result()`` reads replies on the calling thread."""
-
-    __slots__ = ("_session",)
-
-    def __init__(self, request_id: int, session: SocketSession) -> None:
-        super().__init__(request_id)
-        self._session = session
-
-    def result(self, timeout: float | None = None) -> Any:
-        if not self.done():
-            self._session._wait(self, timeout)
-            if not self.done():
-                raise errors.DeadlineExceeded(
-                    f"session request {self.request_id}: no result after {timeout} s"
-                )
-        return super().result()
 
 
 def _host_of(address: str) -> str:
@@ -203,7 +191,7 @@ class SocketSession(SessionCalls):
         for fut in pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                self._wait(fut, left)
+                self.wait(fut, left)
             except errors.WorkerError:
                 break
         self._fail(errors.Cancelled("session is closed"))
@@ -233,7 +221,7 @@ class SocketSession(SessionCalls):
         side = self._take_side() if side is None else side
         call = calls.BY_KIND[kind]
         rid = next(self._ids)
-        fut = _SocketFuture(rid, self)
+        fut = WaitingFuture(rid, self)
         pieces, n = frames.place(body, side) if side else ([], 0)
         buffers = frames.frame(frames.CALL, call.method, rid, body.SerializeToString(), pieces, n)
         with self._lock:
@@ -254,19 +242,11 @@ class SocketSession(SessionCalls):
 
     # -- receiving --------------------------------------------------------------------------
 
-    def _wait(self, fut: SessionFuture, timeout: float | None) -> None:
+    def wait(self, fut: SessionFuture, timeout: float | None) -> None:
+        """Return once ``fut`` is done (or ``timeout`` seconds passed), reading replies on
+        this thread meanwhile."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while not fut.done():
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not self._reading.acquire(timeout=-1 if left is None else left):
-                return
-            try:
-                if fut.done():
-                    return
-                if not self._read_one(deadline):
-                    return  # timed out
-            finally:
-                self._reading.release()
+        read_until(fut, deadline, self._reading, self._read_one)
 
     def _read_one(self, deadline: float | None) -> bool:
         """Read one REPLY and complete its call; False on timeout. Holds ``_reading``."""
