@@ -46,8 +46,7 @@ def _with_experts(cls: Any, experts: Iterable[Sequence[Any]]) -> Any:
         key = tuple([(handle_id(g), handle_id(u), handle_id(d)) for g, u, d in experts])
     prefix = _PREFIXES.get(key)
     if prefix is None:
-        msg = pb.ExpertGroupRequest(experts=[pb.Expert(gate=g, up=u, down=d) for g, u, d in key])
-        prefix = msg.SerializeToString()
+        prefix = pb.ExpertGroupRequest(experts=experts_of(key)).SerializeToString()
         if len(_PREFIXES) >= _PREFIX_LIMIT:
             _PREFIXES.clear()
         _PREFIXES[key] = prefix
