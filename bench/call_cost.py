@@ -12,7 +12,7 @@ For a routed expert group of 8 experts x 1 row (D=6144) and a ragged attention c
     client decode    the reply parsed and the result decoded
 
 and the dispatch again with the per-tensor usage counting switched off, to show its share.
-Compare the sum with a raw socket echo (bench/rpc.py) to see what the transport leaves.
+Compare the sum with a raw socket echo (bench/harness.py) to see what the transport leaves.
 
     python bench/call_cost.py
 """
@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import rpc  # noqa: E402
+from bench import harness  # noqa: E402
 
 
 def run(n: int) -> dict:
@@ -49,18 +49,23 @@ def run(n: int) -> dict:
     srv.start()
     rng = np.random.default_rng(0)
     w = WorkerClient(srv.address, progress=False)
-    experts = [rpc._upload_expert(w, rng, 16) for _ in range(rpc.N_EXPERTS)]
-    kv_b = rpc._int4(w, rng, rpc.K, rpc.H * (rpc.Q + rpc.V))
-    o_proj = rpc._int4(w, rng, rpc.H * rpc.V, rpc.D_OUT)
-    x = rng.standard_normal((1, rpc.D)).astype(np.float32)
-    routes = np.arange(rpc.TOPK, dtype=np.int32)[None]
-    weights = np.full((1, rpc.TOPK), 1 / rpc.TOPK, np.float32)
-    att = dict(q_dim=rpc.Q, rope_dim=rpc.R, v_dim=rpc.V, scale=1.0 / np.sqrt(rpc.Q + rpc.R))
-    q = rng.standard_normal((1, rpc.H, rpc.Q + rpc.R)).astype(np.float32)
-    lat = rng.standard_normal((1, rpc.K)).astype(np.float32)
-    rope = rng.standard_normal((1, rpc.R)).astype(np.float32)
+    experts = [harness.upload_expert(w, rng, 16) for _ in range(harness.N_EXPERTS)]
+    kv_b = harness.int4(w, rng, harness.K, harness.H * (harness.Q + harness.V))
+    o_proj = harness.int4(w, rng, harness.H * harness.V, harness.D_OUT)
+    x = rng.standard_normal((1, harness.D)).astype(np.float32)
+    routes = np.arange(harness.TOPK, dtype=np.int32)[None]
+    weights = np.full((1, harness.TOPK), 1 / harness.TOPK, np.float32)
+    att = dict(
+        q_dim=harness.Q,
+        rope_dim=harness.R,
+        v_dim=harness.V,
+        scale=1.0 / np.sqrt(harness.Q + harness.R),
+    )
+    q = rng.standard_normal((1, harness.H, harness.Q + harness.R)).astype(np.float32)
+    lat = rng.standard_normal((1, harness.K)).astype(np.float32)
+    rope = rng.standard_normal((1, harness.R)).astype(np.float32)
     be = srv.servicer.backend
-    out = np.zeros((1, rpc.D), np.float32)
+    out = np.zeros((1, harness.D), np.float32)
     be.expert_group_routed = lambda *a: Result(out)
     be.attention_ragged = lambda *a, **k: Result(out)
 
@@ -173,7 +178,7 @@ def main() -> None:
     args = p.parse_args()
     result = run(args.calls)
     date = datetime.datetime.now(datetime.timezone.utc)
-    mc = rpc.machine()
+    mc = harness.machine()
     doc = {
         "date": date.isoformat(timespec="seconds"),
         "machine": mc,

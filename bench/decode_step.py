@@ -30,7 +30,6 @@ import datetime
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.rpc import machine  # noqa: E402
+from bench import harness  # noqa: E402
 
 PATHS = ("unary", "grpc", "socket", "shm")
 
@@ -184,22 +183,12 @@ class Model:
 def run(args: argparse.Namespace) -> dict:
     from coliworker.client import WorkerClient, WorkerPool
 
-    workers = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--serve", "--backend", args.backend],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(args.workers)
-    ]
+    workers, addresses = [], []
     try:
-        addresses = []
-        for worker in workers:
-            line = worker.stdout.readline().split()
-            if not line or line[0] != "READY":
-                raise SystemExit(f"worker did not start: {line}")
-            addresses.append(f"127.0.0.1:{line[1]}")
+        for _ in range(args.workers):
+            proc, (port,) = harness.spawn(__file__, "--backend", args.backend)
+            workers.append(proc)
+            addresses.append(f"127.0.0.1:{port}")
         client = (
             WorkerPool(addresses, timeout=600, progress=False)
             if args.workers > 1
@@ -237,9 +226,7 @@ def run(args: argparse.Namespace) -> dict:
         }
     finally:
         for worker in workers:
-            worker.stdin.close()
-        for worker in workers:
-            worker.wait(60)
+            harness.stop(worker)
 
 
 def measure(w, m: Model, path: str, args: argparse.Namespace) -> dict:
@@ -291,7 +278,7 @@ def measure(w, m: Model, path: str, args: argparse.Namespace) -> dict:
 
 def write(result: dict, args: argparse.Namespace) -> None:
     date = datetime.datetime.now(datetime.timezone.utc)
-    result["machine"] = machine()
+    result["machine"] = harness.machine()
     result["date"] = date.isoformat(timespec="seconds")
     result["command"] = "python " + shlex.join(["bench/decode_step.py", *sys.argv[1:]])
     os.makedirs(args.out, exist_ok=True)

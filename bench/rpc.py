@@ -39,110 +39,19 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
 
-import grpc
 import numpy as np
 
-D, TOPK, N_EXPERTS = 6144, 8, 8
-H, Q, R, V, K, D_OUT, T = 64, 192, 64, 256, 512, 6144, 4096
-ECHO_UNARY = "/coliworker.bench.Echo/Unary"
-ECHO_STREAM = "/coliworker.bench.Echo/Stream"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench import harness  # noqa: E402
+from bench.harness import D_OUT, N_EXPERTS, TOPK, D, H, K, Q, R, T, V  # noqa: E402
 
 # -- worker process -----------------------------------------------------------------------
-
-
-# The busy echo's work: memory-bound passes over 32 MB, in 1 MB steps, so that like a
-# backend call it leaves the caches full of other data (that, more than the CPU time
-# itself, is what slows the transport code that runs next).
-_WORK = np.random.default_rng(1).random(4 << 20)
-_STEP = 1 << 17
-
-
-def _echo_handlers() -> grpc.GenericRpcHandler:
-    """Raw echo: the first 8 bytes of a request give the response size; no protobuf.
-
-    Bytes 8..16, when present, ask the echo to work that many microseconds before it
-    answers (NumPy passes over 32 MB, like a busy backend) and byte 16 = 1 asks it to sleep instead
-    (like a backend waiting on its device); the first 8 bytes of the answer then hold the
-    ns it spent, which the client subtracts as it subtracts backend time.
-    """
-
-    reply = _echo_reply
-
-    def unary(req: bytes, context) -> bytes:
-        return reply(req)
-
-    def stream(it, context):
-        for req in it:
-            yield reply(req)
-
-    return grpc.method_handlers_generic_handler(
-        "coliworker.bench.Echo",
-        {
-            "Unary": grpc.unary_unary_rpc_method_handler(unary),
-            "Stream": grpc.stream_stream_rpc_method_handler(stream),
-        },
-    )
-
-
-def _echo_reply(body: bytes) -> bytes:
-    """What both echoes answer: the size asked for, after the work asked for."""
-    size = int.from_bytes(body[:8], "little")
-    work_us = int.from_bytes(body[8:16], "little") if len(body) >= 17 else 0
-    if not work_us:
-        return bytes(size)
-    t0 = time.perf_counter_ns()
-    if body[16] == 1:
-        time.sleep(work_us / 1e6)
-    else:
-        i = 0
-        while time.perf_counter_ns() - t0 < work_us * 1000:
-            part = _WORK[i : i + _STEP]
-            np.multiply(part, 1.0000001, out=part)
-            i = (i + _STEP) % _WORK.size
-    spent = time.perf_counter_ns() - t0
-    return spent.to_bytes(8, "little") + bytes(max(size - 8, 0))
-
-
-def _socket_echo(spin_us: int) -> int:
-    """A raw socket echo on a free loopback port: each frame (header, body, data) is read
-    with the data plane's reader and answered by one REPLY frame of the size the body's first
-    8 bytes ask for. Returns the port."""
-    import socket
-    import threading
-
-    from coliworker.wire import frames
-
-    lsock = socket.socket()
-    lsock.bind(("127.0.0.1", 0))
-    lsock.listen(8)
-
-    def conn(sock: socket.socket) -> None:
-        fs = frames.FrameSocket(sock, spin_us)
-        try:
-            while True:
-                head = fs.recv_header()
-                body = bytes(fs.recv_bytes(head.body_bytes))
-                fs.recv_array(head.data_bytes)
-                out = _echo_reply(body)
-                fs.send(frames.frame(frames.REPLY, head.method, head.request_id, out))
-        except (frames.Closed, OSError):
-            fs.close()
-
-    def accept() -> None:
-        while True:
-            sock, _ = lsock.accept()
-            threading.Thread(target=conn, args=(sock,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    return lsock.getsockname()[1]
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -161,100 +70,14 @@ def serve(args: argparse.Namespace) -> None:
         max_sessions_per_owner=16,
     )
     srv = build_server(cfg)
-    srv.server.add_generic_rpc_handlers((_echo_handlers(),))
+    srv.server.add_generic_rpc_handlers((harness.echo_handlers(),))
     srv.start()
-    print(f"READY {srv.port} {_socket_echo(cfg.data_spin_us)}", flush=True)
+    print(f"READY {srv.port} {harness.socket_echo(cfg.data_spin_us)}", flush=True)
     sys.stdin.read()  # the client closes stdin when it is done (or dies)
     srv.stop(1)
 
 
 # -- client -------------------------------------------------------------------------------
-
-
-def stats(ns: list[int]) -> dict[str, float]:
-    a = np.asarray(ns, np.float64) / 1e6
-    return {"p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99))}
-
-
-class SocketEcho:
-    """The raw socket echo's client: one frame out, one frame back, read as the socket
-    session reads (polling first)."""
-
-    def __init__(self, port: int) -> None:
-        import socket
-
-        from coliworker.client.socket_session import SPIN_US
-        from coliworker.wire import frames
-
-        self.frames = frames
-        self.fs = frames.FrameSocket(socket.create_connection(("127.0.0.1", port)), SPIN_US)
-
-    def measure(self, kind, req_bytes, resp_bytes, n, work_us=0, sleep=False):
-        f = self.frames
-        head = max(resp_bytes - f.HEADER_BYTES, 0).to_bytes(8, "little")
-        if work_us:
-            head += work_us.to_bytes(8, "little") + bytes([1 if sleep else 0])
-        body_n = min(max(req_bytes - f.HEADER_BYTES, len(head)), 4096)
-        body = head + bytes(body_n - len(head))
-        data = np.zeros(max(req_bytes - f.HEADER_BYTES - body_n, 0), np.uint8)
-        times = []
-        for i in range(n):
-            t0 = time.perf_counter_ns()
-            self.fs.send(f.frame(f.CALL, 10, i + 1, body, [data], data.nbytes))
-            h = self.fs.recv_header()
-            r = bytes(self.fs.recv_bytes(h.body_bytes))
-            self.fs.recv_array(h.data_bytes)
-            spent = int.from_bytes(r[:8], "little") if work_us else 0
-            times.append(time.perf_counter_ns() - t0 - spent)
-        return stats(times)
-
-
-class Echo:
-    def __init__(self, channel: grpc.Channel) -> None:
-        self.unary = channel.unary_unary(ECHO_UNARY)
-        self.stream = channel.stream_stream(ECHO_STREAM)
-
-    def measure(
-        self,
-        kind: str,
-        req_bytes: int,
-        resp_bytes: int,
-        n: int,
-        work_us: int = 0,
-        sleep: bool = False,
-    ) -> dict[str, float]:
-        """p50/p99 of echo round trips; with ``work_us`` the echo first works (or sleeps)
-        that long and the time it spent is subtracted, as backend time is from a call."""
-        head = resp_bytes.to_bytes(8, "little")
-        if work_us:
-            head += work_us.to_bytes(8, "little") + bytes([1 if sleep else 0])
-        payload = head + bytes(max(req_bytes - len(head), 0))
-        spent = (lambda r: int.from_bytes(r[:8], "little")) if work_us else (lambda r: 0)
-        times = []
-        if kind == "unary":
-            for _ in range(n):
-                t0 = time.perf_counter_ns()
-                r = self.unary(payload)
-                times.append(time.perf_counter_ns() - t0 - spent(r))
-        else:
-            import queue
-
-            q: queue.SimpleQueue = queue.SimpleQueue()
-
-            def gen():
-                while (m := q.get()) is not None:
-                    yield m
-
-            it = self.stream(gen())
-            for _ in range(n):
-                t0 = time.perf_counter_ns()
-                q.put(payload)
-                r = next(it)
-                times.append(time.perf_counter_ns() - t0 - spent(r))
-            q.put(None)
-            for _ in it:
-                pass
-        return stats(times)
 
 
 def timed(call, n: int, warmup: int) -> tuple[list[int], list[int]]:
@@ -272,7 +95,7 @@ def timed(call, n: int, warmup: int) -> tuple[list[int], list[int]]:
 
 def row(name, transport, e2e, backend, echo, req_bytes, resp_bytes, busy=None) -> dict:
     over = [a - b for a, b in zip(e2e, backend, strict=True)]
-    s, b, o = stats(e2e), stats(backend), stats(over)
+    s, b, o = harness.stats(e2e), harness.stats(backend), harness.stats(over)
     extra = {}
     if busy is not None:
         extra = {
@@ -301,33 +124,14 @@ def bench(args: argparse.Namespace) -> dict:
     from coliworker.v1 import worker_pb2 as pb
 
     sock = os.path.join(tempfile.mkdtemp(prefix="coliworker-bench-"), "worker.sock")
-    worker = subprocess.Popen(
-        [sys.executable, __file__, "--serve", "--backend", args.backend, "--unix-socket", sock],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+    worker, (port, echo_port) = harness.spawn(
+        __file__, "--backend", args.backend, "--unix-socket", sock
     )
     try:
-        line = worker.stdout.readline().split()
-        if not line or line[0] != "READY":
-            raise SystemExit(f"worker did not start: {line}")
-        addr = f"127.0.0.1:{line[1]}"
-        args.echo_port = int(line[2])
-        return _run(args, addr, f"unix:{sock}", WorkerClient, pb)
+        args.echo_port = int(echo_port)
+        return _run(args, f"127.0.0.1:{port}", f"unix:{sock}", WorkerClient, pb)
     finally:
-        worker.stdin.close()
-        worker.wait(30)
-
-
-def _upload_expert(w, rng, inter: int):
-    """One int4 expert (gate, up [inter, D], down [D, inter])."""
-
-    def t(i, o):
-        q = rng.integers(0, 256, size=(o, (i + 1) // 2), dtype=np.uint8)
-        s = (rng.random(o) * 0.02 + 0.005).astype(np.float32)
-        return w.upload(q, s, fmt=2, in_features=i, out_features=o)
-
-    return (t(D, inter), t(D, inter), t(inter, D))
+        harness.stop(worker, 30)
 
 
 def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
@@ -335,13 +139,13 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
     n, warm = args.iters, max(3, args.iters // 10)
     w = WorkerClient(addr, timeout=600, progress=False)
     wu = WorkerClient(uds, timeout=600, progress=False)
-    echo = Echo(w._channel)
-    echo_uds = Echo(wu._channel)
-    echo_socket = SocketEcho(args.echo_port)
+    echo = harness.Echo(w._channel)
+    echo_uds = harness.Echo(wu._channel)
+    echo_socket = harness.SocketEcho(args.echo_port)
     info = w.info()
     print(f"worker {info.backend} {[d.name for d in info.devices]}", flush=True)
 
-    experts = [_upload_expert(w, rng, args.expert_inter) for _ in range(N_EXPERTS)]
+    experts = [harness.upload_expert(w, rng, args.expert_inter) for _ in range(N_EXPERTS)]
     x1 = rng.standard_normal((1, D)).astype(np.float32)
     x8 = np.repeat(x1, TOPK, axis=0)
     routes = np.arange(TOPK, dtype=np.int32)[None]
@@ -440,8 +244,8 @@ def _run(args, addr, uds, WorkerClient, pb) -> dict:  # noqa: N803
         print(_fmt(r), flush=True)
 
     # -- ragged attention, one sequence of T rows ------------------------------------------
-    kv_b = _int4(w, rng, K, H * (Q + V))
-    o_proj = _int4(w, rng, H * V, D_OUT)
+    kv_b = harness.int4(w, rng, K, H * (Q + V))
+    o_proj = harness.int4(w, rng, H * V, D_OUT)
     att = dict(q_dim=Q, rope_dim=R, v_dim=V, scale=1.0 / np.sqrt(Q + R))
     lat = rng.standard_normal((T + 1, K)).astype(np.float32)
     rope = rng.standard_normal((T + 1, R)).astype(np.float32)
@@ -650,12 +454,6 @@ def _work_us(backend_ns: list[int]) -> int:
     return max(1, int(np.median(backend_ns) / 1e3))
 
 
-def _int4(w, rng, i, o):
-    q = rng.integers(0, 256, size=(o, (i + 1) // 2), dtype=np.uint8)
-    s = (rng.random(o) * 0.02 + 0.005).astype(np.float32)
-    return w.upload(q, s, fmt=2, in_features=i, out_features=o)
-
-
 def _fmt(r: dict) -> str:
     return (
         f"{r['path']:<28} {r['transport']:<4} p50 {r['p50_ms']:7.3f} ms  p99 {r['p99_ms']:7.3f}"
@@ -665,53 +463,9 @@ def _fmt(r: dict) -> str:
     )
 
 
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    gpu = ""
-    try:
-        gpu = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout.strip()
-        lines = gpu.splitlines()
-        gpu = f"{len(lines)} x {lines[0]}" if len(lines) > 1 else gpu  # one line per GPU
-    except (OSError, subprocess.SubprocessError):
-        pass
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    # COLIWORKER_COMMIT first: a run from an exported tree (the GPU machine's copy may carry an
-    # unrelated .git) names the commit it was exported from.
-    commit = os.environ.get("COLIWORKER_COMMIT", "")
-    dirty = ""
-    if not commit:
-        commit = subprocess.run(
-            ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    return {
-        "host": platform.node(),
-        "cpu": cpu,
-        "cpus": os.cpu_count(),
-        "gpu": gpu or "none",
-        "python": platform.python_version(),
-        "grpcio": grpc.__version__,
-        "commit": commit + ("+dirty" if dirty else ""),
-    }
-
-
 def write(result: dict, args: argparse.Namespace) -> None:
     date = datetime.datetime.now(datetime.timezone.utc)
-    result["machine"] = machine()
+    result["machine"] = harness.machine()
     result["date"] = date.isoformat(timespec="seconds")
     result["command"] = "python " + shlex.join(["bench/rpc.py", *sys.argv[1:]])
     result["settings"] = {

@@ -58,6 +58,7 @@ def _patch_worker(path: str) -> None:
     """Stamp the Session stream's stages; lines of JSON go to ``path`` in batches."""
     import grpc
 
+    from coliworker.server import dispatch
     from coliworker.server import session as ss
 
     buf: list[tuple] = []
@@ -74,20 +75,25 @@ def _patch_worker(path: str) -> None:
             flush()
 
     orig_responses = ss.SessionStream.responses
-    orig_init = ss.SessionStream.__init__
+    orig_execute = ss.SessionStream._execute
+    orig_run = dispatch.Dispatch.run
+    inside = threading.local()  # set while a session stream runs a call
 
-    def init(self, servicer, owner):
-        orig_init(self, servicer, owner)
-        for k, h in list(self.handlers.items()):
+    def execute(self, job, chunks=True):
+        inside.on = True
+        try:
+            return orig_execute(self, job, chunks)
+        finally:
+            inside.on = False
 
-            def timed(call, who, h=h):
-                t0 = now()
-                try:
-                    return h(call, who)
-                finally:
-                    mark("h", t0, now())
-
-            self.handlers[k] = timed
+    def run(self, *args, **kwargs):
+        if not getattr(inside, "on", False):
+            return orig_run(self, *args, **kwargs)
+        t0 = now()
+        try:
+            return orig_run(self, *args, **kwargs)
+        finally:
+            mark("h", t0, now())
 
     def responses(self, it):
         prof = None
@@ -114,7 +120,8 @@ def _patch_worker(path: str) -> None:
             yield item
             mark("resume", item.request_id, now())
 
-    ss.SessionStream.__init__ = init
+    ss.SessionStream._execute = execute
+    dispatch.Dispatch.run = run
     ss.SessionStream.responses = responses
 
     spin = None
@@ -152,8 +159,8 @@ def _patch_worker(path: str) -> None:
         "coliworker.bench.TEcho",
         {"Stream": grpc.stream_stream_rpc_method_handler(stream)},
     )
-    rpc._echo_handlers_orig = rpc._echo_handlers
-    rpc._echo_handlers = lambda: _Both(rpc._echo_handlers_orig(), echo)
+    orig = rpc.harness.echo_handlers
+    rpc.harness.echo_handlers = lambda: _Both(orig(), echo)
     import atexit
 
     atexit.register(flush)
@@ -346,7 +353,7 @@ def main() -> None:
             raise SystemExit(f"worker did not start: {line}")
         w = WorkerClient(f"127.0.0.1:{line[1]}", timeout=600, progress=False)
         rng = np.random.default_rng()
-        experts = [rpc._upload_expert(w, rng, inter) for _ in range(rpc.N_EXPERTS)]
+        experts = [rpc.harness.upload_expert(w, rng, inter) for _ in range(rpc.N_EXPERTS)]
         x1 = rng.standard_normal((1, rpc.D)).astype(np.float32)
         routes = np.arange(rpc.TOPK, dtype=np.int32)[None]
         weights = (rng.random((1, rpc.TOPK)) / rpc.TOPK).astype(np.float32)

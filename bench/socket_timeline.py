@@ -1,6 +1,6 @@
 """Where the time of one socket data-plane call goes, stage by stage, beside a raw echo.
 
-A worker process and a client process on one host (as ``bench/rpc.py``: GLM-5.2 decode
+A worker process and a client process on one host (as ``bench/harness.py``: GLM-5.2 decode
 shapes, a routed expert group of 8 int4 experts x 1 row and ragged MLA attention over T
 resident rows). Both take ``time.perf_counter_ns()`` stamps (CLOCK_MONOTONIC, one clock for
 both processes) at:
@@ -16,7 +16,7 @@ both processes) at:
 
 and prints the p50 of each step over the calls; "handler" is run->ran minus the backend
 time (validation, the store, metrics, encoding). A raw socket echo of the same bytes that
-first sleeps the call's backend p50 (rpc.py's) shows what the transport alone costs.
+first sleeps the call's backend p50 (harness.py's) shows what the transport alone costs.
 
     python bench/socket_timeline.py --backend cupy --calls 300
 """
@@ -28,7 +28,6 @@ import datetime
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 
@@ -36,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import rpc  # noqa: E402
+from bench import harness  # noqa: E402
 
 now = time.perf_counter_ns
 STEPS = (
@@ -56,8 +55,8 @@ def _stamp_frames(marks: dict, key: str) -> None:
 
     orig = frames.FrameSocket.recv_header
 
-    def recv_header(self, deadline=None):
-        head = orig(self, deadline)
+    def recv_header(self, *args, **kwargs):
+        head = orig(self, *args, **kwargs)
         marks.setdefault(head.request_id, {})[key] = now()
         return head
 
@@ -99,7 +98,7 @@ def serve(args: argparse.Namespace) -> None:
     srv = build_server(
         Config(backend=args.backend, port=0, metrics_port=None, data_port=0, memory_limit=0)
     ).start()
-    echo = rpc._socket_echo(srv.config.data_spin_us)
+    echo = harness.socket_echo(srv.config.data_spin_us)
     print(f"READY {srv.port} {echo}", flush=True)
     for line in sys.stdin:  # "dump": send the marks so far, then forget them
         if line.strip() == "dump":
@@ -147,33 +146,30 @@ def measure(s, call, n: int, worker, marks: dict) -> dict:
 def run(args: argparse.Namespace) -> dict:
     from coliworker.client import WorkerClient
 
-    worker = subprocess.Popen(
-        [sys.executable, __file__, "--serve", "--backend", args.backend],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    worker, (port, echo_port) = harness.spawn(__file__, "--backend", args.backend)
     try:
-        line = worker.stdout.readline().split()
-        if not line or line[0] != "READY":
-            raise SystemExit(f"worker did not start: {line}")
         marks: dict[int, dict] = {}
         _stamp_frames(marks, "c_recv")
         rng = np.random.default_rng(0)
         inter = 16 if args.backend == "numpy" else 2048
-        t = 256 if args.backend == "numpy" else rpc.T
+        t = 256 if args.backend == "numpy" else harness.T
         out = {}
-        with WorkerClient(f"127.0.0.1:{line[1]}", timeout=600, progress=False) as w:
-            experts = [rpc._upload_expert(w, rng, inter) for _ in range(rpc.N_EXPERTS)]
-            x1 = rng.standard_normal((1, rpc.D)).astype(np.float32)
-            routes = np.arange(rpc.TOPK, dtype=np.int32)[None]
-            weights = (rng.random((1, rpc.TOPK)) / rpc.TOPK).astype(np.float32)
-            kv_b = rpc._int4(w, rng, rpc.K, rpc.H * (rpc.Q + rpc.V))
-            o_proj = rpc._int4(w, rng, rpc.H * rpc.V, rpc.D_OUT)
-            att = dict(q_dim=rpc.Q, rope_dim=rpc.R, v_dim=rpc.V, scale=1.0 / np.sqrt(rpc.Q + rpc.R))
-            lat = rng.standard_normal((t + 1, rpc.K)).astype(np.float32)
-            rope = rng.standard_normal((t + 1, rpc.R)).astype(np.float32)
-            q = rng.standard_normal((1, rpc.H, rpc.Q + rpc.R)).astype(np.float32)
+        with WorkerClient(f"127.0.0.1:{port}", timeout=600, progress=False) as w:
+            experts = [harness.upload_expert(w, rng, inter) for _ in range(harness.N_EXPERTS)]
+            x1 = rng.standard_normal((1, harness.D)).astype(np.float32)
+            routes = np.arange(harness.TOPK, dtype=np.int32)[None]
+            weights = (rng.random((1, harness.TOPK)) / harness.TOPK).astype(np.float32)
+            kv_b = harness.int4(w, rng, harness.K, harness.H * (harness.Q + harness.V))
+            o_proj = harness.int4(w, rng, harness.H * harness.V, harness.D_OUT)
+            att = dict(
+                q_dim=harness.Q,
+                rope_dim=harness.R,
+                v_dim=harness.V,
+                scale=1.0 / np.sqrt(harness.Q + harness.R),
+            )
+            lat = rng.standard_normal((t + 1, harness.K)).astype(np.float32)
+            rope = rng.standard_normal((t + 1, harness.R)).astype(np.float32)
+            q = rng.standard_normal((1, harness.H, harness.Q + harness.R)).astype(np.float32)
             with w.session(transport="socket", spin_us=args.spin_us) as s:
                 s.attention_ragged_sync(
                     kv_b, o_proj, q, sequences=[(7, 0, lat[:t], rope[:t])], **att
@@ -189,9 +185,9 @@ def run(args: argparse.Namespace) -> dict:
                 }
                 for name, call in cases.items():
                     r = measure(s, call, args.calls, worker, marks)
-                    echo = rpc.SocketEcho(int(line[2]))
+                    echo = harness.SocketEcho(int(echo_port))
                     req = {"expert_group_routed": 24_800, "attention_ragged": 68_200}[name]
-                    resp = 24_700 if name == "expert_group_routed" else rpc.D_OUT * 4 + 60
+                    resp = 24_700 if name == "expert_group_routed" else harness.D_OUT * 4 + 60
                     ech = echo.measure("socket", req, resp, args.calls)
                     busy = echo.measure(
                         "socket", req, resp, args.calls, max(1, int(r["backend_us_p50"])), True
@@ -202,13 +198,12 @@ def run(args: argparse.Namespace) -> dict:
                     print(name, json.dumps(r, indent=1), flush=True)
         return out
     finally:
-        worker.stdin.close()
-        worker.wait(60)
+        harness.stop(worker)
 
 
 def write(result: dict, args: argparse.Namespace) -> None:
     date = datetime.datetime.now(datetime.timezone.utc)
-    mc = rpc.machine()
+    mc = harness.machine()
     doc = {
         "date": date.isoformat(timespec="seconds"),
         "machine": mc,
