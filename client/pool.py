@@ -52,6 +52,7 @@ from coliworker.client.pool_members import (
     _Member,
     resolve,
 )
+from coliworker.client.pool_routes import on_client
 from coliworker.client.recovery import RecoveringClient
 from coliworker.client.security import make_channel
 from coliworker.client.uploads import UploadItem
@@ -554,54 +555,15 @@ class WorkerPool:
         out.sort(key=lambda t: (-t[2], -t[3]))
         return out[: top or None]
 
-    # -- compute ------------------------------------------------------------------------------
+    # -- compute: each call on the member its tensors are on (``pool_routes.py``) ------------
 
-    def matmul(self, t: Any, x: np.ndarray) -> np.ndarray:
-        m, (h,) = self._route("matmul", [("handle", t)])
-        return self._run(m, lambda: m.client.matmul(h, x))
-
-    def expert_mlp(self, gate: Any, up: Any, down: Any, x: np.ndarray) -> np.ndarray:
-        m, (g, u, d) = self._route("expert_mlp", [("gate", gate), ("up", up), ("down", down)])
-        return self._run(m, lambda: m.client.expert_mlp(g, u, d, x))
-
-    def expert_group(
-        self, experts: Iterable[Sequence[Any]], rows: Sequence[int], x: np.ndarray
-    ) -> np.ndarray:
-        m, e = self._experts("expert_group", experts)
-        return self._run(m, lambda: m.client.expert_group(e, rows, x))
-
-    def expert_group_async(
-        self, experts: Iterable[Sequence[Any]], rows: Sequence[int], x: np.ndarray
-    ) -> Any:
-        m, e = self._experts("expert_group", experts)
-        return self._run(m, lambda: m.client.expert_group_async(e, rows, x))
-
-    def expert_group_routed(
-        self,
-        experts: Iterable[Sequence[Any]],
-        x: np.ndarray,
-        routes: np.ndarray,
-        weights: np.ndarray,
-    ) -> np.ndarray:
-        m, e = self._experts("expert_group_routed", experts)
-        return self._run(m, lambda: m.client.expert_group_routed(e, x, routes, weights))
-
-    def attention(
-        self,
-        kv_b: Any,
-        q: np.ndarray,
-        latent: np.ndarray,
-        rope: np.ndarray,
-        *,
-        o_proj: Any = None,
-        **dims: Any,
-    ) -> np.ndarray:
-        m, (k, o) = self._route("attention", [("kv_b", kv_b), ("o_proj", o_proj)])
-        return self._run(m, lambda: m.client.attention(k, q, latent, rope, o_proj=o, **dims))
-
-    def attention_ragged(self, kv_b: Any, o_proj: Any, q: np.ndarray, **kw: Any) -> np.ndarray:
-        m, (k, o) = self._route("attention_ragged", [("kv_b", kv_b), ("o_proj", o_proj)])
-        return self._run(m, lambda: m.client.attention_ragged(k, o, q, **kw))
+    matmul = on_client("matmul")
+    expert_mlp = on_client("expert_mlp")
+    expert_group = on_client("expert_group")
+    expert_group_async = on_client("expert_group_async")
+    expert_group_routed = on_client("expert_group_routed")
+    attention = on_client("attention")
+    attention_ragged = on_client("attention_ragged")
 
     def session(self, transport: str | None = None, **options: Any) -> Any:
         """A session over every member (``PoolSession``): one member session each, opened

@@ -16,12 +16,12 @@ flight itself.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from coliworker.client import errors
+from coliworker.client.pool_routes import on_session
+from coliworker.client.session_calls import SessionCalls
 
 if TYPE_CHECKING:
     from coliworker.client.pool import WorkerPool, _Member
@@ -63,7 +63,7 @@ class PoolFuture:
             raise
 
 
-class PoolSession:
+class PoolSession(SessionCalls):
     """Member sessions behind one set of session calls (see the module docstring)."""
 
     def __init__(self, pool: WorkerPool, transport: str | None = None, **options: Any) -> None:
@@ -156,82 +156,14 @@ class PoolSession:
             except Exception:
                 pass
 
-    def __enter__(self) -> PoolSession:
-        return self
+    # -- calls (futures; the *_sync forms and the context manager are SessionCalls') ------
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # -- calls (futures) --------------------------------------------------------------------
-
-    def matmul(self, t: Any, x: np.ndarray) -> PoolFuture:
-        m, (h,) = self._pool._route("matmul", [("handle", t)])
-        return self._go(m, lambda s: s.matmul(h, x))
-
-    def expert_mlp(self, gate: Any, up: Any, down: Any, x: np.ndarray) -> PoolFuture:
-        m, (g, u, d) = self._pool._route("expert_mlp", [("gate", gate), ("up", up), ("down", down)])
-        return self._go(m, lambda s: s.expert_mlp(g, u, d, x))
-
-    def expert_group(
-        self, experts: Iterable[Sequence[Any]], rows: Sequence[int], x: np.ndarray
-    ) -> PoolFuture:
-        m, e = self._pool._experts("expert_group", experts)
-        return self._go(m, lambda s: s.expert_group(e, rows, x))
-
-    def expert_group_routed(
-        self,
-        experts: Iterable[Sequence[Any]],
-        x: np.ndarray,
-        routes: np.ndarray,
-        weights: np.ndarray,
-    ) -> PoolFuture:
-        m, e = self._pool._experts("expert_group_routed", experts)
-        return self._go(m, lambda s: s.expert_group_routed(e, x, routes, weights))
-
-    def attention(
-        self,
-        kv_b: Any,
-        q: np.ndarray,
-        latent: np.ndarray,
-        rope: np.ndarray,
-        *,
-        o_proj: Any = None,
-        **dims: Any,
-    ) -> PoolFuture:
-        m, (k, o) = self._pool._route("attention", [("kv_b", kv_b), ("o_proj", o_proj)])
-        return self._go(m, lambda s: s.attention(k, q, latent, rope, o_proj=o, **dims))
-
-    def attention_ragged(self, kv_b: Any, o_proj: Any, q: np.ndarray, **kw: Any) -> PoolFuture:
-        m, (k, o) = self._pool._route("attention_ragged", [("kv_b", kv_b), ("o_proj", o_proj)])
-        return self._go(m, lambda s: s.attention_ragged(k, o, q, **kw))
-
-    # -- the *_sync forms -------------------------------------------------------------------
-
-    def matmul_sync(self, t: Any, x: np.ndarray) -> np.ndarray:
-        return self.matmul(t, x).result(self.timeout)
-
-    def expert_mlp_sync(self, gate: Any, up: Any, down: Any, x: np.ndarray) -> np.ndarray:
-        return self.expert_mlp(gate, up, down, x).result(self.timeout)
-
-    def expert_group_sync(
-        self, experts: Iterable[Sequence[Any]], rows: Sequence[int], x: np.ndarray
-    ) -> np.ndarray:
-        return self.expert_group(experts, rows, x).result(self.timeout)
-
-    def expert_group_routed_sync(
-        self,
-        experts: Iterable[Sequence[Any]],
-        x: np.ndarray,
-        routes: np.ndarray,
-        weights: np.ndarray,
-    ) -> np.ndarray:
-        return self.expert_group_routed(experts, x, routes, weights).result(self.timeout)
-
-    def attention_sync(self, *args: Any, **kwargs: Any) -> np.ndarray:
-        return self.attention(*args, **kwargs).result(self.timeout)
-
-    def attention_ragged_sync(self, *args: Any, **kwargs: Any) -> np.ndarray:
-        return self.attention_ragged(*args, **kwargs).result(self.timeout)
+    matmul = on_session("matmul")
+    expert_mlp = on_session("expert_mlp")
+    expert_group = on_session("expert_group")
+    expert_group_routed = on_session("expert_group_routed")
+    attention = on_session("attention")
+    attention_ragged = on_session("attention_ragged")
 
 
 __all__ = ["PoolFuture", "PoolSession"]
