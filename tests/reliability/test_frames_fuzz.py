@@ -5,137 +5,44 @@ duplicate request ids, unknown methods and frame types, CALL frames with random 
 every data-plane method (with ``staged`` slices pointing anywhere), garbage after a valid
 HELLO or after a valid call. Every frame the worker sends back is a typed REPLY (or
 WELCOME); a broken frame closes only its own connection; after each example a fresh
-connection still gets Info and an exact matmul, and nothing resident changes. Also: an
-idle unauthenticated connection is closed after the HELLO timeout, and a client killed -9
-in the middle of a frame leaves the worker serving."""
+connection still gets Info and an exact matmul, and nothing resident changes
+(``_frames.Plane``). Idle, slow and killed clients: ``test_frames_clients.py``."""
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
-import subprocess
-import sys
-import textwrap
-import time
-from typing import Any
 
 import numpy as np
 import pytest
-from _rel import TOKENS, serve, token_env
-from hypothesis import given, settings
+from _frames import (
+    ANSWER_S,
+    EXHAUSTED,
+    INFO,
+    INVALID,
+    MATMUL,
+    MAX_FRAME,
+    METHODS,
+    PER_METHOD,
+    SMALL,
+    Plane,
+    call_bytes,
+    decode_matmul,
+    exchange,
+    hello_frame,
+    matmul_bytes,
+    matmul_parts,
+    read_frame,
+    recv_exact,
+    rss,
+    upload_header,
+)
+from hypothesis import given
 from hypothesis import strategies as st
-from test_fuzz import FUZZ, Resident, message
+from test_fuzz import message
 
-from coliworker.client import WorkerClient
 from coliworker.v1 import worker_pb2 as pb
-from coliworker.wire import calls, codec, frames, staging
-
-#: gRPC status values a frame may carry back (OK and the typed refusals).
-TYPED = {0, 3, 5, 7, 8, 9, 16}
-INVALID, EXHAUSTED = 3, 8
-MAX_FRAME = 16 << 20  # the fuzzed worker's --max-frame-bytes
-#: A worker that neither answers nor closes within this is hung (not a timing assertion:
-#: every answer here is expected at once).
-HANG_S = 20.0
-#: The shorter bound where an answer is due at once (a refused upload, a timed-out HELLO).
-ANSWER_S = 3.0
-SMALL = settings(FUZZ, max_examples=40)
-PER_METHOD = settings(FUZZ, max_examples=25)
-METHODS = sorted(calls.DATA_PLANE)
-MATMUL = calls.BY_KIND["matmul"].method
-INFO = calls.BY_KIND["info"].method
-
-
-# -- the worker ------------------------------------------------------------------------------
-
-
-class Failures(logging.Handler):
-    """The worker's logged errors (a connection thread that died of an exception it did
-    not expect logs "data connection failed")."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.records: list[str] = []
-        #: The known bug test_client_gone_mid_upload_is_not_an_internal_error pins: kept
-        #: apart so the fuzz tests still catch every other logged error.
-        self.upload_closed: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, frames.Closed) and record.getMessage().startswith(
-            ("internal error in upload", "internal error in update")
-        ):
-            self.upload_closed.append(record.getMessage())
-        else:
-            self.records.append(self.format(record))
-
-
-class Plane:
-    """The fuzzed worker, its resident state and the answers it must keep giving."""
-
-    def __init__(self) -> None:
-        self.failures = Failures()
-        logging.getLogger("coliworker").addHandler(self.failures)
-        self.srv = serve(
-            max_message_bytes=4 << 20, memory_limit=256 << 20, max_frame_bytes=MAX_FRAME
-        )
-        self.w = WorkerClient(self.srv.address, timeout=30, progress=False)
-        self.resident = Resident(self.w)
-        self.port = self.srv.data.port
-        self.want = self.w.matmul(self.resident.h, self.resident.x)  # unary: bit-exact
-        self.instance = self.w.info().instance_id
-        self.budget = dict(self.srv.servicer.budget.used)
-
-    def check(self) -> None:
-        """Nothing resident changed and no device budget is still held by a refused or
-        abandoned upload."""
-        self.resident.check(self.w)
-        assert self.srv.servicer.budget.used == self.budget
-
-    def connect(self) -> socket.socket:
-        s = socket.create_connection(("127.0.0.1", self.port), HANG_S)
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        s.settimeout(HANG_S)
-        return s
-
-    def hello(self) -> socket.socket:
-        """A connection past a valid HELLO (WELCOME OK read)."""
-        s = self.connect()
-        s.sendall(hello_frame())
-        head, body, _ = read_frame(s)
-        assert head.type == frames.WELCOME and head.status == 0, body
-        return s
-
-    def healthy(self) -> None:
-        """A fresh connection gets Info and an exact matmul; no connection thread died of
-        an exception."""
-        assert not self.failures.records, self.failures.records
-        s = self.hello()
-        try:
-            s.sendall(call_bytes(INFO, 1, pb.InfoRequest()) + matmul_bytes(self, 2))
-            got = {}
-            for _ in range(2):
-                head, body, data = read_frame(s)
-                assert head.type == frames.REPLY and head.status == 0, body
-                got[head.request_id] = (head, body, data)
-            info = pb.InfoResponse.FromString(got[1][1])
-            assert info.instance_id == self.instance
-            np.testing.assert_array_equal(decode_matmul(got[2][1], got[2][2]), self.want)
-        finally:
-            s.close()
-
-    def connections_drain(self, base: int) -> None:
-        """Connections whose clients went away are released (bounded wait, not timing)."""
-        end = time.monotonic() + HANG_S
-        while self.srv.data.connections() > base and time.monotonic() < end:
-            time.sleep(0.02)
-        assert self.srv.data.connections() <= base, "a closed connection is still served"
-
-    def close(self) -> None:
-        logging.getLogger("coliworker").removeHandler(self.failures)
-        self.w.close()
-        self.srv.stop(grace=None)
+from coliworker.wire import calls, frames, staging
 
 
 @pytest.fixture(scope="module")
@@ -144,111 +51,6 @@ def plane():
     yield p
     p.check()
     p.close()
-
-
-# -- frames ----------------------------------------------------------------------------------
-
-
-def hello_frame(**fields: Any) -> bytes:
-    body = pb.DataHello(version=1, **fields).SerializeToString()
-    return b"".join(bytes(b) for b in frames.frame(frames.HELLO, 0, 0, body))
-
-
-def call_bytes(method: int, rid: int, request, data: bytes = b"") -> bytes:
-    body = request.SerializeToString()
-    return frames.pack(frames.CALL, method, rid, 0, len(body), len(data)) + body + data
-
-
-def matmul_parts(p: Plane) -> tuple[bytes, bytes]:
-    side: list = []
-    req = pb.MatmulRequest(
-        handle=p.resident.h.handle, x=codec.encode(p.resident.x, pb.DTYPE_FLOAT32, side)
-    )
-    pieces, _ = frames.place(req, side)
-    data = b"".join(bytes(x) for x in pieces)
-    return req.SerializeToString(), data
-
-
-def matmul_bytes(p: Plane, rid: int) -> bytes:
-    body, data = matmul_parts(p)
-    return frames.pack(frames.CALL, MATMUL, rid, 0, len(body), len(data)) + body + data
-
-
-def decode_matmul(body: bytes, data: bytes) -> np.ndarray:
-    mm = pb.MatmulResponse.FromString(body)
-    return codec.decode(mm.y, "y", source=lambda a: data[a.staged.offset :][: a.staged.length])
-
-
-def recv_exact(s: socket.socket, n: int) -> bytes | None:
-    """n bytes, or None if the worker closed (or reset) the connection first; a worker that
-    neither answers nor closes within HANG_S fails the test."""
-    out = bytearray()
-    while len(out) < n:
-        try:
-            k = s.recv(n - len(out))
-        except ConnectionResetError:
-            return None
-        except TimeoutError:
-            pytest.fail(f"the worker neither answered nor closed within {HANG_S} s (hung)")
-        if not k:
-            return None
-        out += k
-    return bytes(out)
-
-
-def read_frame(s: socket.socket) -> tuple[frames.Header, bytes, bytes]:
-    raw = recv_exact(s, frames.HEADER_BYTES)
-    assert raw is not None, "the worker closed the connection without an answer"
-    head = frames.parse(raw)
-    body = recv_exact(s, head.body_bytes)
-    data = recv_exact(s, head.data_bytes)
-    assert body is not None and data is not None, "the worker closed mid-frame"
-    return head, body, data
-
-
-def send(s: socket.socket, blob: bytes) -> None:
-    """Send what the worker takes (it may close early on a broken frame), then half-close
-    so it sees the end of the stream."""
-    try:
-        s.sendall(blob)
-        s.shutdown(socket.SHUT_WR)
-    except OSError:  # EPIPE, ECONNRESET, ENOTCONN: the worker closed first
-        pass
-
-
-def drain(s: socket.socket) -> list[tuple[frames.Header, bytes, bytes]]:
-    """Every frame the worker sends until it closes; each must be well formed and typed."""
-    out = []
-    while True:
-        raw = recv_exact(s, frames.HEADER_BYTES)
-        if raw is None:
-            return out
-        head = frames.parse(raw)  # a malformed answer raises here
-        assert head.type in (frames.WELCOME, frames.REPLY), head
-        assert head.status in TYPED, f"untyped status {head.status}"
-        if head.status:
-            assert head.data_bytes == 0, head
-        body = recv_exact(s, head.body_bytes)
-        data = recv_exact(s, head.data_bytes)
-        if body is None or data is None:
-            return out  # closed while answering: the connection ended
-        if head.status:
-            body.decode("utf-8")  # an error's body is its message
-        out.append((head, body, data))
-
-
-def exchange(p: Plane, blob: bytes, after_hello: bool = True) -> list:
-    s = p.hello() if after_hello else p.connect()
-    try:
-        send(s, blob)
-        return drain(s)
-    finally:
-        s.close()
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 # -- garbage, truncation, sizes --------------------------------------------------------------
@@ -313,16 +115,6 @@ def test_truncated_frames(plane):
 
     fuzz()
     plane.check()
-
-
-def upload_header(n: int, fmt: int = 0) -> pb.UploadHeader:
-    """A well-formed fp32 header of about n weight bytes (n rounded down to rows of 4x4)."""
-    rows = max(1, n // 16)
-    return pb.UploadHeader(
-        spec=pb.TensorSpec(fmt=fmt, in_features=4, out_features=rows),
-        content_hash=bytes(32),
-        weight_bytes=rows * 16,
-    )
 
 
 @pytest.mark.parametrize(
@@ -598,146 +390,3 @@ def test_random_bytes_after_a_valid_call(plane):
 
     fuzz()
     plane.check()
-
-
-# -- idle and killed clients -----------------------------------------------------------------
-
-
-@pytest.fixture
-def secured(monkeypatch):
-    """A worker with tokens and a short HELLO timeout."""
-    monkeypatch.setattr(frames, "HELLO_TIMEOUT_S", 0.3)
-    srv = serve(tokens=token_env())
-    yield srv
-    srv.stop(grace=None)
-
-
-def closed_by_worker(s: socket.socket) -> bool:
-    s.settimeout(HANG_S)
-    try:
-        while True:
-            k = s.recv(4096)
-            if not k:
-                return True
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
-
-
-def test_idle_unauthenticated_connection_is_closed(secured):
-    base = secured.data.connections()
-    before = rss()
-    socks = [socket.create_connection(("127.0.0.1", secured.data.port), HANG_S) for _ in range(16)]
-    try:
-        for s in socks:
-            assert closed_by_worker(s), "an idle connection outlived the HELLO timeout"
-    finally:
-        for s in socks:
-            s.close()
-    end = time.monotonic() + HANG_S
-    while secured.data.connections() > base and time.monotonic() < end:
-        time.sleep(0.02)
-    assert secured.data.connections() == base
-    assert rss() - before < 16 << 20  # 16 idle connections: a small buffer each
-    with WorkerClient(secured.address, token=TOKENS["alice"]) as w:
-        with w.session(transport="socket") as s:
-            assert s.transport == "socket"
-            x = np.ones((1, 4), np.float32)
-            t = w.upload(np.eye(4, dtype=np.float32), None, fmt=0, in_features=4, out_features=4)
-            np.testing.assert_array_equal(s.matmul_sync(t, x), x)
-
-
-@pytest.mark.parametrize(
-    "partial",
-    [
-        "header",
-        "body",
-    ],
-)
-def test_partial_hello_is_closed_after_the_timeout(secured, partial):
-    hello = hello_frame(token=TOKENS["alice"])
-    if partial == "header":
-        blob = hello[:10]
-    else:
-        body = pb.DataHello(version=1, token="x" * 90).SerializeToString()
-        blob = frames.pack(frames.HELLO, 0, 0, 0, len(body), 0) + body[:10]
-    s = socket.create_connection(("127.0.0.1", secured.data.port), HANG_S)
-    try:
-        s.sendall(blob)
-        s.settimeout(ANSWER_S)  # 10x the patched HELLO timeout: a hang, not slowness
-        try:
-            k = s.recv(4096)
-            closed = not k or k[:4] == frames.MAGIC
-        except ConnectionResetError:
-            closed = True
-        except TimeoutError:
-            closed = False
-        assert closed, "a partial HELLO held its connection past the HELLO timeout"
-    finally:
-        s.close()
-
-
-KILLED_CLIENT = textwrap.dedent(
-    """
-    import socket, sys
-    from coliworker.v1 import worker_pb2 as pb
-    from coliworker.wire import frames, calls
-    port, handle = int(sys.argv[1]), int(sys.argv[2])
-    s = socket.create_connection(("127.0.0.1", port))
-    hello = pb.DataHello(version=1).SerializeToString()
-    s.sendall(frames.pack(frames.HELLO, 0, 0, 0, len(hello), 0) + hello)
-    head = s.recv(frames.HEADER_BYTES, socket.MSG_WAITALL)
-    assert frames.parse(head).status == 0
-    s.recv(frames.parse(head).body_bytes, socket.MSG_WAITALL)
-    n = 10 << 20
-    x = pb.Array(dtype=pb.DTYPE_FLOAT32, shape=[n // 64, 16], staged=pb.Slice(length=n))
-    body = pb.MatmulRequest(handle=handle, x=x).SerializeToString()
-    head = frames.pack(frames.CALL, calls.BY_KIND["matmul"].method, 1, 0, len(body), n)
-    s.sendall(head + body + bytes(n // 2))  # half of the frame's data
-    print("sent", flush=True)
-    sys.stdin.read()  # until killed
-    """
-)
-
-
-def test_client_killed_mid_frame(plane):
-    base = plane.srv.data.connections()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", KILLED_CLIENT, str(plane.port), str(plane.resident.h.handle)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout.readline().strip() == "sent"
-        plane.healthy()  # serving while that frame hangs half sent
-        proc.kill()
-        proc.wait(HANG_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(HANG_S)
-        proc.stdin.close()
-        proc.stdout.close()
-    plane.connections_drain(base)
-    plane.healthy()
-    plane.check()
-
-
-def test_client_gone_mid_upload_is_not_an_internal_error(plane):
-    base = plane.srv.data.connections()
-    plane.failures.upload_closed.clear()
-    header = upload_header(1 << 20)  # 1 MiB, accepted at the header
-    hb = header.SerializeToString()
-    method = calls.BY_KIND["upload"].method
-    s = plane.hello()
-    try:
-        s.sendall(frames.pack(frames.CALL, method, 1, 0, len(hb), header.weight_bytes) + hb)
-        s.sendall(bytes(header.weight_bytes // 2))
-    finally:
-        s.close()
-    plane.connections_drain(base)
-    plane.healthy()
-    plane.check()  # nothing stored, no budget held
-    assert plane.failures.upload_closed == [], plane.failures.upload_closed[0]
