@@ -141,18 +141,18 @@ class SocketSession(SessionCalls):
                 host, _, port = address.rpartition(":")
                 sock = socket.create_connection((host.strip("[]"), int(port)), CONNECT_TIMEOUT_S)
                 if tls:
-                    ctx = _tls_context(getattr(self._client, "tls", None))
+                    ctx = _tls_context(self._client.tls)
                     sock = ctx.wrap_socket(sock, server_hostname=host.strip("[]"))
         except (OSError, ValueError) as exc:
             raise errors.Unavailable(f"data plane: cannot connect to {address}: {exc}") from None
         return frames.FrameSocket(sock, spin_us)
 
     def _hello(self, client: Any) -> None:
-        token = getattr(client, "token", None)
         hello = pb.DataHello(version=frames.VERSION)
-        if token:
-            hello.token = token
-        elif getattr(client, "tls", None) is not None or getattr(client, "authenticated", False):
+        if client.token:
+            hello.token = client.token
+        elif client.tls is not None:  # TLS (mutual or not) without a token: a one-time
+            # ticket carries what the gRPC channel authenticated as to the data plane
             t = client._call(client._stub.DataTicket, pb.DataTicketRequest())
             hello.ticket = t.ticket
         self._io.send(frames.frame(frames.HELLO, 0, 0, hello.SerializeToString()))
