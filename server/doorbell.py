@@ -237,11 +237,12 @@ class Doorbell:
         seg = self.segment
         off = self.offset + slot * self.slot_bytes
         room = bell.room(self.slot_bytes)
-        out_off, out_len = bell.PREFIX.unpack(seg.read(off, bell.PREFIX_BYTES, "doorbell"))
+        lead = seg.read(off, bell.FRAME_AT + frames.HEADER_BYTES, "doorbell")  # prefix + header
+        out_off, out_len = bell.PREFIX.unpack_from(lead)
         method = rid = 0
         kind = "doorbell"
         try:
-            head = frames.parse(seg.read(off + bell.FRAME_AT, frames.HEADER_BYTES, "doorbell"))
+            head = frames.parse(memoryview(lead)[bell.FRAME_AT :])
             method, rid = head.method, head.request_id
             call = calls.BY_METHOD.get(method)
             if head.type != frames.CALL or call is None or call.streams_data:
