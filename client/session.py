@@ -11,8 +11,9 @@ any number of calls (up to the worker's window) overlap on the wire and in the w
 error fails only its own future (``WorkerError`` subclasses, as the unary calls raise);
 the stream stays usable. Ragged attention calls on one kv_b run in the order submitted.
 
-``shm=True`` (same host only) attaches a shared-memory segment: activations in and out
-travel through it and the stream carries only small control messages. Arrays over 1 MiB
+``shm=True`` (same host only) attaches a shared-memory segment (a sealed memfd passed to
+the worker over its attach socket, ``coliworker.wire.shm``): activations in and out travel
+through it and the stream carries only small control messages. Arrays over 1 MiB
 that do not go through shared memory travel as chunks.
 
 ``doorbell=True`` (with ``shm=True``) takes the calls off gRPC altogether: each goes into
@@ -47,7 +48,7 @@ from coliworker.client.session_calls import (
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.wire import bell as bell_slots
 from coliworker.wire import calls, frames, staging
-from coliworker.wire.shm import Allocator, Segment
+from coliworker.wire.shm import PASS_TIMEOUT_S, Allocator, Segment, ShmError, pass_fd
 
 _STATUS_OF = {c.value[0]: c for c in grpc.StatusCode}
 #: Turns a response body into the call's value; gets the future to fill backend_ns/lengths.
@@ -134,17 +135,39 @@ class Session(SessionCalls):
             self.segment.close()
 
     def _attach(self, size: int) -> None:
-        seg = Segment.create(size)
         try:
-            fut = self._submit(
-                "attach_shm", pb.ShmAttach(name=seg.name, size=seg.size, nonce=seg.nonce), None
-            )
-            fut.result(self.timeout)
+            seg = Segment.create(size)  # sealed and allocated (coliworker.wire.shm)
+        except ShmError as exc:
+            raise errors.ResourceExhausted(exc.message) from None
+        try:
+            self._attach_segment(seg)
         except BaseException:
             seg.close()
             raise
-        seg.unlink()  # both sides have it mapped: the memory now lives as long as they do
         self.segment, self._alloc = seg, Allocator(seg.size)
+
+    def _attach_segment(self, seg: Segment) -> None:
+        """Steps 2-3 of ``coliworker.wire.shm``: a ticket on the stream, then the memfd and
+        the ticket over the worker's attach socket; raises the worker's error."""
+        got = self._submit("attach_shm", pb.ShmAttach(size=seg.size), None).result(self.timeout)
+        if not isinstance(got, pb.ShmTicket):
+            raise errors.InternalError(
+                f"attach_shm: expected a ShmTicket, got {type(got).__name__}"
+            )
+        path = got.socket
+        try:
+            code, message = pass_fd(path, got.ticket, seg.fd, self.timeout or PASS_TIMEOUT_S)
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise errors.FailedPrecondition(
+                f"attach_shm: the worker's attach socket {path} is not on this host (is the "
+                f"worker on another host?)"
+            ) from None
+        except PermissionError as exc:
+            raise errors.PermissionDenied(f"attach_shm: cannot reach {path}: {exc}") from None
+        except OSError as exc:
+            raise errors.Unavailable(f"attach_shm: passing the segment to {path}: {exc}") from None
+        if code:
+            raise errors.from_status(_STATUS_OF.get(code, grpc.StatusCode.UNKNOWN), message)
 
     def _attach_doorbell(self, spin_us: int, worker_spin_us: int) -> None:
         assert self._alloc is not None and self.segment is not None  # _attach ran

@@ -129,12 +129,16 @@ class WorkerServer:
 
         self.data = DataPlane(self.servicer, config)
         self.servicer.data_endpoint = self.data.endpoint
+        from coliworker.server.shm_socket import AttachSocket
+
+        self.servicer.sessions.attach_socket = AttachSocket()  # shared memory (same host)
         self.metrics_port: int | None = None
         self._stopped = threading.Event()
 
     def start(self) -> WorkerServer:
         self.server.start()
         self.data.start()
+        self.servicer.sessions.attach_socket.start()
         if self.metrics is not None:
             host = self.config.metrics_host or self.config.host
             self.metrics_port = self.metrics.serve(host, self.config.metrics_port or 0)
@@ -164,6 +168,7 @@ class WorkerServer:
         self.health.set_not_serving()
         stopping = self.server.stop(grace)
         self.data.stop(grace)
+        self.servicer.sessions.attach_socket.stop()
         stopping.wait()
         if self.metrics is not None:
             self.metrics.stop()

@@ -36,6 +36,7 @@ _SHM_STATUS = {
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,
     "not_found": grpc.StatusCode.FAILED_PRECONDITION,
     "permission": grpc.StatusCode.PERMISSION_DENIED,
+    "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 

@@ -22,7 +22,9 @@ reader stops reading, which pushes back on the client through gRPC flow control.
 
 Large arrays arrive as ``chunk`` messages ahead of their call and leave the same way; with
 a shared-memory segment attached (``coliworker.wire.shm``) arrays are read from and
-written to it. The segment is unmapped when the stream ends for any reason.
+written to it. ``attach_shm`` only hands out a ticket; the sealed memfd arrives with it on
+the worker's attach socket (``shm_socket.py``), whose thread gives it to the stream
+(``attach_segment``). The segment is unmapped when the stream ends for any reason.
 
 With a segment attached the client may also open a doorbell channel (``attach_doorbell``,
 ``server/doorbell.py``): its calls then arrive as frames in segment slots rung through
@@ -46,13 +48,14 @@ from typing import Any
 
 import grpc
 
-from coliworker.server.dispatch import STATUS_OF
+from coliworker.server.dispatch import STATUS_OF, status_of
 from coliworker.server.doorbell import Doorbell
 from coliworker.server.errors import WorkerError
+from coliworker.server.shm_socket import TICKET_TTL_S, AttachSocket
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.wire import calls, staging
 from coliworker.wire.codec import ArrayIO
-from coliworker.wire.shm import Segment, ShmError
+from coliworker.wire.shm import HEADER_BYTES, Segment, ShmError
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +74,6 @@ MAX_STAGED_BYTES = 4 << 30
 _CALLS = calls.SESSION_KINDS
 _END = object()
 _WAKE = object()  # re-check who reads (the reader thread handed reading back)
-_SHM_STATUS = {
-    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
-    "not_found": grpc.StatusCode.FAILED_PRECONDITION,
-    "permission": grpc.StatusCode.PERMISSION_DENIED,
-}
 
 
 def _chunks(rid: int, views: list[memoryview]) -> Iterator[pb.SessionResponse]:
@@ -199,6 +197,9 @@ class SessionStream:
         staged, self.staged = self.staged, {}
         for buf in staged.values():  # chunks of calls that never came
             self._unstage(buf)
+        attach = self.servicer.sessions.attach_socket
+        if attach is not None:
+            attach.forget(self)  # a ticket it still holds is void
         if self.doorbell is not None:
             self.doorbell.close()
         if self.segment is not None:
@@ -448,25 +449,62 @@ class SessionStream:
         return pb.SessionResponse(request_id=rid, error=_status(code, message))
 
     def _attach(self, rid: int, msg: pb.ShmAttach) -> pb.SessionResponse:
+        """Step 2 of ``coliworker.wire.shm``: a ticket to pass the memfd with."""
         if self.segment is not None:
             return self._error(
                 rid,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"attach_shm: this stream already has segment {self.segment.name}",
             )
+        if msg.name:
+            return self._error(
+                rid,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"attach_shm.name: expected empty (a sealed memfd passed over the worker's "
+                f"attach socket), got {msg.name[:80]!r}: segments named in /dev/shm are "
+                f"refused, a file its client can truncate could crash the worker (SIGBUS)",
+            )
+        if msg.size <= HEADER_BYTES:
+            return self._error(
+                rid,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"attach_shm.size: expected > {HEADER_BYTES}, got {msg.size}",
+            )
+        attach = self.servicer.sessions.attach_socket
         try:
-            seg = Segment.attach(msg.name, msg.size, msg.nonce)
+            if attach is None:
+                raise ShmError("not_found", "attach_shm: this worker serves no shared memory")
+            with self.lock:
+                if self.ended:
+                    return self._error(rid, grpc.StatusCode.CANCELLED, "attach_shm: stream ended")
+                ticket = attach.expect(self, msg.size)
         except ShmError as exc:
-            return self._error(rid, _SHM_STATUS[exc.kind], exc.message)
+            code, message = status_of(exc, "attach_shm")
+            return self._error(rid, code, message)
+        expires = pb.ShmTicket(
+            ticket=ticket, socket=attach.path, expires_ms=int(TICKET_TTL_S * 1000)
+        )
+        return pb.SessionResponse(request_id=rid, shm_ticket=expires)
+
+    def attach_segment(self, seg: Segment) -> tuple[int, str]:
+        """Step 3 (the attach socket's thread): ``seg`` becomes this stream's segment; the
+        answer for the socket (status code value, message)."""
         with self.lock:
             if self.ended:
-                seg.close()
-                return self._error(rid, grpc.StatusCode.CANCELLED, "attach_shm: stream ended")
-            self.segment = seg
-            attach = getattr(self.servicer.backend, "attach_segment", None)
-            if attach is not None:  # the CUDA backend reads large inputs straight from it
-                attach(seg)
-        return pb.SessionResponse(request_id=rid, shm_attached=pb.ShmAttached(size=seg.size))
+                why = (grpc.StatusCode.CANCELLED, "attach_shm: the session stream ended")
+            elif self.segment is not None:
+                why = (
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"attach_shm: this stream already has segment {self.segment.name}",
+                )
+            else:
+                self.segment = seg
+                attach = getattr(self.servicer.backend, "attach_segment", None)
+                if attach is not None:  # the CUDA backend reads large inputs straight from it
+                    attach(seg)
+                return 0, f"segment {seg.name} attached ({seg.size} bytes)"
+        seg.close()
+        return why[0].value[0], why[1]
 
     def _attach_doorbell(self, rid: int, msg: pb.DoorbellAttach) -> pb.SessionResponse:
         seg = self.segment
@@ -485,7 +523,8 @@ class SessionStream:
         try:
             bell = Doorbell(self, seg, msg)
         except ShmError as exc:
-            return self._error(rid, _SHM_STATUS[exc.kind], exc.message)
+            code, message = status_of(exc, "attach_doorbell")
+            return self._error(rid, code, message)
         with self.lock:
             if self.ended:
                 bell.close()
@@ -504,6 +543,8 @@ class SessionManager:
         self.servicer = servicer
         self._lock = threading.Lock()
         self._streams: set[SessionStream] = set()
+        # where clients pass their segments (server/shm_socket.py; the app makes it)
+        self.attach_socket: AttachSocket | None = None
 
     def serve(self, request_iterator, context: grpc.ServicerContext) -> Iterator[Any]:
         stream = SessionStream(self.servicer, self.servicer.owner(context))

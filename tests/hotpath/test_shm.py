@@ -1,8 +1,10 @@
-"""The shared-memory data plane: both directions, 0600, refusals, cleanup on death/stop."""
+"""The shared-memory data plane: both directions, private memfds, refusals, cleanup on
+death/stop (the SIGBUS hardening of segments is in tests/reliability/test_shm_segments.py)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 from _hotpath import D, mapped, wait_for
 
-from coliworker.client import FailedPrecondition, InvalidArgument, PermissionDenied, WorkerClient
+from coliworker.client import FailedPrecondition, InvalidArgument, WorkerClient
 from coliworker.client.session_calls import SessionFuture
 from coliworker.server.app import build_server
 from coliworker.server.config import Config
@@ -68,35 +70,39 @@ def test_segment_is_private_and_unlinked(client, server):
     assert wait_for(lambda: server.servicer.sessions.attached_segments() == [])
 
 
-def _attach(s, seg, nonce=None):
-    return s._submit(
-        "attach_shm", pb.ShmAttach(name=seg.name, size=seg.size, nonce=nonce or seg.nonce), None
-    ).result(10)
-
-
-def test_worker_refuses_open_mode_and_wrong_nonce(client):
+def test_worker_refuses_a_named_segment_and_an_unknown_ticket(client):
+    """The by-name protocol (a file in /dev/shm, which its client could truncate) is refused;
+    a ticket no attach_shm gave out attaches nothing; the proper steps then work."""
     seg = Segment.create(1 << 16)
     try:
         with client.session(transport="grpc") as s:
-            os.fchmod(seg.fd, 0o644)
-            with pytest.raises(PermissionDenied, match="expected 0600"):
-                _attach(s, seg)
-            os.fchmod(seg.fd, 0o600)
-            with pytest.raises(PermissionDenied, match="nonce"):
-                _attach(s, seg, nonce=b"\1" * 16)
-            _attach(s, seg)  # now fine
+            for name in ("coliworker-1-0123456789abcdef", "../etc/passwd"):
+                msg = pb.ShmAttach(name=name, size=1 << 16, nonce=b"\0" * 16)
+                with pytest.raises(FailedPrecondition, match="attach_shm.name: expected empty"):
+                    s._submit("attach_shm", msg, None).result(10)
+            t = s._submit("attach_shm", pb.ShmAttach(size=seg.size), None).result(10)
+            code, message = shm_mod.pass_fd(t.socket, b"\1" * 16, seg.fd)
+            assert code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+            assert "no attach_shm of this worker gave it out" in message
+            s._attach_segment(seg)  # the ticket above is still good: now fine
+            assert s._client is client
     finally:
         seg.close()
 
 
-def test_worker_refuses_missing_segment(client):
-    with client.session(transport="grpc") as s:
-        msg = pb.ShmAttach(name="coliworker-1-0123456789abcdef", size=1 << 16, nonce=b"\0" * 16)
-        with pytest.raises(FailedPrecondition, match="another host"):
-            s._submit("attach_shm", msg, None).result(10)
-        bad = pb.ShmAttach(name="../etc/passwd", size=1 << 16, nonce=b"\0" * 16)
-        with pytest.raises(Exception, match="attach_shm.name"):
-            s._submit("attach_shm", bad, None).result(10)
+def test_worker_on_another_host_is_failed_precondition():
+    """The attach socket the worker names does not exist here: FailedPrecondition (which
+    transport="auto" takes as "another host" and falls back)."""
+    srv = build_server(Config(backend="numpy", port=0, metrics_port=None, data_port=0)).start()
+    try:
+        shutil.rmtree(srv.servicer.sessions.attach_socket.dir)  # as seen from another host
+        with WorkerClient(srv.address, timeout=10) as w:
+            with pytest.raises(FailedPrecondition, match="another host"):
+                w.session(shm=True)
+            with w.session() as s:  # "auto": the socket data plane instead
+                assert s.transport == "socket"
+    finally:
+        srv.stop(0)
 
 
 _CHILD = textwrap.dedent(
@@ -142,7 +148,7 @@ def test_stale_segment_of_dead_process_is_swept():
         assert not os.path.exists(path)
     finally:
         seg.close()
-    assert not os.path.exists(seg.path or os.path.join(shm_dir(), seg.name))
+    assert not os.path.exists(os.path.join(shm_dir(), seg.name))  # a memfd: never named
 
 
 def test_worker_stop_releases_segment(rng):

@@ -489,6 +489,16 @@ class ShmAttach(_message.Message):
     nonce: bytes
     def __init__(self, name: _Optional[str] = ..., size: _Optional[int] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
+class ShmTicket(_message.Message):
+    __slots__ = ("ticket", "socket", "expires_ms")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_MS_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    socket: str
+    expires_ms: int
+    def __init__(self, ticket: _Optional[bytes] = ..., socket: _Optional[str] = ..., expires_ms: _Optional[int] = ...) -> None: ...
+
 class ShmAttached(_message.Message):
     __slots__ = ("size",)
     SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -550,7 +560,7 @@ class Status(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("request_id", "matmul", "expert_group", "expert_group_routed", "attention", "attention_ragged", "expert_mlp", "shm_attached", "chunk", "doorbell_attached", "error")
+    __slots__ = ("request_id", "matmul", "expert_group", "expert_group_routed", "attention", "attention_ragged", "expert_mlp", "shm_attached", "chunk", "doorbell_attached", "shm_ticket", "error")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MATMUL_FIELD_NUMBER: _ClassVar[int]
     EXPERT_GROUP_FIELD_NUMBER: _ClassVar[int]
@@ -561,6 +571,7 @@ class SessionResponse(_message.Message):
     SHM_ATTACHED_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     DOORBELL_ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    SHM_TICKET_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     matmul: MatmulResponse
@@ -572,8 +583,9 @@ class SessionResponse(_message.Message):
     shm_attached: ShmAttached
     chunk: bytes
     doorbell_attached: DoorbellAttached
+    shm_ticket: ShmTicket
     error: Status
-    def __init__(self, request_id: _Optional[int] = ..., matmul: _Optional[_Union[MatmulResponse, _Mapping]] = ..., expert_group: _Optional[_Union[ExpertGroupResponse, _Mapping]] = ..., expert_group_routed: _Optional[_Union[ExpertGroupResponse, _Mapping]] = ..., attention: _Optional[_Union[AttentionResponse, _Mapping]] = ..., attention_ragged: _Optional[_Union[AttentionRaggedResponse, _Mapping]] = ..., expert_mlp: _Optional[_Union[ExpertMlpResponse, _Mapping]] = ..., shm_attached: _Optional[_Union[ShmAttached, _Mapping]] = ..., chunk: _Optional[bytes] = ..., doorbell_attached: _Optional[_Union[DoorbellAttached, _Mapping]] = ..., error: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[int] = ..., matmul: _Optional[_Union[MatmulResponse, _Mapping]] = ..., expert_group: _Optional[_Union[ExpertGroupResponse, _Mapping]] = ..., expert_group_routed: _Optional[_Union[ExpertGroupResponse, _Mapping]] = ..., attention: _Optional[_Union[AttentionResponse, _Mapping]] = ..., attention_ragged: _Optional[_Union[AttentionRaggedResponse, _Mapping]] = ..., expert_mlp: _Optional[_Union[ExpertMlpResponse, _Mapping]] = ..., shm_attached: _Optional[_Union[ShmAttached, _Mapping]] = ..., chunk: _Optional[bytes] = ..., doorbell_attached: _Optional[_Union[DoorbellAttached, _Mapping]] = ..., shm_ticket: _Optional[_Union[ShmTicket, _Mapping]] = ..., error: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
 
 class DataHello(_message.Message):
     __slots__ = ("version", "token", "ticket")

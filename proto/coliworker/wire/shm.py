@@ -1,21 +1,44 @@
 """The same-host data plane: a shared-memory segment one client and one worker both map.
 
-Life of a segment (the design the README's hot-path section describes):
+A segment is a memfd, never a file in /dev/shm: a client could truncate a named file (or
+leave it sparse on a full tmpfs) after the worker mapped it, and the worker's next touch of
+a missing page would be SIGBUS, killing it for every owner. Life of a segment:
 
-1. The client creates ``<shm dir>/coliworker-<pid>-<token>`` with ``O_CREAT | O_EXCL``, mode
-   0600, sizes it, and writes a 16-byte random nonce at offset 0.
-2. It sends the name, size and nonce on its Session stream (``attach_shm``). The worker opens
-   the file with ``O_NOFOLLOW`` and maps it only if it is a regular file owned by the
-   worker's own uid with no group/other permission bits, and begins with the nonce (so a
-   same-named file on another host is never mistaken for it).
-3. Once the worker has answered, the client unlinks the name. The memory now lives exactly
-   as long as the two mappings: the worker unmaps when the stream ends (client closed or
-   died), the client when it closes or exits. Nothing is left in /dev/shm by a dead process.
-4. A client killed between steps 1 and 3 leaves a file whose name carries its pid; the next
-   client of the same uid removes such files whose process is gone (``sweep_stale``).
+1. The client creates it (``Segment.create``): ``memfd_create(MFD_CLOEXEC |
+   MFD_ALLOW_SEALING)``, mode 0600, sized, ``posix_fallocate``d over its whole size (no
+   holes; ENOSPC/ENOMEM is ShmError("exhausted"), a ResourceExhausted for the caller), then
+   sealed with ``SEALS`` (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL), then mapped.
+2. It sends ``attach_shm`` (size, no name) on its Session stream; the worker answers
+   ``shm_ticket``: a random one-time ``TICKET_BYTES`` ticket of that stream, valid for
+   ``expires_ms``, and the path of the worker's attach socket (``server/shm_socket.py``: a
+   Unix socket in a 0700 directory of the worker's uid in /dev/shm).
+3. The client connects to that socket and sends ``PASS_MAGIC`` + the ticket with the memfd
+   as SCM_RIGHTS (``pass_fd``). The worker takes the peer's uid from SO_PEERCRED (another
+   uid is refused, PERMISSION_DENIED, before anything is received), finds the stream the
+   ticket was given to (once; unknown or expired: FAILED_PRECONDITION), checks the memfd
+   (``check_fd``: a regular file of the worker's uid on tmpfs, not hugetlbfs, sealed
+   against shrinking, at least ``size`` bytes, all of them allocated), runs its own
+   ``posix_fallocate`` (a failure: RESOURCE_EXHAUSTED naming the segment and the sizes),
+   maps it and closes the descriptor. Its answer is one byte, a gRPC status code (0: the
+   segment is attached to the stream), then the message, then it closes the connection.
+   Every refusal is such a status naming the field and both values; the worker carries on.
+
+Why this cannot SIGBUS the worker: the seals cannot be removed, so the file never gets
+smaller than what is mapped; every page exists when it is mapped; a memfd lives on the
+kernel's internal tmpfs, which has no size limit (a full /dev/shm does not matter), so a
+page the client punches out again (F_SEAL_WRITE would forbid that, but also the client's
+own writes) is refilled with zeros on the next touch, charged to the memory cgroup like any
+page, never ENOSPC. hugetlbfs memfds, which can fail such a refill, are refused.
+
+The ticket travels over the (authenticated) stream, the descriptor only over the Unix
+socket: knowing a ticket lets a process pass a segment *into* that stream if it runs as the
+worker's uid on the worker's host, and gives nobody else's memory to anyone. The memory
+lives exactly as long as the two mappings: the worker unmaps when the stream ends (client
+closed or died), the client when it closes or exits. Nothing is named, so nothing is left
+behind. Attaching by name (``attach_shm.name``, the protocol before memfds) is refused.
 
 Arrays are placed in the segment by a first-fit allocator over 64-byte aligned blocks
-(``Allocator``); the first ``HEADER_BYTES`` hold the nonce. Copies of ``PARALLEL_BYTES`` or
+(``Allocator``); the first ``HEADER_BYTES`` are reserved. Copies of ``PARALLEL_BYTES`` or
 more in or out of a segment (``write``, ``read_array``) run on several threads: one thread
 moves 6-10 GB/s on an H200 host, and a 50 MB activation batch is copied three times.
 """
@@ -23,11 +46,14 @@ moves 6-10 GB/s on an H200 host, and a 50 MB activation batch is copied three ti
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import logging
 import mmap
 import os
 import re
 import secrets
+import socket
 import stat
 import tempfile
 import threading
@@ -40,9 +66,19 @@ log = logging.getLogger(__name__)
 
 HEADER_BYTES = 64
 ALIGN = 64
-NONCE_BYTES = 16
 PREFIX = "coliworker-"
 _NAME = re.compile(r"^coliworker-(\d+)-([0-9a-f]{16})$")
+
+#: Seals a client puts on its segment; the worker requires F_SEAL_SHRINK of them.
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+TMPFS_MAGIC = 0x01021994  # statfs.f_type of tmpfs / shmem (memfds live there)
+HUGETLBFS_MAGIC = 0x958458F6
+#: What a client sends on the attach socket: PASS_MAGIC + ticket, with the memfd attached.
+PASS_MAGIC = b"CWSHMFD1"
+TICKET_BYTES = 16
+PASS_BYTES = len(PASS_MAGIC) + TICKET_BYTES
+#: How long the worker waits for a connection's message, and a client for the answer.
+PASS_TIMEOUT_S = 10.0
 
 #: Copies of at least this many bytes run in slices on COPY_THREADS threads; smaller ones
 #: (a decode call's arrays, doorbell messages) stay on the calling thread: no hand-off.
@@ -83,7 +119,8 @@ def copy(dst: int, src: int, n: int) -> None:
 
 
 class ShmError(Exception):
-    """Attaching failed; ``kind`` is "invalid", "not_found" or "permission"."""
+    """Attaching failed; ``kind`` is "invalid", "not_found", "permission" or "exhausted"
+    (statuses in ``server/dispatch.py``)."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
@@ -129,102 +166,173 @@ def sweep_stale(directory: str | None = None) -> list[str]:
     return removed
 
 
+def worker_uid() -> int:
+    """The uid a segment and an attach-socket peer must have: this process's own."""
+    return os.geteuid()
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def fs_type(fd: int) -> int:
+    """``statfs.f_type`` of the file system ``fd`` is on (the first field of the Linux
+    struct, a word)."""
+    buf = ctypes.create_string_buffer(256)  # sizeof(struct statfs) is 120 on 64-bit Linux
+    if _libc.fstatfs(fd, buf) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
+
+
+def memfd_name(fd: int) -> str:
+    """The name a memfd was created with (from /proc/self/fd), for messages and logs."""
+    try:
+        link = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return f"fd {fd}"
+    link = link.removeprefix("/memfd:").removesuffix(" (deleted)")
+    return "".join(c if c.isprintable() else "?" for c in link[:80])
+
+
+def check_fd(fd: int, size: int) -> str:
+    """Worker side: ShmError naming the field and both values unless ``fd`` is a memfd the
+    worker may map ``size`` bytes of without risking SIGBUS (module doc); its name."""
+    name = memfd_name(fd)
+    if size <= HEADER_BYTES:
+        raise ShmError("invalid", f"attach_shm.size: expected > {HEADER_BYTES}, got {size}")
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise ShmError(
+            "invalid",
+            f"attach_shm.fd: expected a memfd (a regular file), got file type "
+            f"{stat.S_IFMT(st.st_mode):o} ({name})",
+        )
+    if st.st_uid != worker_uid():
+        raise ShmError(
+            "permission",
+            f"attach_shm.fd: segment {name} is owned by uid {st.st_uid}, expected the "
+            f"worker's uid {worker_uid()}",
+        )
+    kind = fs_type(fd)
+    if kind != TMPFS_MAGIC:
+        what = " (hugetlbfs)" if kind == HUGETLBFS_MAGIC else ""
+        raise ShmError(
+            "invalid",
+            f"attach_shm.fd: segment {name}: expected a memfd on tmpfs (f_type "
+            f"{TMPFS_MAGIC:#010x}), got f_type {kind:#010x}{what}",
+        )
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        seals = 0  # a file that cannot be sealed
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise ShmError(
+            "invalid",
+            f"attach_shm.fd: segment {name} is not sealed against shrinking: expected "
+            f"F_SEAL_SHRINK ({fcntl.F_SEAL_SHRINK:#x}) in its seals, got {seals:#x} (create "
+            f"it with MFD_ALLOW_SEALING, then F_ADD_SEALS)",
+        )
+    if st.st_size < size:
+        raise ShmError(
+            "invalid",
+            f"attach_shm.size: expected <= {st.st_size} (segment {name}'s size), got {size}",
+        )
+    allocated = st.st_blocks * 512
+    if allocated < size:
+        raise ShmError(
+            "invalid",
+            f"attach_shm.fd: segment {name}: expected all of its {size} bytes allocated, got "
+            f"{allocated} (posix_fallocate it before passing it)",
+        )
+    return name
+
+
+def pass_fd(path: str, ticket: bytes, fd: int, timeout: float = PASS_TIMEOUT_S) -> tuple[int, str]:
+    """Client side, step 3 of the module doc: pass ``fd`` with ``ticket`` to the worker's
+    attach socket at ``path``; its answer (gRPC status code value, message). OSError when
+    the socket cannot be reached."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        socket.send_fds(sock, [PASS_MAGIC + ticket], [fd])
+        answer = bytearray()
+        while len(answer) < 1 << 16:
+            piece = sock.recv(4096)
+            if not piece:
+                break
+            answer += piece
+    if not answer:
+        return 14, f"shm socket {path}: closed without an answer"  # UNAVAILABLE
+    return answer[0], bytes(answer[1:]).decode("utf-8", "replace")
+
+
 class Segment:
     """A mapped segment. ``buf`` is a uint8 view of the whole mapping."""
 
-    def __init__(self, mm: mmap.mmap, size: int, name: str, fd: int = -1, path: str = "") -> None:
-        self.mm, self.size, self.name, self.fd, self.path = mm, size, name, fd, path
+    def __init__(self, mm: mmap.mmap, size: int, name: str, fd: int = -1) -> None:
+        self.mm, self.size, self.name, self.fd = mm, size, name, fd
         self.buf = np.frombuffer(mm, np.uint8, count=size)
         self.address = self.buf.ctypes.data  # of byte 0; valid while mapped (0 after close)
         self._lock = threading.Lock()
         self._on_close: list[Callable[[], None]] = []
 
     @classmethod
-    def create(cls, size: int, directory: str | None = None) -> Segment:
-        """Client side: a new 0600 segment of ``size`` bytes (plus the header)."""
-        directory = directory or shm_dir()
-        sweep_stale(directory)
+    def create(cls, size: int) -> Segment:
+        """Client side: a sealed, fully allocated memfd of ``size`` bytes (plus the header),
+        mapped (steps 1 of the module doc). ShmError("exhausted") when the memory cannot be
+        allocated (the memory cgroup, or overcommit)."""
+        sweep_stale()  # files a client of an earlier version left in /dev/shm
         size = HEADER_BYTES + _round(size)
         name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
-        path = os.path.join(directory, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
-            os.fchmod(fd, 0o600)  # the umask cannot widen it, but make it exact
+            os.fchmod(fd, 0o600)  # reachable only through /proc/<pid>/fd of this uid anyway
             os.ftruncate(fd, size)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                raise ShmError(
+                    "exhausted",
+                    f"shm_bytes: cannot allocate a shared-memory segment of {size} bytes "
+                    f"({os.strerror(exc.errno or 0)}); ask for a smaller one or use another "
+                    f"transport",
+                ) from None
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
-            os.unlink(path)
             raise
-        seg = cls(mm, size, name, fd, path)
-        seg.nonce = secrets.token_bytes(NONCE_BYTES)
-        mm[:NONCE_BYTES] = seg.nonce
-        return seg
-
-    nonce: bytes = b""
+        return cls(mm, size, name, fd)
 
     @classmethod
-    def attach(cls, name: str, size: int, nonce: bytes, directory: str | None = None) -> Segment:
-        """Worker side: map a client's segment after the ownership checks (module doc)."""
-        if not _NAME.match(name):
-            raise ShmError(
-                "invalid", f"attach_shm.name: expected coliworker-<pid>-<16 hex>, got {name!r}"
-            )
-        if len(nonce) != NONCE_BYTES:
-            raise ShmError(
-                "invalid", f"attach_shm.nonce: expected {NONCE_BYTES} bytes, got {len(nonce)}"
-            )
-        if size <= HEADER_BYTES:
-            raise ShmError("invalid", f"attach_shm.size: expected > {HEADER_BYTES}, got {size}")
-        path = os.path.join(directory or shm_dir(), name)
+    def adopt(cls, fd: int, size: int) -> Segment:
+        """Worker side: map ``size`` bytes of a memfd a client passed, after the checks of
+        the module doc (``check_fd``, then this process's own ``posix_fallocate``). The
+        descriptor is closed either way (the mapping keeps the memory)."""
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise ShmError(
-                "not_found",
-                f"attach_shm.name: {path} does not exist here (is the worker on another host?)",
-            ) from None
-        except OSError as exc:
-            raise ShmError("permission", f"attach_shm.name: cannot open {path}: {exc}") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise ShmError("permission", f"attach_shm.name: {path} is not a regular file")
-            if st.st_uid != os.geteuid():
+            name = check_fd(fd, size)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
                 raise ShmError(
-                    "permission",
-                    f"attach_shm.name: {path} is owned by uid {st.st_uid}, expected the "
-                    f"worker's uid {os.geteuid()}",
-                )
-            if st.st_mode & 0o077:
+                    "exhausted",
+                    f"attach_shm.size: segment {name}: cannot allocate its {size} bytes here "
+                    f"({os.strerror(exc.errno or 0)}; {os.fstat(fd).st_blocks * 512} bytes "
+                    f"allocated)",
+                ) from None
+            try:
+                mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as exc:
                 raise ShmError(
-                    "permission",
-                    f"attach_shm.name: {path} has mode {stat.S_IMODE(st.st_mode):04o}, "
-                    f"expected 0600 (no group/other access)",
-                )
-            if st.st_size < size:
-                raise ShmError(
-                    "invalid",
-                    f"attach_shm.size: expected <= {st.st_size} (the file's size), got {size}",
-                )
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                    "exhausted",
+                    f"attach_shm.size: segment {name}: cannot map its {size} bytes here "
+                    f"({os.strerror(exc.errno or 0)})",
+                ) from None
         finally:
             os.close(fd)
-        if mm[:NONCE_BYTES] != nonce:
-            mm.close()
-            raise ShmError(
-                "permission", "attach_shm.nonce: the segment does not start with the nonce"
-            )
         return cls(mm, size, name)
-
-    def unlink(self) -> None:
-        """Remove the name (client side, once attached); the mappings stay valid."""
-        if self.path:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-            self.path = ""
 
     def read(self, offset: int, length: int, field: str) -> bytes:
         """A copy of ``length`` bytes at ``offset``; ShmError("invalid") when out of range."""
@@ -292,8 +400,7 @@ class Segment:
         fn()
 
     def close(self) -> None:
-        """Unmap (and unlink, if still named); idempotent."""
-        self.unlink()
+        """Unmap (and close the descriptor, client side); idempotent."""
         with self._lock:
             mm, self.mm = self.mm, None  # type: ignore[assignment]
             self.buf = None  # type: ignore[assignment]
@@ -363,4 +470,18 @@ class Allocator:
             return sum(n for _, n in self._free)
 
 
-__all__ = ["PARALLEL_BYTES", "Allocator", "Segment", "ShmError", "copy", "shm_dir", "sweep_stale"]
+__all__ = [
+    "PARALLEL_BYTES",
+    "PASS_MAGIC",
+    "SEALS",
+    "TICKET_BYTES",
+    "Allocator",
+    "Segment",
+    "ShmError",
+    "check_fd",
+    "copy",
+    "pass_fd",
+    "shm_dir",
+    "sweep_stale",
+    "worker_uid",
+]
