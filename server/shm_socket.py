@@ -232,7 +232,11 @@ class AttachSocket:
         """Receive one memfd and attach it; (status code value, message) to answer."""
         conn.settimeout(PASS_TIMEOUT_S)
         pid, uid, _ = peer_credentials(conn)
-        check_peer(uid, pid)  # before anything is received from it
+        try:
+            check_peer(uid, pid)
+        except ShmError:
+            conn.recv(PASS_BYTES)  # dropped unread (a plain recv closes passed descriptors),
+            raise  # so that closing after the answer does not reset it away
         msg, fds, _, _ = socket.recv_fds(conn, PASS_BYTES, 1)
         try:
             while len(msg) < PASS_BYTES:  # the descriptor came with the first bytes

@@ -14,7 +14,7 @@ a missing page would be SIGBUS, killing it for every owner. Life of a segment:
    Unix socket in a 0700 directory of the worker's uid in /dev/shm).
 3. The client connects to that socket and sends ``PASS_MAGIC`` + the ticket with the memfd
    as SCM_RIGHTS (``pass_fd``). The worker takes the peer's uid from SO_PEERCRED (another
-   uid is refused, PERMISSION_DENIED, before anything is received), finds the stream the
+   uid is refused, PERMISSION_DENIED, its descriptor never taken), finds the stream the
    ticket was given to (once; unknown or expired: FAILED_PRECONDITION), checks the memfd
    (``check_fd``: a regular file of the worker's uid on tmpfs, not hugetlbfs, sealed
    against shrinking, at least ``size`` bytes, all of them allocated), runs its own
