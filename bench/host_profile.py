@@ -27,9 +27,9 @@ from bench.kernels import make_tensor  # noqa: E402  (run from the repository ro
 def _stage_timers() -> dict[str, int]:
     """Wrap the CuPy backend's per-call steps with wall-time accumulators (ns, by step).
     Nested steps count in both (``finish`` includes the wait for the GPU)."""
-    from coliworker.kernels import launch, route
+    from coliworker.kernels import attention, launch, route
     from coliworker.server import backend_cupy as bc
-    from coliworker.server import cupy_calls
+    from coliworker.server import cupy_calls, cupy_graphs
 
     acc: dict[str, int] = {}
 
@@ -45,14 +45,22 @@ def _stage_timers() -> dict[str, int]:
 
         setattr(owner, name, timed)
 
-    for name in ("plan_group", "write_group", "put_host"):
+    for name in ("plan_group", "write_group", "put_host", "route_plan", "gemv_launch",
+                 "stack_into"):  # fmt: skip
         wrap(bc, name, name)
-    for name in ("_group", "_group_launches"):
+    for name in ("absorb_launch", "flash_launch", "flash_splits", "flash_ok"):
+        wrap(attention, name, f"attention.{name}")
+    for name in ("_group", "_group_launches", "_attention", "_head_jobs"):
         wrap(bc.CupyBackend, name, name)
-    for name in ("reserve", "send", "receive", "mark", "finish", "__enter__", "__exit__"):
+    for name in ("reserve", "put", "send", "receive", "issue", "finish", "__enter__",
+                 "__exit__"):  # fmt: skip
         wrap(cupy_calls.Call, name, f"Call.{name}")
-    wrap(cupy_calls.cupy.cuda.runtime, "eventSynchronize", "eventSynchronize (GPU wait)")
-    wrap(cupy_calls.cupy.cuda.runtime, "eventElapsedTime", "eventElapsedTime")
+    wrap(cupy_graphs.Graphs, "run", "Graphs.run")
+    wrap(cupy_graphs, "play", "play (direct work)")
+    rt = cupy_calls.cupy.cuda.runtime
+    wrap(rt, "eventSynchronize", "eventSynchronize (GPU wait)")
+    wrap(rt, "eventElapsedTime", "eventElapsedTime")
+    wrap(rt, "graphLaunch", "graphLaunch")
     wrap(launch.Launch, "__call__", "kernel launches")
     for name in ("combine_launch", "gather_launch"):
         wrap(route, name, f"route.{name}")
@@ -69,6 +77,7 @@ def main() -> None:
         help="idle microseconds between calls; s<us>: the thread spins through the gap",
     )
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--direct", action="store_true", help="CUDA graphs off: direct launches")
     p.add_argument(
         "--stages",
         action="store_true",
@@ -78,6 +87,10 @@ def main() -> None:
     from coliworker.server.backends import create_backend
 
     b = create_backend("cupy", devices=(0,))
+    if a.direct:
+        from coliworker.server import cupy_graphs
+
+        cupy_graphs.ENABLED = False
     rng = np.random.default_rng(0)
     d, i = 6144, 2048
     experts = [

@@ -113,6 +113,50 @@ def bench_group(backend, rng, name, count, rows, fmt=2, gs=0, n=50):
     )
 
 
+def bench_routed(backend, rng, name, count, tokens, topk, n=50):
+    """A routed group as the engine sends it at decode: ``tokens`` tokens, top-``topk`` of
+    ``count`` int4 experts, fresh routes every call (the tables change with them)."""
+    from coliworker.kernels import reference as ref
+
+    d, i = GLM["D"], GLM["I"]
+    set_bytes = count * 3 * d * i // 2
+    nsets = max(2, int(np.ceil(3 * L2 / set_bytes)))
+    hosts = [
+        [
+            (make_tensor(rng, 2, d, i), make_tensor(rng, 2, d, i), make_tensor(rng, 2, i, d))
+            for _ in range(count)
+        ]
+        for _ in range(nsets)
+    ]
+    res = [[tuple(backend.place(t, 0) for t in e) for e in hs] for hs in hosts]
+    x = rng.standard_normal((tokens, d)).astype(np.float32)
+    routes = [
+        np.stack([rng.permutation(count)[:topk] for _ in range(tokens)]).astype(np.int32)
+        for _ in range(16)
+    ]
+    w = rng.random((tokens, topk)).astype(np.float32)
+    y = backend.expert_group_routed(res[0], x, routes[0], w).out
+    err = rel_err(y, ref.expert_group_routed(hosts[0], x, routes[0], w))
+    call_ms, kern_ms = timed(
+        lambda k: backend.expert_group_routed(res[k % nsets], x, routes[k % 16], w), n
+    )
+    used = len(np.unique(routes[0]))
+    wbytes = used * 3 * (d * i // 2) + sum(t.scales.nbytes for e in hosts[0][:used] for t in e)
+    for rs in res:
+        for e in rs:
+            for t in e:
+                backend.release(t)
+    return dict(
+        name=name,
+        call_ms=call_ms,
+        kernel_ms=kern_ms,
+        rel_err=err,
+        weight_MB=wbytes / 1e6,
+        kernel_GBps=wbytes / (kern_ms * 1e-3) / 1e9,
+        floor_us=wbytes / READ_BW * 1e6,
+    )
+
+
 def bench_matmul(backend, rng, name, s, i, o, fmt=2, n=100):
     from coliworker.kernels import reference as ref
 
@@ -194,7 +238,11 @@ ROWS = [
     ("MLA ragged+o_proj 1 seq T=4096", "mla ragged H64 S1 T4096", 0.060, None),
     ("MLA ragged+o_proj 8 seqs T=4096", "mla ragged H64 S8 T4096", 0.120, None),
     ("MLA ragged+o_proj 32 seqs T=2048", "mla ragged H64 S32 T2048", 0.250, None),
+    ("expert group routed 1 token top-8 of 8", "", None, None),
+    ("expert group routed 8 tokens top-8 of 64", "", None, None),
 ]
+LAYERS = 78  # GLM-5.2: one ragged attention and one routed group per layer and token
+TOKEN_ROWS = ("MLA ragged+o_proj 1 seq T=4096", "expert group routed 1 token top-8 of 8")
 
 
 def run_seed(seed_dir: Path, out: Path) -> dict[str, dict]:
@@ -250,9 +298,10 @@ def render(meta: dict, rows: list[dict]) -> str:
         "",
         f"Command: `{meta['command']}` (seed built from the seed sources in the same run).",
         "",
-        "| operation | ours call ms | ours kernel ms | seed call ms | seed kernel ms | "
-        "speedup (call) | GB/s | TFLOP/s | floor us | target | rel err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| operation | ours call ms | ours kernel ms | call - kernel us | direct call ms | "
+        "direct kernel ms | seed call ms | seed kernel ms | speedup (call) | GB/s | TFLOP/s | "
+        "floor us | target | rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(v, k=3):
@@ -260,7 +309,7 @@ def render(meta: dict, rows: list[dict]) -> str:
 
     for r in rows:
         if "error" in r:
-            md.append(f"| {r['name']} | error: {r['error']} ||||||||||")
+            md.append(f"| {r['name']} | error: {r['error']} |||||||||||||")
             continue
         sp = (r["seed_call_ms"] / r["call_ms"]) if r.get("seed_call_ms") else None
         tgt = " / ".join(
@@ -271,13 +320,27 @@ def render(meta: dict, rows: list[dict]) -> str:
             )
             if x
         )
+        gap = (r["call_ms"] - r["kernel_ms"]) * 1e3
         md.append(
-            f"| {r['name']} | {f(r['call_ms'])} | {f(r['kernel_ms'])} | "
+            f"| {r['name']} | {f(r['call_ms'])} | {f(r['kernel_ms'])} | {f(gap, 1)} | "
+            f"{f(r.get('direct_call_ms'))} | {f(r.get('direct_kernel_ms'))} | "
             f"{f(r['seed_call_ms'])} | {f(r['seed_kernel_ms'])} | {f(sp, 1)}x | "
             f"{f(r.get('kernel_GBps'), 0)} | {f(r.get('kernel_TFLOPs'), 1)} | "
             f"{f(r['floor_us'], 1)} | {tgt} | "
             f"{r['rel_err']:.1e} |"
         )
+    by = {r["name"]: r for r in rows if "error" not in r}
+    if all(n in by for n in TOKEN_ROWS):
+        call = LAYERS * sum(by[n]["call_ms"] for n in TOKEN_ROWS)
+        kern = LAYERS * sum(by[n]["kernel_ms"] for n in TOKEN_ROWS)
+        line = (
+            f"One GLM-5.2 decode token ({LAYERS} x ({' + '.join(TOKEN_ROWS)})): backend "
+            f"{call:.1f} ms, kernels {kern:.1f} ms, ratio {call / kern:.2f}"
+        )
+        if all("direct_call_ms" in by[n] for n in TOKEN_ROWS):
+            dcall = LAYERS * sum(by[n]["direct_call_ms"] for n in TOKEN_ROWS)
+            line += f"; direct launches: backend {dcall:.1f} ms"
+        md += ["", line + "."]
     return "\n".join(md) + "\n"
 
 
@@ -289,6 +352,11 @@ def main() -> int:
         "--only", default="", help="comma-separated substrings: run only rows naming one"
     )
     p.add_argument("--render", type=Path, default=None, help="print a results JSON's table")
+    p.add_argument(
+        "--direct",
+        action="store_true",
+        help="also run every row with CUDA graphs off (direct launches), same process",
+    )
     a = p.parse_args()
     if a.render is not None:
         d = json.loads(a.render.read_text())
@@ -309,14 +377,25 @@ def main() -> int:
         lambda: bench_ragged(backend, rng, ROWS[5][0], 1, 4096),
         lambda: bench_ragged(backend, rng, ROWS[6][0], 8, 4096),
         lambda: bench_ragged(backend, rng, ROWS[7][0], 32, 2048),
+        lambda: bench_routed(backend, rng, ROWS[8][0], 8, 1, 8),
+        lambda: bench_routed(backend, rng, ROWS[9][0], 64, 8, 8, n=30),
     ]
+    from coliworker.server import cupy_graphs
+
     rows = []
     for (name, seed_name, t_call, t_kern), fn in zip(ROWS, fns, strict=True):
         if a.only and not any(w in name for w in a.only.split(",")):
             continue
         try:
+            if a.direct:  # the same row with every launch direct (no CUDA graphs), first
+                cupy_graphs.ENABLED = False
+                d = fn()
+                cupy_graphs.ENABLED = True
             r = fn()
+            if a.direct:
+                r.update(direct_call_ms=d["call_ms"], direct_kernel_ms=d["kernel_ms"])
         except Exception as exc:  # keep the other rows
+            cupy_graphs.ENABLED = True
             r = dict(name=name, error=f"{type(exc).__name__}: {exc}")
         s = seed.get(seed_name, {})
         r.update(
@@ -328,7 +407,8 @@ def main() -> int:
         rows.append(r)
         print(json.dumps(r), flush=True)
 
-    meta = run_meta("PYTHONPATH=.dev python bench/kernels.py --seed-dir .seed --out $OUT")
+    cmd = "PYTHONPATH=.dev python bench/kernels.py " + " ".join(sys.argv[1:])
+    meta = run_meta(cmd)
     date = meta["date"]
     (a.out / f"kernels-{date}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     md = render(meta, rows)

@@ -10,6 +10,8 @@ Launches are prepared once per shape (``matmul.Launch``) and take device pointer
 
 from __future__ import annotations
 
+import functools
+
 import cupy
 import numpy as np
 
@@ -109,6 +111,7 @@ def _merge(s: int, heads: int, k: int, nsplit: int) -> Launch:
     return Launch(merge, (heads, s, -(-k // 128)), (128,), args, 4 * nsplit)
 
 
+@functools.cache
 def _flash_geometry(k: int, r: int) -> tuple[int, int, int, int] | None:
     """(NTC, QST, KST, shared bytes) of mla_flash, or None where it does not fit."""
     krp = -(-(k + r) // 8) * 8

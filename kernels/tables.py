@@ -52,6 +52,13 @@ def route_plan(routes: np.ndarray, n_experts: int, small: bool | None = None) ->
     n = T * K
     if small is None:
         small = n <= SMALL_ROUTES
+    if small and T == 1:  # one token (decode): each expert used once, in ascending order
+        flat = routes.ravel().tolist()
+        used = sorted(set(flat))
+        if len(used) == K:
+            rank = {e: c for c, e in enumerate(used)}
+            return RoutePlan(used, [1] * K, np.zeros(K, np.int32),
+                             np.array([rank[e] for e in flat], np.int32), [0] * K)  # fmt: skip
     if small:
         flat = routes.ravel().tolist()
         counts = [0] * n_experts

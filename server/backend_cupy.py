@@ -28,6 +28,7 @@ import numpy as np
 
 from coliworker.kernels import attention as att
 from coliworker.kernels import layout, route
+from coliworker.kernels import matmul as mm
 from coliworker.kernels.matmul import gemv_launch, moe_launch
 from coliworker.kernels.qtensor import QTensor
 from coliworker.kernels.tables import (
@@ -40,6 +41,7 @@ from coliworker.kernels.tables import (
 )
 from coliworker.server.backend import DeviceInfo, ExpertTriple, Result
 from coliworker.server.cupy_calls import (
+    PLANS_PER_ARENA,
     Arena,
     Call,
     CupyPending,
@@ -183,7 +185,7 @@ class CupyBackend:
             call.send(j_off + GEMV_JOB.size)
             call.mark(1)
             if go is not None:
-                go(np.uint64(a.dptr + j_off))
+                call.launch(go, np.uint64(a.dptr + j_off))
             call.mark(2)
             call.receive(y_off, (s, n_out))
             call.mark(3)
@@ -238,8 +240,18 @@ class CupyBackend:
         routed group that gathers (``x_rows`` None and ``extra_in``), the packed x float32
         [N, D] at "xp" that the tables read. ``x_rows[c]``: the token row expert c's
         (consecutive) rows start at; the tables then read x in place."""
-        plan = plan_group(experts, rows)
         T, D = x.shape
+        a = call.take()
+        key = ("group", mm.TENSOR_CORES, *map(id, experts), *rows, T, D, extra_in, extra_out,
+               None if x_rows is None else tuple(x_rows))  # fmt: skip
+        hit = a.plans.get(key)
+        if hit is not None:  # the same experts and shapes in this arena: the same tables
+            _, end, out_end, t_off, table, calls, off = hit
+            a.reserve(end, out_end)
+            call.put(0, x, 4 * T * D)
+            a.host[t_off : t_off + len(table)] = table
+            return a, calls, off
+        plan = plan_group(experts, rows)
         N, dout = max(plan.n_rows, 1), experts[0][2].out_features
         t_off = align(4 * T * D)
         e_off = align(t_off + plan.table_bytes)
@@ -261,8 +273,14 @@ class CupyBackend:
                                base + (xp_off if packed else 0), base + y_off, base + h_off,
                                base + hu_off, x_at)  # fmt: skip
         calls = self._group_launches(call, launches, base + t_off, base + h_off, base + hu_off)
-        return a, calls, {"extra": e_off, "in_end": in_end, "y": y_off, "out": o_off,
-                          "xp": xp_off}  # fmt: skip
+        off = {"extra": e_off, "in_end": in_end, "y": y_off, "out": o_off, "xp": xp_off}
+        if not plan.unfused:  # (unfused experts' launches hold views of this call's arena)
+            if len(a.plans) >= PLANS_PER_ARENA:
+                a.plans.clear()
+            # The entry holds the triples: their ids in the key stay theirs while it lives.
+            table = a.host[t_off : t_off + plan.table_bytes].copy()
+            a.plans[key] = (list(experts), end, out_end, t_off, table, calls, off)
+        return a, calls, off
 
     def expert_group_issue(
         self, experts: Sequence[ExpertTriple], rows: Sequence[int], x: np.ndarray
@@ -275,10 +293,11 @@ class CupyBackend:
             call.send(off["in_end"])
             call.mark(1)
             for go, args in calls:
-                go(*args)
+                call.launch(go, *args)
             call.mark(2)
             call.receive(off["y"], (N, dout))
             call.mark(3)
+            call.issue()
         return CupyPending(call)
 
     def expert_group(
@@ -315,10 +334,12 @@ class CupyBackend:
             call.send(off["in_end"])
             call.mark(1)
             if x_rows is None:
-                route.gather_launch(n, D)(u64(base + off["xp"]), u64(base), u64(base + o2))
+                call.launch(route.gather_launch(n, D), u64(base + off["xp"]), u64(base),
+                            u64(base + o2))  # fmt: skip
             for go, args in calls:
-                go(*args)
-            combine(u64(base + off["out"]), u64(base + off["y"]), u64(base + o0), u64(base + o1))
+                call.launch(go, *args)
+            call.launch(combine, u64(base + off["out"]), u64(base + off["y"]), u64(base + o0),
+                        u64(base + o1))  # fmt: skip
             call.mark(2)
             call.receive(off["out"], (T, d_out))
             call.mark(3)
@@ -372,40 +393,32 @@ class CupyBackend:
         (batch attention: its whole cache; ragged: ``fresh[s]`` new rows of ``caches[s]``, which
         have room for them). Arena inputs: q, the KvDescs, the gemv jobs, the rows; output: ctx
         float32 [S, H*V] or o_proj's [S, D_out]; scratch: qfull, cl, ctx (with o_proj), pm, pl,
-        pacc."""
+        pacc. The plan (launches, layout, gemv jobs) is kept per arena and call shape."""
         S, H = q.shape[0], q.shape[1]
         K, R, V = kv_b.in_features, rope_dim, v_dim
-        n_jobs = H + (o_proj is not None)
         n_sm = self._sms[call.device]
-        absorb = att.absorb_launch(kv_b.spec, S, H, q_dim, R, V)
-        if att.flash_ok(K, R):
+        flash = att.flash_ok(K, R)
+        if flash:
             nsplit = att.flash_splits(S, H, t_max, n_sm)
-            attend, merge = att.flash_launch(S, H, K, R, scale, nsplit)
         else:
             nsplit = att.attend_splits(S, H, K, R, t_max, n_sm)
-            attend, merge = att.attend_launch(S, H, K, R, scale, nsplit)
-        value = gemv_launch(kv_b.spec, H, S, V)
-        proj = gemv_launch(o_proj.spec, 1, S, o_proj.out_features) if o_proj else None
-        dout = o_proj.out_features if o_proj is not None else H * V
         n_up = sum(len(x) for x in latents)
-        qb = 4 * q.size
-        d_off = align(qb)
-        j_off = align(d_off + KV_DESC.size * S)
-        l_off = align(j_off + 64 * n_jobs)
-        r_off = align(l_off + 4 * n_up * K)
-        in_end = r_off + 4 * n_up * R
-        out_off = align(in_end)
-        sizes = [4 * S * H * (K + R), 4 * H * S * K, 4 * S * H * V if o_proj else 0,
-                 4 * S * H * nsplit, 4 * S * H * nsplit, 4 * S * H * nsplit * K]  # fmt: skip
-        scratch = [align(out_off + 4 * S * dout)]
-        for n in sizes[:-1]:
-            scratch.append(align(scratch[-1] + n))
-        a = call.reserve(scratch[-1] + sizes[-1], out_off + 4 * S * dout)
+        a = call.take()
+        key = ("attention", id(kv_b), id(o_proj), S, H, q_dim, R, V, scale, n_up, nsplit,
+               caches is None, flash, mm.TENSOR_CORES)  # fmt: skip
+        plan = a.plans.get(key)
+        if plan is None:
+            plan = self._attention_plan(call, kv_b, o_proj, S, H, q_dim, R, V, scale, n_up,
+                                        nsplit, flash)  # fmt: skip
+            if len(a.plans) >= PLANS_PER_ARENA:
+                a.plans.clear()
+        (_, dev_end, host_end, d_off, j_off, l_off, r_off, in_end, out_off, dout, scratch,
+         jobs, launches) = plan  # fmt: skip
+        a.reserve(dev_end, host_end)
+        a.plans[key] = plan  # after reserve: a reallocated arena forgets the old plans
         base, host = a.dptr, a.host
-        qfull, cl, ctx, pm, pl, pacc = (base + o for o in scratch)
-        if o_proj is None:
-            ctx = base + out_off
-        call.put(0, q, qb)
+        qfull, cl, _, pm, pl, pacc = (base + o for o in scratch)
+        call.put(0, q, 4 * q.size)
         if n_up:
             stack_into(host, l_off, latents, n_up, K)
             stack_into(host, r_off, ropes, n_up, R)
@@ -425,27 +438,66 @@ class CupyBackend:
                 KV_DESC.pack_into(host, d_off + KV_DESC.size * s, base + l_off, base + r_off,
                                   n_up - S + 1 + s, 0)  # fmt: skip
             scatter = 0
-        jobs = self._head_jobs(kv_b, q_dim, V, S, H, cl, ctx)
-        host[j_off : j_off + len(jobs)] = np.frombuffer(jobs, np.uint8)
-        if o_proj is not None:
-            GEMV_JOB.pack_into(host, j_off + 64 * H, *o_proj.ptrs, 0, 0, ctx, base + out_off, S,
-                               o_proj.out_features, H * V, o_proj.out_features)  # fmt: skip
+        host[j_off : j_off + len(jobs)] = jobs
+        absorb, attend, merge, value, proj = launches
         u64 = np.uint64
         call.mark(0)
         call.send(in_end)
         call.mark(1)
-        absorb(u64(qfull), u64(base), u64(kv_b.ptrs[0]), u64(kv_b.ptrs[1]), u64(base + d_off),
-               u64(base + l_off), u64(base + r_off), np.int32(scatter))  # fmt: skip
-        attend(u64(pm), u64(pl), u64(pacc), u64(qfull), u64(base + d_off))
-        merge(u64(cl), u64(pm), u64(pl), u64(pacc))
+        call.launch(absorb, u64(qfull), u64(base), u64(kv_b.ptrs[0]), u64(kv_b.ptrs[1]),
+                    u64(base + d_off), u64(base + l_off), u64(base + r_off),
+                    np.int32(scatter))  # fmt: skip
+        call.launch(attend, u64(pm), u64(pl), u64(pacc), u64(qfull), u64(base + d_off))
+        call.launch(merge, u64(cl), u64(pm), u64(pl), u64(pacc))
         if value is not None:
-            value(u64(base + j_off))
+            call.launch(value, u64(base + j_off))
         if proj is not None:
-            proj(u64(base + j_off + 64 * H))
+            call.launch(proj, u64(base + j_off + 64 * H))
         call.mark(2)
         call.receive(out_off, (S, dout) if o_proj is not None else (S, H, V))
         call.mark(3)
         return call.finish()
+
+    def _attention_plan(
+        self, call: Call, kv_b: CupyResident, o_proj: CupyResident | None, S: int, H: int,
+        q_dim: int, R: int, V: int, scale: float, n_up: int, nsplit: int, flash: bool,
+    ) -> tuple:  # fmt: skip
+        """The launches, arena layout and gemv job bytes of one attention call shape in the
+        call's arena (``_attention``); the plan holds kv_b and o_proj: the ids in its key
+        stay theirs while it lives."""
+        K = kv_b.in_features
+        n_jobs = H + (o_proj is not None)
+        absorb = att.absorb_launch(kv_b.spec, S, H, q_dim, R, V)
+        if flash:
+            attend, merge = att.flash_launch(S, H, K, R, scale, nsplit)
+        else:
+            attend, merge = att.attend_launch(S, H, K, R, scale, nsplit)
+        value = gemv_launch(kv_b.spec, H, S, V)
+        proj = gemv_launch(o_proj.spec, 1, S, o_proj.out_features) if o_proj else None
+        dout = o_proj.out_features if o_proj is not None else H * V
+        d_off = align(4 * S * H * (q_dim + R))
+        j_off = align(d_off + KV_DESC.size * S)
+        l_off = align(j_off + 64 * n_jobs)
+        r_off = align(l_off + 4 * n_up * K)
+        in_end = r_off + 4 * n_up * R
+        out_off = align(in_end)
+        sizes = [4 * S * H * (K + R), 4 * H * S * K, 4 * S * H * V if o_proj else 0,
+                 4 * S * H * nsplit, 4 * S * H * nsplit, 4 * S * H * nsplit * K]  # fmt: skip
+        scratch = [align(out_off + 4 * S * dout)]
+        for n in sizes[:-1]:
+            scratch.append(align(scratch[-1] + n))
+        dev_end, host_end = scratch[-1] + sizes[-1], out_off + 4 * S * dout
+        a = call.reserve(dev_end, host_end)  # the job pointers below are this arena's
+        base = a.dptr
+        cl = base + scratch[1]
+        ctx = base + (scratch[2] if o_proj is not None else out_off)
+        jobs = bytearray(self._head_jobs(kv_b, q_dim, V, S, H, cl, ctx))
+        if o_proj is not None:
+            jobs += GEMV_JOB.pack(*o_proj.ptrs, 0, 0, ctx, base + out_off, S,
+                                  o_proj.out_features, H * V, o_proj.out_features)  # fmt: skip
+        return ((kv_b, o_proj), dev_end, host_end, d_off, j_off, l_off, r_off, in_end, out_off,
+                dout, scratch, np.frombuffer(bytes(jobs), np.uint8),
+                (absorb, attend, merge, value, proj))  # fmt: skip
 
     def _check_kr(self, k: int, r: int) -> None:
         if k + r > att.MAX_KR:

@@ -24,6 +24,7 @@ import cupyx
 import numpy as np
 
 from coliworker.server.backend import Phases, Result
+from coliworker.server.cupy_graphs import COPY, LAUNCH, MARK, Graphs
 from coliworker.server.errors import OutOfDeviceMemory
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ def align(n: int) -> int:
 # Arenas above this many bytes (device or pinned) are freed after their call rather than kept.
 ARENA_KEEP_BYTES = 64 << 20
 ARENAS_PER_THREAD = 4  # free arenas a thread keeps per device (one per call it has in flight)
+PLANS_PER_ARENA = 1024  # host plans an arena keeps (Arena.plans); past this it drops them all
 # Outputs of at least this many bytes are handed over in their pinned buffer, not copied.
 DETACH_BYTES = 1 << 20
 # Inputs of at least this many bytes are copied into the pinned buffer by several threads.
@@ -82,7 +84,7 @@ class Arena:
     the host, so an issued call owns its buffers until ``result()``; calls beyond the pool's
     size (several in flight) get fresh arenas."""
 
-    __slots__ = ("dev", "dptr", "host", "hptr", "events", "eptr", "home")
+    __slots__ = ("dev", "dptr", "host", "hptr", "events", "eptr", "home", "graphs", "plans")
 
     def __init__(self, home: list[Arena]) -> None:
         self.dev: Any = None  # cupy.ndarray uint8, set by reserve()
@@ -91,8 +93,19 @@ class Arena:
         self.events = [cupy.cuda.Event() for _ in range(4)]
         self.eptr = [e.ptr for e in self.events]  # raw handles: the runtime calls cost less
         self.home = home
+        self.graphs = Graphs()  # the calls' device work, captured (cupy_graphs.py)
+        self.plans: dict[tuple, Any] = {}  # the ops' host plans in this arena, by call shape
+
+    def forget(self) -> None:
+        """Drop what holds this arena's addresses: its graphs and plans."""
+        self.graphs.clear()
+        self.plans.clear()
 
     def reserve(self, dev_bytes: int, host_bytes: int) -> None:
+        if (self.dev is None or self.dev.nbytes < dev_bytes) or (
+            self.host is None or self.host.nbytes < host_bytes
+        ):
+            self.forget()
         if self.dev is None or self.dev.nbytes < dev_bytes:
             cap = max(align(dev_bytes), 2 * (self.dev.nbytes if self.dev is not None else 0))
             self.dev = None  # this arena's last call is finished: free before the new one
@@ -114,6 +127,7 @@ class Arena:
         )
         if big:
             self.dev = self.host = None
+            self.forget()
         if len(self.home) < ARENAS_PER_THREAD:
             self.home.append(self)
 
@@ -124,9 +138,14 @@ H2D, D2H = 1, 2  # cudaMemcpyKind
 class Call:
     """One call: the device made current (only when it is not already), the thread's stream
     and an arena. Layout of the arena: [inputs | outputs] mirrored on host and device (the
-    inputs go up in one copy, the outputs come back in one), then device-only scratch."""
+    inputs go up in one copy, the outputs come back in one), then device-only scratch.
 
-    __slots__ = ("backend", "device", "what", "stream", "arena", "_prev", "out", "direct")
+    The device work (``send``, ``launch``, ``mark``, ``receive``) is listed, not issued;
+    ``issue`` (or ``finish``) issues the list, as a CUDA graph once the arena has seen it
+    before (``cupy_graphs.py``)."""
+
+    __slots__ = ("backend", "device", "what", "stream", "arena", "_prev", "out", "direct",
+                 "work", "graphable")  # fmt: skip
 
     def __init__(self, backend: CupyBackend, device: int, what: str) -> None:
         self.backend = backend
@@ -135,6 +154,8 @@ class Call:
         self.stream = backend._stream(device)
         self.arena: Any = None  # Arena while the call owns one
         self.direct: list[tuple[int, int, int]] = []  # (arena offset, host address, bytes)
+        self.work: list[tuple] = []  # the device work not yet issued (cupy_graphs.py)
+        self.graphable = True  # False once the work reads a client's segment
 
     def __enter__(self) -> Call:
         self._prev = cupy.cuda.runtime.getDevice()
@@ -156,11 +177,17 @@ class Call:
             if err is not None:
                 raise err from None
 
+    def take(self) -> Arena:
+        """The call's arena (taken from the thread's pool on first use), not yet sized."""
+        a = self.arena
+        if a is None:
+            pool = self.backend._arenas(self.device)
+            a = self.arena = pool.pop() if pool else Arena(pool)
+        return a
+
     def reserve(self, dev_bytes: int, host_bytes: int) -> Arena:
-        pool = self.backend._arenas(self.device)
-        a = pool.pop() if pool else Arena(pool)
+        a = self.take()
         a.reserve(dev_bytes, host_bytes)
-        self.arena = a
         return a
 
     def put(self, off: int, a: np.ndarray, nbytes: int) -> None:
@@ -178,28 +205,41 @@ class Call:
         """The inputs, bytes [0, nbytes) of the arena, host -> device (the ranges ``put``
         left in a registered segment from there)."""
         a = self.arena
-        rt, sp = cupy.cuda.runtime, self.stream.ptr
+        work = self.work
         pos = 0
+        if self.direct:
+            self.graphable = False
         for off, ptr, n in sorted(self.direct):
             if off > pos:
-                rt.memcpyAsync(a.dptr + pos, a.hptr + pos, off - pos, H2D, sp)
-            rt.memcpyAsync(a.dptr + off, ptr, n, H2D, sp)
+                work.append((COPY, a.dptr + pos, a.hptr + pos, off - pos, H2D))
+            work.append((COPY, a.dptr + off, ptr, n, H2D))
             pos = off + n
         if pos < nbytes:
-            rt.memcpyAsync(a.dptr + pos, a.hptr + pos, nbytes - pos, H2D, sp)
+            work.append((COPY, a.dptr + pos, a.hptr + pos, nbytes - pos, H2D))
         self.direct = []
+
+    def launch(self, go: Any, *args: Any) -> None:
+        """Launch ``go(*args)`` (a prepared ``Launch`` or a CuPy kernel) in order."""
+        self.work.append((LAUNCH, go, args))
 
     def receive(self, off: int, shape: tuple[int, ...]) -> None:
         """The output float32 ``shape`` at ``off`` device -> host (same offset)."""
         a = self.arena
         n = 4 * math.prod(shape)
-        cupy.cuda.runtime.memcpyAsync(a.hptr + off, a.dptr + off, n, D2H, self.stream.ptr)
+        self.work.append((COPY, a.hptr + off, a.dptr + off, n, D2H))
         self.out = (off, n, shape)
 
     def mark(self, i: int) -> None:
-        cupy.cuda.runtime.eventRecord(self.arena.eptr[i], self.stream.ptr)
+        self.work.append((MARK, i))
+
+    def issue(self) -> None:
+        """Issue the listed device work on the call's stream (a graph replay where it can)."""
+        work, self.work = self.work, []
+        self.arena.graphs.run(work, self.arena.eptr, self.stream.ptr, self.graphable)
 
     def finish(self) -> Result:
+        if self.work:
+            self.issue()
         a = self.arena
         ev = a.eptr
         rt = cupy.cuda.runtime
@@ -210,6 +250,7 @@ class Call:
             # dropped): no copy into fresh pages, whose first touch costs more than the copy.
             out = a.host[off : off + n].view(np.float32).reshape(shape)
             a.host, a.hptr = None, 0
+            a.forget()
         else:
             out = a.host[off : off + n].view(np.float32).reshape(shape).copy()  # arena reused
         phases = Phases(*(int(rt.eventElapsedTime(ev[i], ev[i + 1]) * 1e6) for i in range(3)))

@@ -1,0 +1,127 @@
+"""What one CUDA graph launch costs from Python on this machine, by what the graph holds.
+
+The CuPy backend replays each call's device work as a graph (server/cupy_graphs.py): the
+copies between the arena's pinned and device halves, the kernels and four timing events.
+This bench takes that apart with a trivial kernel (so the GPU time is near zero): the host
+time of ``cudaGraphLaunch`` alone and of launch + wait, for graphs of a kernel alone, with
+the event-record nodes, with the two copies, with both, with five kernels, and the same
+work issued directly (runtime calls one by one), medians of ``--calls``.
+
+    PYTHONPATH=.dev python bench/graph_launch.py [--calls 2000] [--bytes 24576]
+
+Prints a table; writes nothing (a diagnostic beside bench/host_profile.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import time
+
+import numpy as np
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--bytes", type=int, default=24576, help="bytes each copy moves")
+    a = p.parse_args()
+    import cupy
+    import cupyx
+
+    rt = cupy.cuda.runtime
+    lib = ctypes.CDLL("libcuda.so.1")
+    rec = lib.cuEventRecordWithFlags
+    rec.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+    s = cupy.cuda.Stream(non_blocking=True)
+    sp = s.ptr
+    dev = cupy.zeros(a.bytes // 4, cupy.float32)
+    host = cupyx.empty_pinned((a.bytes // 4,), np.float32)
+    ev = [cupy.cuda.Event() for _ in range(4)]
+    k = cupy.RawKernel(
+        'extern "C" __global__ void inc(float *x) { if (threadIdx.x == 0) x[0] += 1.f; }', "inc"
+    )
+    n = a.bytes
+
+    def kern(times: int = 1) -> None:
+        for _ in range(times):
+            k((1,), (32,), (dev,))
+
+    def mark(i: int, capturing: bool) -> None:
+        if capturing:
+            rec(ev[i].ptr, sp, 1)
+        else:
+            rt.eventRecord(ev[i].ptr, sp)
+
+    def work(events: bool, copies: bool, kernels: int, capturing: bool) -> None:
+        if events:
+            mark(0, capturing)
+        if copies:
+            rt.memcpyAsync(dev.data.ptr, host.ctypes.data, n, 1, sp)
+        if events:
+            mark(1, capturing)
+        kern(kernels)
+        if events:
+            mark(2, capturing)
+        if copies:
+            rt.memcpyAsync(host.ctypes.data, dev.data.ptr, n, 2, sp)
+        if events:
+            mark(3, capturing)
+
+    variants = [
+        ("kernel", False, False, 1),
+        ("kernel + 4 events", True, False, 1),
+        ("kernel + 2 copies", False, True, 1),
+        ("kernel + 2 copies + 4 events (a call)", True, True, 1),
+        ("5 kernels + 2 copies + 4 events (attention)", True, True, 5),
+    ]
+    rows = []
+    with s:
+        kern()
+        s.synchronize()
+        for name, events, copies, kernels in variants:
+            rt.streamBeginCapture(sp, 2)
+            work(events, copies, kernels, True)
+            g = rt.streamEndCapture(sp)
+            ex = rt.graphInstantiate(g)
+            for _ in range(50):
+                rt.graphLaunch(ex, sp)
+            s.synchronize()
+            launch, total = [], []
+            for _ in range(a.calls):
+                t0 = time.perf_counter_ns()
+                rt.graphLaunch(ex, sp)
+                t1 = time.perf_counter_ns()
+                s.synchronize()
+                t2 = time.perf_counter_ns()
+                launch.append(t1 - t0)
+                total.append(t2 - t0)
+            direct_issue, direct_total = [], []
+            for _ in range(a.calls):
+                t0 = time.perf_counter_ns()
+                work(events, copies, kernels, False)
+                t1 = time.perf_counter_ns()
+                s.synchronize()
+                t2 = time.perf_counter_ns()
+                direct_issue.append(t1 - t0)
+                direct_total.append(t2 - t0)
+            rt.graphExecDestroy(ex)
+            rt.graphDestroy(g)
+            rows.append(
+                (
+                    name,
+                    *(
+                        float(np.median(v)) / 1e3
+                        for v in (launch, total, direct_issue, direct_total)
+                    ),
+                )  # fmt: skip
+            )
+    print(f"copies of {n} bytes, medians of {a.calls}, us")
+    print("| graph holds | graphLaunch | launch + wait | direct issue | direct issue + wait |")
+    print("|---|---|---|---|---|")
+    for name, gl, gt, di, dt in rows:
+        print(f"| {name} | {gl:.1f} | {gt:.1f} | {di:.1f} | {dt:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
