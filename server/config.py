@@ -86,6 +86,7 @@ class Config:
     max_uploads_per_owner: int = 4
     max_staged_bytes_per_owner: int = 2 << 30
     idle_timeout: float = 60.0
+    session_idle_timeout: float = 600.0
 
     @property
     def data_bind_port(self) -> int | None:
@@ -149,6 +150,10 @@ class Config:
             )
         if not 0 <= self.idle_timeout <= 86400:
             raise ValueError(f"idle_timeout: expected 0..86400 seconds, got {self.idle_timeout}")
+        if not 0 <= self.session_idle_timeout <= 86400:
+            raise ValueError(
+                f"session_idle_timeout: expected 0..86400 seconds, got {self.session_idle_timeout}"
+            )
 
 
 @dataclass(frozen=True)
@@ -391,6 +396,15 @@ SETTINGS: tuple[Setting, ...] = (
         float,
         "seconds an upload/update stream may send nothing before it is cancelled (default 60; "
         "0: never)",
+    ),
+    Setting(
+        "session_idle_timeout",
+        "--session-idle-timeout",
+        "COLIWORKER_SESSION_IDLE_TIMEOUT",
+        float,
+        "seconds a Session stream may go without a call (on the stream or its doorbell) "
+        "before it ends with DEADLINE_EXCEEDED, giving back its thread and segment "
+        "(default 600; 0: never)",
     ),
 )
 

@@ -148,6 +148,7 @@ class Doorbell:
         self._lock = threading.Lock()
         self._closed = False
         self.calls = 0
+        self.busy = False  # a call is running (the session's idle timeout waits for it)
         self.spin_ns = msg.worker_spin_us * 1000
         self.thread = threading.Thread(
             target=self._serve, name=f"doorbell-{msg.directory}", daemon=True
@@ -205,7 +206,12 @@ class Doorbell:
                     if ring != slot:
                         log.warning("doorbell %s: ring for slot %d, expected %d", self, ring, slot)
                         return
-                    data = self._answer(slot)
+                    self.busy = True
+                    try:
+                        data = self._answer(slot)
+                    finally:
+                        self.busy = False
+                        self.stream.touch()  # a call: the session is not idle
                     if self._closed:
                         return  # the stream ended during the call: nobody to answer
                     off = self.offset + (self.slots + slot) * self.slot_bytes

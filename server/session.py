@@ -31,6 +31,11 @@ With a segment attached the client may also open a doorbell channel (``attach_do
 FIFOs, not on this stream, and run one at a time on the channel's thread through the same
 dispatch (same owner, same errors). The channel closes when the stream ends.
 
+A stream with no request, no finished call and no doorbell call for
+``--session-idle-timeout`` seconds, and nothing running, is ended with DEADLINE_EXCEEDED
+saying so (``idle.py``): an idle client must not hold a thread, a slot of its owner's
+``--max-sessions-per-owner`` and a mapped segment forever.
+
 Every call runs through ``Dispatch.run`` (``dispatch.py``), which maps errors to statuses.
 """
 
@@ -51,6 +56,7 @@ import grpc
 from coliworker.server.dispatch import STATUS_OF, status_of
 from coliworker.server.doorbell import Doorbell
 from coliworker.server.errors import WorkerError
+from coliworker.server.idle import IdleWatchdog, Watch, end_stream
 from coliworker.server.shm_socket import TICKET_TTL_S, AttachSocket
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.wire import calls, staging
@@ -124,6 +130,19 @@ class SessionStream:
         # True: the handler thread reads requests itself whenever nothing is in flight;
         # False: a reader thread reads (pipelined calls), until calls come one at a time.
         self.self_reading = True
+        # --session-idle-timeout: touched by every request, finished call and doorbell call
+        self.watch: Watch | None = None
+
+    def touch(self) -> None:
+        """Something happened on this stream (or its doorbell): it is not idle."""
+        if self.watch is not None:
+            self.watch.touch()
+
+    def running(self) -> bool:
+        """A call is running (on the stream or its doorbell channel): not idle however long
+        it takes."""
+        bell = self.doorbell
+        return self.in_flight > 0 or (bell is not None and bell.busy)
 
     # -- the handler thread ---------------------------------------------------------------
 
@@ -236,6 +255,7 @@ class SessionStream:
             self.out.put(_END)
 
     def _accept(self, req: pb.SessionRequest) -> None:
+        self.touch()
         rid = req.request_id
         kind = req.WhichOneof("call")
         if kind == "chunk":
@@ -427,6 +447,7 @@ class SessionStream:
         return itertools.chain(_chunks(rid, views), (resp,))
 
     def _finish(self, job: _Job) -> None:
+        self.touch()
         if job.staged:
             self.servicer.owners.unstage(self.owner, job.staged)
         nxt = None
@@ -545,13 +566,27 @@ class SessionManager:
         self._streams: set[SessionStream] = set()
         # where clients pass their segments (server/shm_socket.py; the app makes it)
         self.attach_socket: AttachSocket | None = None
+        config = getattr(servicer, "config", None)
+        self.idle = IdleWatchdog(getattr(config, "session_idle_timeout", 0.0))
 
     def serve(self, request_iterator, context: grpc.ServicerContext) -> Iterator[Any]:
         stream = SessionStream(self.servicer, self.servicer.owner(context))
         with self._lock:
             self._streams.add(stream)
+        timeout = self.idle.timeout
+        why = (
+            f"session: no call for {timeout:g} s (--session-idle-timeout {timeout:g}); the "
+            f"worker ended the stream and released its segment, open a new session"
+        )
+        stream.watch = self.idle.watch(
+            lambda: end_stream(context, grpc.StatusCode.DEADLINE_EXCEEDED, why),
+            "Session stream",
+            busy=stream.running,
+        )
 
         def done() -> None:
+            if stream.watch is not None:
+                stream.watch.close()
             stream.end()
             stream.close()
             with self._lock:

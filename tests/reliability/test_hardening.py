@@ -27,7 +27,13 @@ from _rel import (
     upload,
 )
 
-from coliworker.client import NotFound, ResourceExhausted, WorkerClient
+from coliworker.client import (
+    DeadlineExceeded,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+    WorkerClient,
+)
 from coliworker.kernels import reference as ref
 from coliworker.server.app import build_server
 from coliworker.server.auth import TokenTable
@@ -184,6 +190,12 @@ def _stalled(first: pb.UploadChunk, release: threading.Event):
     release.wait(60)
 
 
+def _silent(release: threading.Event):
+    """A request stream that sends nothing until ``release``."""
+    release.wait(60)
+    yield from ()
+
+
 def md(who: str) -> list[tuple[str, str]]:
     return [("authorization", f"Bearer {TOKENS[who]}")]
 
@@ -235,6 +247,59 @@ def test_one_owners_sessions_and_stalled_uploads_leave_the_others_answering(rng)
                 s.cancel()
     finally:
         release.set()
+        srv.stop(grace=None)
+
+
+def test_idle_session_streams_end_with_deadline_exceeded_and_running_calls_are_not_cut(rng):
+    """--session-idle-timeout: a Session with no call for the timeout ends with
+    DEADLINE_EXCEEDED naming the limit, giving back its owner's session slot and its segment;
+    calls through its doorbell count as calls, and a call still running is never cut."""
+    timeout = 0.5
+    srv, gate = _gated(
+        tokens=token_env(), session_idle_timeout=timeout, max_sessions_per_owner=1, workers=8
+    )
+    gate.go.set()
+    t = random_tensor(rng, 0, 64, 32)
+    x = rng.standard_normal((2, 64)).astype(np.float32)
+    want = ref.matmul(t, x)
+    try:
+        with client(srv, "bob") as b, grpc.insecure_channel(srv.address) as ch:
+            h = upload(b, t)
+            silent = threading.Event()
+            raw = pb_grpc.WorkerStub(ch).Session(_silent(silent), metadata=md("alice"))
+            with pytest.raises(grpc.RpcError) as e:  # any client: the status says why
+                next(raw)
+            silent.set()
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert f"--session-idle-timeout {timeout:g}" in e.value.details()
+            s = b.session(transport="grpc")
+            assert rel_err(s.matmul_sync(h, x), want) < 1e-5
+            assert wait_until(lambda: srv.servicer.sessions.streams() == 0)
+            with pytest.raises(DeadlineExceeded, match="no call for 0.5 s"):
+                s.matmul_sync(h, x)
+            s.close()
+            with b.session(transport="shm") as s:  # the owner's one slot is free again
+                assert s.transport == "shm"
+                end = time.monotonic() + 4 * timeout
+                while time.monotonic() < end:  # doorbell calls: the stream itself is silent
+                    assert rel_err(s.matmul_sync(h, x), want) < 1e-5
+                assert srv.servicer.sessions.streams() == 1
+                gate.go.clear()
+                gate.entered.clear()
+                slow = s.matmul(h, x)  # runs for 4 timeouts
+                assert gate.entered.wait(20)
+                time.sleep(4 * timeout)
+                assert srv.servicer.sessions.streams() == 1
+                gate.go.set()
+                assert rel_err(slow.result(20), want) < 1e-5
+                assert wait_until(lambda: srv.servicer.sessions.streams() == 0)
+                assert srv.servicer.sessions.attached_segments() == []
+                with pytest.raises(Unavailable, match="session-idle-timeout"):
+                    s.matmul_sync(h, x)
+            with b.session(transport="grpc") as s:
+                assert rel_err(s.matmul_sync(h, x), want) < 1e-5
+    finally:
+        gate.go.set()
         srv.stop(grace=None)
 
 
