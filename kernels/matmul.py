@@ -9,6 +9,7 @@ and whose down matrices share one spec of the same format.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import cupy
@@ -92,9 +93,19 @@ TENSOR_CORES = True
 TC_MAX_ROWS = 4
 TC_RG = 2  # 16-row groups per block tile (gemv_tc.cu)
 TC_STAGE_BUDGET = 48 * 1024  # bytes of staged bf16 activations per block; more K tiles beyond
-TC_VARIANTS = tuple(
-    f"{k}<{f}, {sb}>" for k in ("gemv_tc", "moe_tc") for f in (2, 4) for sb in (1, 4)
-)
+# Split-K (gemv_tc_k / gemv_tc_sk in gemv_tc.cu): a row tile is computed by a cluster of C
+# blocks, each over 1/C of K, their sums meeting in distributed shared memory in a fixed order.
+# ``SPLIT_K`` switches it off (gemv_tc as before; tests run both paths); ``SPLIT_K_FORCE``
+# fixes C (tests and bench/gemv_splitk.py); launches are cached per setting.
+SPLIT_K = True
+SPLIT_K_FORCE: int | None = None
+SK_CLUSTERS = (1, 2, 4, 8)  # C = 1: gemv_tc_k (no cluster); 2..8: gemv_tc_sk<FMT, SB, C>
+SK_BLOCK_COST = 16  # a block's fixed cost (launch, staging, reductions) in 64-byte weight steps
+TC_VARIANTS = (
+    tuple(f"{k}<{f}, {sb}>" for k in ("gemv_tc", "moe_tc", "gemv_tc_k") for f in (2, 4)
+          for sb in (1, 4))
+    + tuple(f"gemv_tc_sk<{f}, {sb}, {c}>" for f in (2, 4) for sb in (1, 4) for c in SK_CLUSTERS[1:])
+)  # fmt: skip
 
 
 def tc_eligible(spec: WeightSpec, max_rows: int) -> bool:
@@ -112,6 +123,64 @@ def _tc_geometry(max_rows: int, in_padded: int) -> tuple[int, int, int]:
     kt = min(kt, in_padded)
     red = 4 * WARPS * 2 * 16 * 8 * nt  # k-slice partials (tc_red_floats)
     return sb, kt, red + 2 * 3 * sb * (kt + 16)
+
+
+def _sk_geometry(max_rows: int, in_padded: int, c: int) -> tuple[int, int, int]:
+    """(SB, kts, dynamic shared bytes) of a split-K launch of cluster size ``c``: kts is the
+    most 128-element steps staged at once, the rank's share of K in equal tiles."""
+    sb = 1 if max_rows == 1 else 4
+    nt = (3 * sb + 7) // 8
+    share = -(-(in_padded // 128) // c)  # steps of the largest rank
+    most = max(1, TC_STAGE_BUDGET // (6 * sb * 128))
+    kts = -(-share // -(-share // most))
+    floats = TC_RG * 16 * sb + WARPS * 16 * 8 * nt  # tc_sk_part_floats + tc_sk_red_floats
+    return sb, kts, 4 * floats + 2 * 3 * sb * (kts * 128 + 16)
+
+
+def _sk_name(fmt: int, sb: int, c: int) -> str:
+    return f"gemv_tc_k<{fmt}, {sb}>" if c == 1 else f"gemv_tc_sk<{fmt}, {sb}, {c}>"
+
+
+def _sk_choice(
+    spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: int,
+    per_sm: Callable[[int, int], int],
+) -> int:  # fmt: skip
+    """The cluster size of a split-K launch: ``SPLIT_K_FORCE``, else the one of ``SK_CLUSTERS``
+    with the least modelled time, waves x (SK_BLOCK_COST + steps per block). Blocks of one
+    launch run side by side and are latency bound, so splitting pays while the grid leaves
+    block slots empty and stops paying where it adds waves. per_sm(c, smem): resident blocks
+    per SM of that variant."""
+    if SPLIT_K_FORCE is not None:
+        if SPLIT_K_FORCE not in SK_CLUSTERS:
+            raise ValueError(f"SPLIT_K_FORCE={SPLIT_K_FORCE}: not one of {SK_CLUSTERS}")
+        return SPLIT_K_FORCE
+    steps = spec.layout.in_padded // 128
+    sb = 1 if max_rows == 1 else 4
+    base = -(-max_out // (TC_RG * 16)) * n_jobs * -(-max_rows // sb)
+    best = (0, 0)
+    for c in SK_CLUSTERS:
+        _, _, smem = _sk_geometry(max_rows, spec.layout.in_padded, c)
+        slots = max(per_sm(c, smem) * n_sm // c * c, c)
+        cost = -(-base * c // slots) * (SK_BLOCK_COST + -(-steps // c))
+        if best[1] == 0 or cost < best[0]:
+            best = (cost, c)
+    return best[1]
+
+
+def _gemv_sk(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: int) -> Launch:
+    """gemv_launch's launch on the split-K tensor-core path (same jobs, same pointer)."""
+    sb = 1 if max_rows == 1 else 4
+
+    def per_sm(c: int, smem: int) -> int:
+        name = _sk_name(spec.fmt, sb, c)
+        fn = get_function("gemv_tc.cu", name, TC_VARIANTS)
+        return _resident_blocks(fn, name, smem, n_sm) // n_sm
+
+    c = _sk_choice(spec, n_jobs, max_rows, max_out, n_sm, per_sm)
+    sb, kts, smem = _sk_geometry(max_rows, spec.layout.in_padded, c)
+    fn = get_function("gemv_tc.cu", _sk_name(spec.fmt, sb, c), TC_VARIANTS)
+    grid = (-(-max_out // (TC_RG * 16)) * c, n_jobs, -(-max_rows // sb))
+    return Launch(fn, grid, (WARPS * 32,), (*spec.geom(), np.int32(kts)), smem)
 
 
 # ---- tensor-core prefill path (prefill_tc.cu): the same formats, more than TC_MAX_ROWS rows ----
@@ -202,6 +271,8 @@ def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int) -> L
         lay = spec.layout
         if prefill_eligible(spec, max_rows):
             return _gemv_pf(spec, n_jobs, max_rows, max_out, _sm_count(dev))
+        if tc_eligible(spec, max_rows) and SPLIT_K:
+            return _gemv_sk(spec, n_jobs, max_rows, max_out, _sm_count(dev))
         if tc_eligible(spec, max_rows):
             sb, kt, smem = _tc_geometry(max_rows, lay.in_padded)
             fn = get_function("gemv_tc.cu", f"gemv_tc<{spec.fmt}, {sb}>", TC_VARIANTS)
@@ -214,7 +285,9 @@ def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int) -> L
         grid = (-(-max_out // (WARPS * r)), n_jobs, -(-max_rows // sb))
         return Launch(fn, grid, (WARPS * 32,), (*spec.geom(), np.int32(kt)), 4 * sb * kt)
 
-    return _cached((dev, "gemv", id(spec), n_jobs, max_rows, max_out, TENSOR_CORES), make)
+    key = (dev, "gemv", id(spec), n_jobs, max_rows, max_out, TENSOR_CORES, SPLIT_K,
+           SPLIT_K_FORCE)  # fmt: skip
+    return _cached(key, make)
 
 
 def _gemv_pf(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: int) -> Launch:
