@@ -1,6 +1,6 @@
 """What one CUDA graph launch costs from Python on this machine, by what the graph holds.
 
-The CuPy backend replays each call's device work as a graph (server/cupy_graphs.py): the
+The CuPy backend replays each call's device work as a graph (kernels/graphs.py): the
 copies between the arena's pinned and device halves, the kernels and four timing events.
 This bench takes that apart with a trivial kernel (so the GPU time is near zero): the host
 time of ``cudaGraphLaunch`` alone and of launch + wait, for graphs of a kernel alone, with

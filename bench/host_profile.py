@@ -27,9 +27,9 @@ from bench.kernels import make_tensor  # noqa: E402  (run from the repository ro
 def _stage_timers() -> dict[str, int]:
     """Wrap the CuPy backend's per-call steps with wall-time accumulators (ns, by step).
     Nested steps count in both (``finish`` includes the wait for the GPU)."""
-    from coliworker.kernels import attention, launch, route
-    from coliworker.server import backend_cupy as bc
-    from coliworker.server import cupy_calls, cupy_graphs
+    from coliworker.kernels import attention, expert_group, launch, route
+    from coliworker.kernels import graphs as cupy_graphs
+    from coliworker.server import cupy_calls
 
     acc: dict[str, int] = {}
 
@@ -45,13 +45,13 @@ def _stage_timers() -> dict[str, int]:
 
         setattr(owner, name, timed)
 
-    for name in ("plan_group", "write_group", "put_host", "route_plan", "gemv_launch",
-                 "stack_into"):  # fmt: skip
-        wrap(bc, name, name)
-    for name in ("absorb_launch", "flash_launch", "flash_splits", "flash_ok"):
+    for name in ("plan_group", "write_group", "route_plan", "prepare"):
+        wrap(expert_group, name, f"expert_group.{name}")
+    for mod in (expert_group, cupy_calls):  # each imported put_host by name
+        wrap(mod, "put_host", "put_host")
+    for name in ("absorb_launch", "flash_launch", "flash_splits", "flash_ok", "gemv_launch",
+                 "_plan", "head_jobs", "stack_into"):  # fmt: skip
         wrap(attention, name, f"attention.{name}")
-    for name in ("_group", "_group_launches", "_attention", "_head_jobs"):
-        wrap(bc.CupyBackend, name, name)
     for name in ("reserve", "put", "send", "receive", "issue", "finish", "__enter__",
                  "__exit__"):  # fmt: skip
         wrap(cupy_calls.Call, name, f"Call.{name}")
@@ -88,9 +88,9 @@ def main() -> None:
 
     b = create_backend("cupy", devices=(0,))
     if a.direct:
-        from coliworker.server import cupy_graphs
+        from coliworker.kernels import graphs
 
-        cupy_graphs.ENABLED = False
+        graphs.ENABLED = False
     rng = np.random.default_rng(0)
     d, i = 6144, 2048
     experts = [

@@ -380,7 +380,7 @@ def main() -> int:
         lambda: bench_routed(backend, rng, ROWS[8][0], 8, 1, 8),
         lambda: bench_routed(backend, rng, ROWS[9][0], 64, 8, 8, n=30),
     ]
-    from coliworker.server import cupy_graphs
+    from coliworker.kernels import graphs as cupy_graphs
 
     rows = []
     for (name, seed_name, t_call, t_kern), fn in zip(ROWS, fns, strict=True):

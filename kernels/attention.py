@@ -1,25 +1,33 @@
-"""CuPy wrappers of ``attention.cu``: absorbed q, split-T attention with online softmax, merge.
+"""The MLA attention ops' host side (``attention``, ``attention_ragged``) and the CuPy
+wrappers of ``attention.cu``: absorbed q, split-T attention with online softmax, merge
+(reference: ``reference.attention`` / ``reference.attention_ragged``; tests:
+``tests/kernels/test_attention.py``).
 
 Two attention kernels: ``mla_flash`` (tensor cores, every head of a block scores each KV tile
 staged once; the default where it fits: K <= 512 and its shared memory) and ``mla_attend``
 (fp32 FMA, any K + R up to ``MAX_KR``). ``FLASH = False`` keeps mla_attend (tests run both).
 
-The value projection and o_proj are gemv jobs (``matmul.py``); the backend chains them.
-Launches are prepared once per shape (``matmul.Launch``) and take device pointers.
+The value projection and o_proj are gemv jobs (``matmul.py``); ``run`` chains every launch of
+a call in its arena (``call``: the backend's call context, ``server/cupy_calls.py``), with the
+call shape's plan (launches, layout, gemv jobs) kept in the arena. Launches are prepared once
+per shape (``launch.Launch``) and take device pointers.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+from typing import Any
 
 import cupy
 import numpy as np
 
+from coliworker.kernels import matmul as mm
 from coliworker.kernels._module import get_function
-from coliworker.kernels.matmul import Launch, WeightSpec, _cached, gs_args
-
-# Mirrors ``struct KvDesc`` in attention.cu.
-KV_DTYPE = np.dtype([("latent", "<u8"), ("rope", "<u8"), ("len", "<i4"), ("src", "<i4")])
+from coliworker.kernels.expert_group import PLANS_PER_ARENA
+from coliworker.kernels.matmul import Launch, WeightSpec, _cached, gemv_launch, gs_args
+from coliworker.kernels.pinned import align, stack_into
+from coliworker.kernels.records import GEMV_JOB, KV_DESC
 
 ABS_P = 4  # mla_absorb: parts of the Q rows per column, one 128-thread group each
 ATT_WARPS = 8
@@ -45,7 +53,7 @@ def absorb_launch(spec: WeightSpec, s: int, heads: int, q_dim: int, rope_dim: in
                   v_dim: int) -> Launch:  # fmt: skip
     """mla_absorb, taking seven pointers and a count: qfull float32 [S, H, K+R] <- [q_nope @
     W_k(h) | q_rope], q float32 [S, H, Q+R], kv_b [H*(Q+V), K]'s resident bytes and scales, the
-    call's ``KV_DTYPE`` [S] descriptors, then its new cache rows: latent float32 [n, K], rope
+    call's ``KV_DESC`` [S] descriptors, then its new cache rows: latent float32 [n, K], rope
     float32 [n, R] and ``np.int32(n)`` (written into the caches the descriptors name; n = 0:
     none)."""
     dev = cupy.cuda.runtime.getDevice()
@@ -87,7 +95,7 @@ def attend_splits(s: int, heads: int, k: int, r: int, t_max: int, n_sm: int) -> 
 def attend_launch(s: int, heads: int, k: int, r: int, scale: float, nsplit: int
                   ) -> tuple[Launch, Launch]:  # fmt: skip
     """(mla_attend, mla_merge). attend takes five pointers: pm, pl, pacc (scratch, see
-    ``attend_splits``), qfull float32 [S, H, K+R], kv (device ``KV_DTYPE`` [S]: row s's cache
+    ``attend_splits``), qfull float32 [S, H, K+R], kv (device ``KV_DESC`` [S]: row s's cache
     pointers and length); merge takes four: cl float32 [H, S, K] <- softmax(qfull .
     [latent | rope] * scale) @ latent per (s, h), then pm, pl, pacc."""
     dev = cupy.cuda.runtime.getDevice()
@@ -153,3 +161,158 @@ def flash_launch(s: int, heads: int, k: int, r: int, scale: float, nsplit: int
 
     key = (dev, "flash", s, heads, k, r, float(scale), nsplit)
     return _cached(key, make)  # type: ignore[return-value,arg-type]
+
+
+# ---- the ops' host side ------------------------------------------------------------------
+
+_jobs_cache: dict[tuple, bytes] = {}
+
+
+def head_jobs(kv_b: Any, q_dim: int, v_dim: int, s: int, heads: int,
+               cl: int, ctx: int) -> bytes:  # fmt: skip
+    """The value projection's GemvJob records, one per head (cached: with a reused arena
+    the same call shape gives the same bytes)."""
+    w0, s0 = kv_b.row_ptrs(q_dim)
+    k = kv_b.in_features
+    key = (w0, s0, q_dim, v_dim, s, heads, cl, ctx)
+    b = _jobs_cache.get(key)
+    if b is None:
+        h = np.arange(heads, dtype=np.uint64)
+        t = np.zeros(heads, GEMV_JOB.dtype)
+        t["w0"] = w0 + h * ((q_dim + v_dim) * kv_b.layout.ld)
+        t["s0"] = s0 + h * ((q_dim + v_dim) * kv_b.layout.ngp * 4 if kv_b.fmt else 0)
+        t["x"] = cl + h * (4 * s * k)
+        t["y"] = ctx + h * (4 * v_dim)
+        t["rows"], t["out_rows"] = s, v_dim
+        t["x_stride"], t["y_stride"] = k, heads * v_dim
+        if len(_jobs_cache) > 256:
+            _jobs_cache.clear()
+        b = _jobs_cache[key] = t.tobytes()
+    return b
+
+
+def run(
+    call: Any,
+    kv_b: Any,
+    o_proj: Any | None,
+    q: np.ndarray,
+    caches: Sequence[Any] | None,
+    fresh: Sequence[int],
+    t_max: int,
+    q_dim: int,
+    rope_dim: int,
+    v_dim: int,
+    scale: float,
+    latents: Sequence[np.ndarray],
+    ropes: Sequence[np.ndarray],
+    n_sm: int,
+) -> Any:
+    """Absorb (which also writes a ragged call's new cache rows), attend (+ merge), value
+    projection (+ o_proj). ``latents`` / ``ropes``: the rows to upload, stacked in order
+    (batch attention: its whole cache; ragged: ``fresh[s]`` new rows of ``caches[s]``, which
+    have room for them). Arena inputs: q, the KvDescs, the gemv jobs, the rows; output: ctx
+    float32 [S, H*V] or o_proj's [S, D_out]; scratch: qfull, cl, ctx (with o_proj), pm, pl,
+    pacc. The plan (launches, layout, gemv jobs) is kept per arena and call shape."""
+    S, H = q.shape[0], q.shape[1]
+    K, R, V = kv_b.in_features, rope_dim, v_dim
+    flash = flash_ok(K, R)
+    if flash:
+        nsplit = flash_splits(S, H, t_max, n_sm)
+    else:
+        nsplit = attend_splits(S, H, K, R, t_max, n_sm)
+    n_up = sum(len(x) for x in latents)
+    a = call.take()
+    key = ("attention", id(kv_b), id(o_proj), S, H, q_dim, R, V, scale, n_up, nsplit,
+           caches is None, flash, mm.TENSOR_CORES)  # fmt: skip
+    plan = a.plans.get(key)
+    if plan is None:
+        plan = _plan(call, kv_b, o_proj, S, H, q_dim, R, V, scale, n_up, nsplit, flash)
+        if len(a.plans) >= PLANS_PER_ARENA:
+            a.plans.clear()
+    (_, dev_end, host_end, d_off, j_off, l_off, r_off, in_end, out_off, dout, scratch,
+     jobs, launches) = plan  # fmt: skip
+    a.reserve(dev_end, host_end)
+    a.plans[key] = plan  # after reserve: a reallocated arena forgets the old plans
+    base, host = a.dptr, a.host
+    qfull, cl, _, pm, pl, pacc = (base + o for o in scratch)
+    call.put(0, q, 4 * q.size)
+    if n_up:
+        stack_into(host, l_off, latents, n_up, K)
+        stack_into(host, r_off, ropes, n_up, R)
+    if caches is not None:
+        p, src = d_off, 0
+        for c, n in zip(caches, fresh, strict=True):
+            if c.latent is not None:
+                KV_DESC.pack_into(host, p, c.latent.data.ptr, c.rope.data.ptr, c.length + n,
+                                  src)  # fmt: skip
+            else:
+                KV_DESC.pack_into(host, p, 0, 0, 0, src)
+            p += KV_DESC.size
+            src += n
+        scatter = n_up
+    else:  # batch attention: the kernels read its cache rows in the upload
+        for s in range(S):
+            KV_DESC.pack_into(host, d_off + KV_DESC.size * s, base + l_off, base + r_off,
+                              n_up - S + 1 + s, 0)  # fmt: skip
+        scatter = 0
+    host[j_off : j_off + len(jobs)] = jobs
+    absorb, attend, merge, value, proj = launches
+    u64 = np.uint64
+    call.mark(0)
+    call.send(in_end)
+    call.mark(1)
+    call.launch(absorb, u64(qfull), u64(base), u64(kv_b.ptrs[0]), u64(kv_b.ptrs[1]),
+                u64(base + d_off), u64(base + l_off), u64(base + r_off),
+                np.int32(scatter))  # fmt: skip
+    call.launch(attend, u64(pm), u64(pl), u64(pacc), u64(qfull), u64(base + d_off))
+    call.launch(merge, u64(cl), u64(pm), u64(pl), u64(pacc))
+    if value is not None:
+        call.launch(value, u64(base + j_off))
+    if proj is not None:
+        call.launch(proj, u64(base + j_off + 64 * H))
+    call.mark(2)
+    call.receive(out_off, (S, dout) if o_proj is not None else (S, H, V))
+    call.mark(3)
+    return call.finish()
+
+
+def _plan(
+    call: Any, kv_b: Any, o_proj: Any | None, S: int, H: int,
+    q_dim: int, R: int, V: int, scale: float, n_up: int, nsplit: int, flash: bool,
+) -> tuple:  # fmt: skip
+    """The launches, arena layout and gemv job bytes of one attention call shape in the
+    call's arena (``_attention``); the plan holds kv_b and o_proj: the ids in its key
+    stay theirs while it lives."""
+    K = kv_b.in_features
+    n_jobs = H + (o_proj is not None)
+    absorb = absorb_launch(kv_b.spec, S, H, q_dim, R, V)
+    if flash:
+        attend, merge = flash_launch(S, H, K, R, scale, nsplit)
+    else:
+        attend, merge = attend_launch(S, H, K, R, scale, nsplit)
+    value = gemv_launch(kv_b.spec, H, S, V)
+    proj = gemv_launch(o_proj.spec, 1, S, o_proj.out_features) if o_proj else None
+    dout = o_proj.out_features if o_proj is not None else H * V
+    d_off = align(4 * S * H * (q_dim + R))
+    j_off = align(d_off + KV_DESC.size * S)
+    l_off = align(j_off + 64 * n_jobs)
+    r_off = align(l_off + 4 * n_up * K)
+    in_end = r_off + 4 * n_up * R
+    out_off = align(in_end)
+    sizes = [4 * S * H * (K + R), 4 * H * S * K, 4 * S * H * V if o_proj else 0,
+             4 * S * H * nsplit, 4 * S * H * nsplit, 4 * S * H * nsplit * K]  # fmt: skip
+    scratch = [align(out_off + 4 * S * dout)]
+    for n in sizes[:-1]:
+        scratch.append(align(scratch[-1] + n))
+    dev_end, host_end = scratch[-1] + sizes[-1], out_off + 4 * S * dout
+    a = call.reserve(dev_end, host_end)  # the job pointers below are this arena's
+    base = a.dptr
+    cl = base + scratch[1]
+    ctx = base + (scratch[2] if o_proj is not None else out_off)
+    jobs = bytearray(head_jobs(kv_b, q_dim, V, S, H, cl, ctx))
+    if o_proj is not None:
+        jobs += GEMV_JOB.pack(*o_proj.ptrs, 0, 0, ctx, base + out_off, S,
+                              o_proj.out_features, H * V, o_proj.out_features)  # fmt: skip
+    return ((kv_b, o_proj), dev_end, host_end, d_off, j_off, l_off, r_off, in_end, out_off,
+            dout, scratch, np.frombuffer(bytes(jobs), np.uint8),
+            (absorb, attend, merge, value, proj))  # fmt: skip

@@ -1,6 +1,7 @@
-// Job records and weight geometry shared by gemv.cu, gemv_tc.cu and prefill_tc.cu (mirrored by
-// JOB_DTYPE and MOE_DTYPE in matmul.py and the structs in tables.py), and the persistent tile
-// queue of their expert-group kernels (moe, moe_tc, moe_pf).
+// Job records and weight geometry shared by gemv.cu, gemv_tc.cu and prefill_tc.cu (the host
+// writes the records as defined in kernels/records.py; tests/kernels/test_records.py checks
+// these structs against it), and the persistent tile queue of their expert-group kernels
+// (moe, moe_tc, moe_pf).
 #pragma once
 
 #define GEMV_WARPS 8

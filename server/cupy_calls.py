@@ -1,37 +1,32 @@
-"""The CuPy backend's per-call plumbing (``server/backend_cupy.py`` runs the operations).
+"""The CuPy backend's per-call plumbing: the context every op's host side runs in
+(``kernels/matmul.py``, ``kernels/expert_group.py``, ``kernels/attention.py``).
 
 Host time per call is kept near the floor: every buffer of a call (inputs, outputs, scratch,
 on the device and pinned on the host) lies in one reusable ``Arena`` with its own timing
-events; a ``Call`` makes the device current (only when it differs), takes the thread's stream
-and an arena, sends the inputs up in one copy, records the phase events and brings the
-outputs back in one copy. Large inputs are copied into pinned memory on several threads, or
-read by the device straight from a session's shared-memory segment once CUDA has it
-registered (``HostSegments``).
+events, graphs and plans; a ``Call`` makes the device current (only when it differs), takes
+the thread's stream and an arena, lists its device work (the inputs up in one copy, the
+launches between phase events, the outputs back in one copy) and issues it at the end, as a
+CUDA graph once the arena has seen it before (``kernels/graphs.py``). Large inputs are
+copied into pinned memory on several threads (``kernels/pinned.py``), or read by the device
+straight from a session's shared-memory segment once CUDA has it registered
+(``server/cupy_segments.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
-import threading
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any
 
 import cupy
 import cupyx
 import numpy as np
 
+from coliworker.kernels.graphs import COPY, LAUNCH, MARK, Graphs
+from coliworker.kernels.pinned import align, put_host
 from coliworker.server.backend import Phases, Result
-from coliworker.server.cupy_graphs import COPY, LAUNCH, MARK, Graphs
 from coliworker.server.errors import OutOfDeviceMemory
-
-if TYPE_CHECKING:
-    from coliworker.server.backend_cupy import CupyBackend
-    from coliworker.wire.shm import Segment
-
-log = logging.getLogger(__name__)
 
 
 def oom_error(exc: BaseException, device: int, what: str) -> OutOfDeviceMemory | None:
@@ -57,25 +52,16 @@ def oom_guard(device: int, what: str) -> Iterator[None]:
         raise
 
 
-def align(n: int) -> int:
-    return -(-n // 256) * 256
-
-
 # Arenas above this many bytes (device or pinned) are freed after their call rather than kept.
 ARENA_KEEP_BYTES = 64 << 20
 ARENAS_PER_THREAD = 4  # free arenas a thread keeps per device (one per call it has in flight)
 PLANS_PER_ARENA = 1024  # host plans an arena keeps (Arena.plans); past this it drops them all
 # Outputs of at least this many bytes are handed over in their pinned buffer, not copied.
 DETACH_BYTES = 1 << 20
-# Inputs of at least this many bytes are copied into the pinned buffer by several threads.
-SPLIT_COPY_BYTES = 8 << 20
 # float32 inputs of at least this many bytes that lie in a session's shared-memory segment go
 # to the device straight from it (registered with CUDA on the first such input), not through
 # a copy into the pinned buffer.
 DIRECT_BYTES = 8 << 20
-_COPY_THREADS = 4
-_copy_pool: ThreadPoolExecutor | None = None
-_copy_pool_lock = threading.Lock()
 
 
 class Arena:
@@ -93,7 +79,7 @@ class Arena:
         self.events = [cupy.cuda.Event() for _ in range(4)]
         self.eptr = [e.ptr for e in self.events]  # raw handles: the runtime calls cost less
         self.home = home
-        self.graphs = Graphs()  # the calls' device work, captured (cupy_graphs.py)
+        self.graphs = Graphs()  # the calls' device work, captured (kernels/graphs.py)
         self.plans: dict[tuple, Any] = {}  # the ops' host plans in this arena, by call shape
 
     def forget(self) -> None:
@@ -142,19 +128,21 @@ class Call:
 
     The device work (``send``, ``launch``, ``mark``, ``receive``) is listed, not issued;
     ``issue`` (or ``finish``) issues the list, as a CUDA graph once the arena has seen it
-    before (``cupy_graphs.py``)."""
+    before (``kernels/graphs.py``)."""
 
     __slots__ = ("backend", "device", "what", "stream", "arena", "_prev", "out", "direct",
                  "work", "graphable")  # fmt: skip
 
-    def __init__(self, backend: CupyBackend, device: int, what: str) -> None:
+    def __init__(self, backend: Any, device: int, what: str) -> None:
+        """``backend``: the CuPy backend (its per-thread ``_stream`` and ``_arenas``, and
+        ``_registered`` for inputs in shared-memory segments)."""
         self.backend = backend
         self.device = device
         self.what = what
         self.stream = backend._stream(device)
         self.arena: Any = None  # Arena while the call owns one
         self.direct: list[tuple[int, int, int]] = []  # (arena offset, host address, bytes)
-        self.work: list[tuple] = []  # the device work not yet issued (cupy_graphs.py)
+        self.work: list[tuple] = []  # the device work not yet issued (kernels/graphs.py)
         self.graphable = True  # False once the work reads a client's segment
 
     def __enter__(self) -> Call:
@@ -278,114 +266,3 @@ class CupyPending:
                 if prev != c.device:
                     cupy.cuda.runtime.setDevice(prev)
         return self._result
-
-
-def put_host(
-    host: np.ndarray, off: int, a: np.ndarray, nbytes: int, dtype: Any = np.float32
-) -> None:
-    """Copy array ``a`` (as ``dtype``, C order, ``nbytes`` bytes) into pinned ``host`` at off;
-    large copies in slices on several threads (NumPy releases the GIL while it copies)."""
-    b = np.ascontiguousarray(a, dtype).reshape(-1).view(np.uint8)
-    dst = host[off : off + nbytes]
-    if nbytes < SPLIT_COPY_BYTES:
-        dst[...] = b
-        return
-    global _copy_pool
-    with _copy_pool_lock:
-        if _copy_pool is None:
-            _copy_pool = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="pinned-copy")
-    step = -(-nbytes // _COPY_THREADS)
-    parts = [(dst[i : i + step], b[i : i + step]) for i in range(0, nbytes, step)]
-    for f in [_copy_pool.submit(np.copyto, d, src) for d, src in parts]:
-        f.result()
-
-
-def stack_into(host: np.ndarray, off: int, parts: Sequence[np.ndarray], n: int, w: int) -> None:
-    """Row blocks ``parts`` (float32 [n_i, w], n rows in all) stacked into pinned ``host`` at
-    off: one copy, no temporary."""
-    out = host[off : off + 4 * n * w].view(np.float32).reshape(n, w)
-    if len(parts) == 1:
-        out[...] = parts[0]
-    else:
-        np.concatenate(parts, out=out)
-
-
-UNREGISTERED, REGISTERED, FAILED, GONE = range(4)  # HostSegment.state
-_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every device
-
-
-class HostSegment:
-    """A shared-memory segment a session maps, and whether CUDA has it registered."""
-
-    __slots__ = ("name", "address", "size", "state")
-
-    def __init__(self, name: str, address: int, size: int) -> None:
-        self.name, self.address, self.size = name, address, size
-        self.state = UNREGISTERED
-
-
-def _register(m: HostSegment) -> int:
-    """cudaHostRegister the segment; REGISTERED, or FAILED (logged) when CUDA refuses."""
-    try:
-        cupy.cuda.runtime.hostRegister(m.address, m.size, _HOST_REGISTER_PORTABLE)
-    except cupy.cuda.runtime.CUDARuntimeError as exc:
-        log.info("segment %s: cudaHostRegister failed, inputs are copied: %s", m.name, exc)
-        return FAILED
-    return REGISTERED
-
-
-class HostSegments:
-    """The sessions' shared-memory segments on this worker.
-
-    A session's segment holds the client's inputs; read through a view (no copy), a large
-    one would still be copied into the pinned arena before it goes up. Registered with CUDA
-    (page-locked), the device reads it directly. Registration pins every page of the
-    segment, so it waits for the first large input: a decode-only session pins nothing.
-    Iterating gives the segments attached now."""
-
-    def __init__(self, devices: tuple[int, ...]) -> None:
-        self._devices = devices
-        self._list: list[HostSegment] = []
-        self._lock = threading.Lock()
-
-    def __iter__(self) -> Iterator[HostSegment]:
-        with self._lock:
-            return iter(list(self._list))
-
-    def attach(self, seg: Segment) -> None:
-        """A session mapped ``seg`` (``server/session.py``); it is unregistered before it is
-        unmapped (``Segment.on_close``)."""
-        m = HostSegment(seg.name, seg.address, seg.size)
-        with self._lock:
-            self._list.append(m)
-        seg.on_close(lambda: self._detach(m))
-
-    def registered(self, ptr: int, n: int) -> bool:
-        """Whether [ptr, ptr + n) lies in a registered segment (registering it on first use;
-        a segment CUDA refuses stays unregistered and its inputs are copied)."""
-        for m in self._list:
-            if m.address <= ptr and ptr + n <= m.address + m.size:
-                if m.state == UNREGISTERED:
-                    with self._lock:
-                        if m.state == UNREGISTERED:
-                            m.state = _register(m)
-                return m.state == REGISTERED
-        return False
-
-    def _detach(self, m: HostSegment) -> None:
-        with self._lock:
-            if m in self._list:
-                self._list.remove(m)
-            state, m.state = m.state, GONE
-        if state != REGISTERED:
-            return
-        # Copies issued from it may still run: let every device finish them first. A call
-        # that found it registered and copies later reads pageable memory (still mapped:
-        # its view holds the mapping, see Segment.close), which CUDA stages itself.
-        for d in self._devices:
-            with cupy.cuda.Device(d):
-                cupy.cuda.runtime.deviceSynchronize()
-        try:
-            cupy.cuda.runtime.hostUnregister(m.address)
-        except cupy.cuda.runtime.CUDARuntimeError as exc:
-            log.warning("segment %s: cudaHostUnregister failed: %s", m.name, exc)

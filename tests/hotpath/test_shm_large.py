@@ -156,9 +156,9 @@ def test_large_calls_exact_both_directions(worker, doorbell, rng):
             np.testing.assert_array_equal(g, g_chunks)
         assert y.flags.writeable and y.shape == (S, OUT)
         if srv.servicer.backend.name == "cupy":
-            from coliworker.server import cupy_calls
+            from coliworker.server import cupy_segments
 
-            assert [m.state for m in _segments(srv)] == [cupy_calls.REGISTERED]
+            assert [m.state for m in _segments(srv)] == [cupy_segments.REGISTERED]
     assert wait_for(lambda: _segments(srv) == [])
     assert rel_err(y_chunks, ref.matmul(mat_t, x)) < TOL
     want, start = [], 0
@@ -198,7 +198,7 @@ def test_close_while_registered_with_calls_in_flight(worker, rng):
 def test_falls_back_when_registration_fails(worker, rng, monkeypatch):
     import cupy
 
-    from coliworker.server import cupy_calls
+    from coliworker.server import cupy_segments
 
     srv, w, mat_t, _, (mat, _) = worker
 
@@ -211,7 +211,7 @@ def test_falls_back_when_registration_fails(worker, rng, monkeypatch):
         want = plain.matmul_sync(mat, x)
     with w.session(shm=True) as s:
         np.testing.assert_array_equal(s.matmul_sync(mat, x), want)
-        assert [m.state for m in _segments(srv)] == [cupy_calls.FAILED]
+        assert [m.state for m in _segments(srv)] == [cupy_segments.FAILED]
         np.testing.assert_array_equal(s.matmul_sync(mat, x), want)
     assert rel_err(want, ref.matmul(mat_t, x)) < TOL
     assert wait_for(lambda: _segments(srv) == [])

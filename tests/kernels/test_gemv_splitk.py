@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_cuda_kernels import make_tensor
+from _kern import make_tensor
 
 from coliworker.kernels import reference
 from coliworker.kernels.qtensor import QTensor
@@ -30,6 +30,19 @@ def row_rel_err(y: np.ndarray, ref: np.ndarray) -> float:
         den = max(float(np.abs(ref[k]).max()), 1e-30)
         worst = max(worst, float(np.abs(y[k] - ref[k]).max()) / den)
     return worst
+
+
+def job_dtype() -> np.dtype:
+    """The dtype of ``struct GemvJob`` (kernels/records.py where the tree has it, else the
+    older matmul.JOB_DTYPE)."""
+    try:
+        from coliworker.kernels.records import GEMV_JOB
+
+        return GEMV_JOB.dtype
+    except ImportError:
+        from coliworker.kernels import matmul
+
+        return matmul.JOB_DTYPE  # type: ignore[attr-defined]
 
 
 class Jobs:
@@ -51,7 +64,7 @@ class Jobs:
         self.x = [cupy.asarray(np.ascontiguousarray(x, np.float32)) for x in xs]
         pairs = zip(xs, out_rows, strict=True)
         self.y = [cupy.zeros((x.shape[0], o), cupy.float32) for x, o in pairs]
-        host = np.zeros(len(xs), matmul.JOB_DTYPE)
+        host = np.zeros(len(xs), job_dtype())
         r0 = 0
         for j, (o, x, xd, yd) in enumerate(zip(out_rows, xs, self.x, self.y, strict=True)):
             host[j]["w0"] = self.w.data.ptr + r0 * lay.ld

@@ -1,4 +1,4 @@
-"""CUDA graph replay (server/cupy_graphs.py) against direct launches, to the bit, for every op.
+"""CUDA graph replay (kernels/graphs.py) against direct launches, to the bit, for every op.
 
 Each test drives the same call shape several times with fresh inputs: the first call of a
 shape in an arena runs direct, the second is captured, the later ones replay. The same call
@@ -10,21 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from coliworker.kernels.qtensor import QTensor, row_bytes, scale_count
+from _kern import make_tensor
 
 pytestmark = pytest.mark.gpu
 
 CALLS = 4  # direct, captured, replayed, replayed
-
-
-def make_tensor(rng: np.random.Generator, fmt: int, o: int, i: int, gs: int = 0) -> QTensor:
-    if fmt == 0:
-        w = rng.standard_normal((o, i)).astype(np.float32).view(np.uint8).reshape(-1)
-    else:
-        w = rng.integers(0, 256, o * row_bytes(fmt, i), dtype=np.uint8)
-    s = (rng.random(scale_count(fmt, i, o, gs)) * 0.02 + 0.005).astype(np.float32)
-    return QTensor(fmt, i, o, gs, w, s)
 
 
 @pytest.fixture
@@ -39,7 +29,7 @@ def backend():
 @pytest.fixture
 def graphs(monkeypatch):
     """Set graphs on or off for the next calls."""
-    from coliworker.server import cupy_graphs
+    from coliworker.kernels import graphs as cupy_graphs
 
     def switch(on: bool) -> None:
         monkeypatch.setattr(cupy_graphs, "ENABLED", on)
@@ -203,7 +193,7 @@ def test_attention_batch(backend, rng, graphs):
 
 
 def test_a_call_shape_whose_capture_fails_stays_direct(backend, rng, graphs, monkeypatch):
-    from coliworker.server import cupy_graphs
+    from coliworker.kernels import graphs as cupy_graphs
 
     monkeypatch.setattr(cupy_graphs.Graphs, "_capture", staticmethod(lambda *a: None))
     t = make_tensor(rng, 2, 64, 128)

@@ -1,28 +1,37 @@
-"""Host side of the kernels' job tables: records packed straight into a caller's (pinned)
-buffer with ``struct``, and the plan of an expert group's launches.
+"""The expert-group ops' host side (``expert_group``, ``expert_group_issue``,
+``expert_group_routed``): the plan of a group's launches, its job tables packed straight into
+the call's pinned buffer, its arena layout and its launches (kernels: ``moe``/``moe_tc``/
+``moe_pf`` and ``gemv`` in gemv.cu, gemv_tc.cu, prefill_tc.cu; ``route_gather`` /
+``route_combine`` in route.cu; reference: ``reference.expert_group``; tests:
+``tests/kernels/test_expert_group.py``).
 
-No CuPy here: the per-call host work of a GPU call is mostly this, so it is written to be
-timed and tested on any machine. Residents are duck-typed: ``spec`` (an interned
-``WeightSpec``: specs compare by identity), ``fmt``, ``out_features`` and ``ptrs`` (device
-addresses of weights and scales).
+Experts whose gate and up share one spec (format, size, group size) and whose down has the
+same format run in ONE persistent moe launch per (gate/up spec, down spec) combination: one
+launch for a model's usual group. Any other expert (gate and up of different formats or group
+sizes, say) runs unfused and still exact: gate and up as separate gemv jobs, silu times up
+elementwise, then down as a gemv job.
+
+The plan and the tables (``route_plan``, ``plan_group``, ``write_group``) need no CuPy: they
+are timed and tested on any machine; the launches import CuPy when they are first built.
+Residents are duck-typed: ``spec`` (an interned ``WeightSpec``: specs compare by identity),
+``fmt``, ``out_features`` and ``ptrs`` (device addresses of weights and scales). ``call`` is
+the backend's call context (``server/cupy_calls.py``: ``take``, ``reserve``, ``put``,
+``mark``, ``send``, ``launch``, ``receive``, ``issue``, ``finish``).
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-# ``struct GemvJob`` (gemv.cu): w0 s0 w1 s1 x y (u64), rows out_rows x_stride y_stride (i32).
-GEMV_JOB = struct.Struct("<6Q4i")
-# ``struct MoeJob`` (gemv.cu): wg sg wu su wd sd x h y (u64), rows ie dout pad (i32).
-MOE_JOB = struct.Struct("<9Q4i")
-# ``struct KvDesc`` (attention.cu): latent rope (u64), len src (i32).
-KV_DESC = struct.Struct("<2Q2i")
-assert GEMV_JOB.size == 64 and MOE_JOB.size == 88 and KV_DESC.size == 24
+from coliworker.kernels.pinned import align, put_host
+from coliworker.kernels.records import GEMV_JOB, MOE_JOB
+
+#: Host plans an arena keeps (its ``plans``); past this it drops them all.
+PLANS_PER_ARENA = 1024
 
 
 #: Routed groups of at most this many (token, expert) pairs are planned in plain Python: at
@@ -135,7 +144,7 @@ class GroupPlan:
 
 def plan_group(experts: Sequence[tuple[Any, Any, Any]], rows: Sequence[int]) -> GroupPlan:
     """Experts whose gate and up share one spec and whose down has the same format are fused,
-    one moe launch per (gate/up spec, down spec); the others run unfused (see backend_cupy)."""
+    one moe launch per (gate/up spec, down spec); the others run unfused (module docstring)."""
     rows = [int(r) for r in rows]
     row_off = [0]
     hid_off = [0]
@@ -223,3 +232,166 @@ def write_group(
         if phase is first:
             launches.append(("silu_mul", plan.n_hid))
     return launches
+
+
+_silu_mul: Any = None
+
+
+def _silu() -> Any:
+    """h = silu(g) * u elementwise (the unfused experts), a CuPy kernel built once."""
+    global _silu_mul
+    if _silu_mul is None:
+        import cupy
+
+        _silu_mul = cupy.ElementwiseKernel(
+            "float32 g, float32 u", "float32 h", "h = g / (1.f + expf(-g)) * u", "coli_silu_mul"
+        )
+    return _silu_mul
+
+
+def _launches(
+    call: Any, launches: list[tuple], t_ptr: int, h_ptr: int, hu_ptr: int, n_sm: int
+) -> list[tuple]:
+    """(launch, arguments) of a group's kernels, in order, from ``write_group``'s list."""
+    import cupy
+
+    from coliworker.kernels.matmul import gemv_launch, moe_launch
+
+    out: list[tuple] = []
+    for ln in launches:
+        if ln[0] == "moe":
+            _, gu, dn, off, n, max_rows, max_ie, max_dout = ln
+            go = moe_launch(gu, dn, n, max_rows, max_ie, max_dout, n_sm)
+            if go is not None:
+                ptr = t_ptr + off
+                out.append((go, (np.uint64(ptr + counter_bytes(n)), np.uint64(ptr))))
+        elif ln[0] == "gemv":
+            _, spec, off, n, max_rows, max_out = ln
+            go = gemv_launch(spec, n, max_rows, max_out)
+            if go is not None:
+                out.append((go, (np.uint64(t_ptr + off),)))
+        else:
+            k = ln[1]
+            mem = cupy.cuda.UnownedMemory(h_ptr, hu_ptr - h_ptr + 4 * k, call.arena)
+            hh = cupy.ndarray((k,), cupy.float32, cupy.cuda.MemoryPointer(mem, 0))
+            hu = cupy.ndarray((k,), cupy.float32, cupy.cuda.MemoryPointer(mem, hu_ptr - h_ptr))
+            out.append((_silu(), (hh, hu, hh)))
+    return out
+
+
+def prepare(
+    call: Any, experts: Sequence[tuple[Any, Any, Any]], rows: Sequence[int], x: np.ndarray,
+    n_sm: int, extra_in: int = 0, x_rows: Sequence[int] | None = None, extra_out: int = 0,
+) -> tuple[Any, list[tuple], dict[str, int]]:  # fmt: skip
+    """Plan a group, reserve its arena and write its inputs; returns the arena, the launches
+    and the offsets. Inputs: x float32 [T, D] at 0, the tables, ``extra_in`` more bytes at
+    "extra", up to "in_end". Outputs: y float32 [N, dout] at "y", then ``extra_out`` more
+    bytes at "out". Device scratch: hidden (and up's, for unfused experts), then, for a
+    routed group that gathers (``x_rows`` None and ``extra_in``), the packed x float32
+    [N, D] at "xp" that the tables read. ``x_rows[c]``: the token row expert c's
+    (consecutive) rows start at; the tables then read x in place.
+
+    The same experts and shapes in the same arena give the same tables: they are kept in
+    the arena's plans, and a later call copies them in whole."""
+    from coliworker.kernels import matmul as mm
+
+    T, D = x.shape
+    a = call.take()
+    key = ("group", mm.TENSOR_CORES, *map(id, experts), *rows, T, D, extra_in, extra_out,
+           None if x_rows is None else tuple(x_rows))  # fmt: skip
+    hit = a.plans.get(key)
+    if hit is not None:
+        _, end, out_end, t_off, table, calls, off = hit
+        a.reserve(end, out_end)
+        call.put(0, x, 4 * T * D)
+        a.host[t_off : t_off + len(table)] = table
+        return a, calls, off
+    plan = plan_group(experts, rows)
+    N, dout = max(plan.n_rows, 1), experts[0][2].out_features
+    t_off = align(4 * T * D)
+    e_off = align(t_off + plan.table_bytes)
+    in_end = e_off + extra_in
+    y_off = align(in_end)
+    o_off = align(y_off + 4 * N * dout)
+    out_end = o_off + extra_out
+    h_off = align(out_end)
+    n_hid = max(plan.n_hid, 1)
+    hu_off = align(h_off + 4 * n_hid)
+    xp_off = align(hu_off + (4 * n_hid if plan.unfused else 0))
+    packed = bool(extra_in) and x_rows is None
+    end = xp_off + (4 * N * D if packed else 0)
+    a = call.reserve(end, out_end)
+    call.put(0, x, 4 * T * D)
+    base = a.dptr
+    x_at = None if x_rows is None else [base + 4 * D * r for r in x_rows]
+    launches = write_group(a.host, t_off, plan, experts, D, dout,
+                           base + (xp_off if packed else 0), base + y_off, base + h_off,
+                           base + hu_off, x_at)  # fmt: skip
+    calls = _launches(call, launches, base + t_off, base + h_off, base + hu_off, n_sm)
+    off = {"extra": e_off, "in_end": in_end, "y": y_off, "out": o_off, "xp": xp_off}
+    if not plan.unfused:  # (unfused experts' launches hold views of this call's arena)
+        if len(a.plans) >= PLANS_PER_ARENA:
+            a.plans.clear()
+        # The entry holds the triples: their ids in the key stay theirs while it lives.
+        table = a.host[t_off : t_off + plan.table_bytes].copy()
+        a.plans[key] = (list(experts), end, out_end, t_off, table, calls, off)
+    return a, calls, off
+
+
+def issue(
+    call: Any, experts: Sequence[tuple[Any, Any, Any]], rows: Sequence[int], x: np.ndarray,
+    n_sm: int,
+) -> None:  # fmt: skip
+    """An expert group's device work, issued; its result is ``call.finish()``'s."""
+    N = x.shape[0]
+    dout = experts[0][2].out_features
+    _, calls, off = prepare(call, experts, rows, x, n_sm)
+    call.mark(0)
+    call.send(off["in_end"])
+    call.mark(1)
+    for go, args in calls:
+        call.launch(go, *args)
+    call.mark(2)
+    call.receive(off["y"], (N, dout))
+    call.mark(3)
+    call.issue()
+
+
+def routed(
+    call: Any, experts: Sequence[tuple[Any, Any, Any]], x: np.ndarray, routes: np.ndarray,
+    weights: np.ndarray, n_sm: int,
+) -> Any:  # fmt: skip
+    """A routed group: the used experts as a packed group, then each token's weighted sum of
+    its experts' rows (route_combine), reading x in place where every expert's tokens are
+    consecutive, else through a packed copy (route_gather)."""
+    from coliworker.kernels import route
+
+    T, K = routes.shape
+    D = x.shape[1]
+    n = T * K
+    rp = route_plan(routes, len(experts))
+    sel = [experts[e] for e in rp.used]
+    d_out = experts[0][2].out_features
+    extra = align(4 * n) * 2 + (0 if rp.x_rows is not None else 4 * n)  # pos, w (, src)
+    a, calls, off = prepare(call, sel, rp.rows, x, n_sm, extra, rp.x_rows, 4 * T * d_out)
+    base, o0 = a.dptr, off["extra"]
+    o1, o2 = o0 + align(4 * n), o0 + 2 * align(4 * n)
+    put_host(a.host, o0, rp.pos, 4 * n, np.int32)
+    put_host(a.host, o1, weights, 4 * n)
+    if rp.x_rows is None:
+        put_host(a.host, o2, rp.src, 4 * n, np.int32)
+    combine = route.combine_launch(T, K, d_out)
+    u64 = np.uint64
+    call.mark(0)
+    call.send(off["in_end"])
+    call.mark(1)
+    if rp.x_rows is None:
+        call.launch(route.gather_launch(n, D), u64(base + off["xp"]), u64(base), u64(base + o2))
+    for go, args in calls:
+        call.launch(go, *args)
+    call.launch(combine, u64(base + off["out"]), u64(base + off["y"]), u64(base + o0),
+                u64(base + o1))  # fmt: skip
+    call.mark(2)
+    call.receive(off["out"], (T, d_out))
+    call.mark(3)
+    return call.finish()

@@ -1,0 +1,26 @@
+"""Shared by the kernel tests: random quantized tensors, the error measure and tolerances."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from coliworker.kernels.qtensor import QTensor, row_bytes, scale_count
+
+REL_TOL = 1e-3
+TC_TOL = 1e-5  # the tensor-core path keeps fp32 activations (3-way bf16 split): ~1e-7 seen
+
+
+def rel_err(y: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(y - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+def make_tensor(rng: np.random.Generator, fmt: int, o: int, i: int, gs: int = 0) -> QTensor:
+    if fmt == 0:
+        w = rng.standard_normal((o, i)).astype(np.float32).view(np.uint8).reshape(-1)
+    else:
+        w = rng.integers(0, 256, o * row_bytes(fmt, i), dtype=np.uint8)
+    s = (rng.random(scale_count(fmt, i, o, gs)) * 0.02 + 0.005).astype(np.float32)
+    return QTensor(fmt, i, o, gs, w, s)
+
+
+FMT_GS = [(0, 0), (1, 0), (2, 0), (3, 0), (4, 64), (4, 128), (4, 3), (4, 5), (4, 6)]

@@ -1,0 +1,64 @@
+"""The CuPy backend as a whole: calls from several threads at once, out-of-memory as a typed,
+recoverable error. GPU only."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import numpy as np
+import pytest
+from _kern import REL_TOL, make_tensor, rel_err
+
+from coliworker.kernels import reference
+
+
+@pytest.mark.gpu
+def test_concurrent_threads(cupy_backend, rng):
+    b = cupy_backend
+    t = make_tensor(rng, 2, 300, 513)
+    w = b.place(t, 0)
+    xs = [rng.standard_normal((2, 513)).astype(np.float32) for _ in range(8)]
+    refs = [reference.matmul(t, x) for x in xs]
+    errors: list[str] = []
+
+    def work(n: int) -> None:
+        for _ in range(20):
+            out = b.matmul(w, xs[n]).out
+            if rel_err(out, refs[n]) >= REL_TOL:
+                errors.append(f"thread {n}")
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+
+
+@pytest.mark.gpu
+def test_out_of_memory_is_typed_and_recoverable(cupy_backend, rng):
+    import cupy
+
+    from coliworker.server.errors import OutOfDeviceMemory
+
+    b = cupy_backend
+    t = make_tensor(rng, 1, 64, 64)
+    w = b.place(t, 0)
+    kv = b.new_kv(0, 16, 4)
+    kv.append(np.ones((10, 16), np.float32), np.ones((10, 4), np.float32))
+    big = make_tensor(rng, 1, 8192, 8192)  # 64 MiB
+    gc.collect()
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    pool.set_limit(size=pool.used_bytes() + (4 << 20))
+    try:
+        with pytest.raises(OutOfDeviceMemory, match="device 0"):
+            b.place(big, 0)
+        with pytest.raises(OutOfDeviceMemory):
+            kv.append(np.ones((100000, 16), np.float32), np.ones((100000, 4), np.float32))
+        assert kv.length == 10 and kv.cap == 256
+    finally:
+        pool.set_limit(size=0)
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    assert rel_err(b.matmul(w, x).out, reference.matmul(t, x)) < REL_TOL

@@ -1,0 +1,211 @@
+"""The expert-group ops (kernels/expert_group.py) through CupyBackend against the float64
+reference (GPU), and the routed plan against a definition written out pair by pair (any
+machine)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _kern import REL_TOL, TC_TOL, make_tensor, rel_err
+
+from coliworker.kernels import reference
+from coliworker.kernels.expert_group import SMALL_ROUTES, route_plan
+
+
+def _experts(b, rng, n, d, ie, fmt, gs):
+    host = [
+        tuple(make_tensor(rng, fmt, *sh, gs) for sh in ((ie, d), (ie, d), (d, ie)))
+        for _ in range(n)
+    ]
+    dev = [tuple(b.place(t, 0) for t in e) for e in host]
+    return host, dev
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", [(0, 0), (1, 0), (2, 0), (3, 0), (4, 64), (4, 5)])
+def test_expert_group_issue_is_bit_identical(cupy_backend, rng, fmt, gs):
+    b = cupy_backend
+    host, dev = _experts(b, rng, 5, 96, 40, fmt, gs)
+    rows = [1, 3, 9, 1, 2]
+    x = rng.standard_normal((sum(rows), 96)).astype(np.float32)
+    ref = reference.expert_group(host, rows, x)
+    p1 = b.expert_group_issue(dev, rows, x)
+    p2 = b.expert_group_issue(dev, rows, -x)
+    mid = b.expert_group(dev, rows, 2 * x)  # a sync call between issue and result
+    r1, r2 = p1.result(), p2.result()
+    assert rel_err(r1.out, ref) < REL_TOL
+    assert np.array_equal(r1.out, b.expert_group(dev, rows, x).out)
+    assert np.array_equal(r2.out, b.expert_group(dev, rows, -x).out)
+    assert rel_err(mid.out, reference.expert_group(host, rows, 2 * x)) < REL_TOL
+    assert r1.phases.kernel_ns > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64)])
+def test_expert_group_glm52_decode(cupy_backend, rng, fmt, gs):
+    b = cupy_backend
+    host, dev = _experts(b, rng, 8, 6144, 2048, fmt, gs)
+    x = np.repeat(rng.standard_normal((1, 6144)).astype(np.float32), 8, axis=0)
+    res = b.expert_group(dev, [1] * 8, x)
+    assert rel_err(res.out, reference.expert_group(host, [1] * 8, x)) < REL_TOL
+    kern = min(b.expert_group(dev, [1] * 8, x).phases.kernel_ns for _ in range(20))
+    print(f"GLM-5.2 decode 8x1 fmt {fmt}: kernel {kern / 1e3:.1f} us")
+
+
+@pytest.mark.gpu
+def test_expert_group_routed(cupy_backend, rng):
+    b = cupy_backend
+    host, dev = _experts(b, rng, 6, 64, 48, 4, 32)
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    routes = rng.integers(0, 6, (5, 3)).astype(np.int32)
+    w = rng.random((5, 3)).astype(np.float32)
+    res = b.expert_group_routed(dev, x, routes, w)
+    assert rel_err(res.out, reference.expert_group_routed(host, x, routes, w)) < REL_TOL
+
+
+# Gate, up and down of one expert may each have their own format and group size: such experts
+# run unfused (gate and up separately), beside fused ones in the same group.
+MIXED = [((4, 1, 3), (5, 0, 0)), ((0, 1, 3), (0, 0, 0)), ((2, 4, 2), (0, 64, 0)),
+         ((4, 4, 4), (64, 32, 64)), ((2, 2, 4), (0, 0, 32))]  # fmt: skip
+
+
+def _mixed_expert(b, rng, d, ie, fmts, gss):
+    host = tuple(
+        make_tensor(rng, f, *sh, gs)
+        for f, gs, sh in zip(fmts, gss, ((ie, d), (ie, d), (d, ie)), strict=True)
+    )
+    return host, tuple(b.place(t, 0) for t in host)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmts,gss", MIXED)
+def test_expert_mlp_mixed_formats(cupy_backend, rng, fmts, gss):
+    b = cupy_backend
+    host, dev = _mixed_expert(b, rng, 200, 72, fmts, gss)
+    x = rng.standard_normal((3, 200)).astype(np.float32)
+    res = b.expert_mlp(*dev, x)
+    assert rel_err(res.out, reference.expert_mlp(*host, x)) < REL_TOL
+
+
+@pytest.mark.gpu
+def test_expert_group_and_routed_mixed_formats(cupy_backend, rng):
+    b = cupy_backend
+    d, ie = 256, 96
+    pairs = [_mixed_expert(b, rng, d, ie, f, g) for f, g in MIXED + [((2, 2, 2), (0, 0, 0))]]
+    host = [h for h, _ in pairs]
+    dev = [dv for _, dv in pairs]
+    rows = [1, 4, 2, 9, 1, 3]
+    x = rng.standard_normal((sum(rows), d)).astype(np.float32)
+    res = b.expert_group(dev, rows, x)
+    assert rel_err(res.out, reference.expert_group(host, rows, x)) < REL_TOL
+    p = b.expert_group_issue(dev, rows, x)
+    assert np.array_equal(p.result().out, res.out)
+    xt = rng.standard_normal((7, d)).astype(np.float32)
+    routes = rng.integers(0, len(dev), (7, 4)).astype(np.int32)
+    w = rng.random((7, 4)).astype(np.float32)
+    got = b.expert_group_routed(dev, xt, routes, w)
+    assert rel_err(got.out, reference.expert_group_routed(host, xt, routes, w)) < REL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64), (1, 0)])
+@pytest.mark.parametrize("rows", [[1] * 8, [4] * 8, [32, 1, 17, 8, 5, 2, 40, 3]])
+def test_expert_group_fused_rows(cupy_backend, rng, fmt, gs, rows):
+    # The one-launch path at a GLM-like width (many tiles per expert, several row tiles).
+    b = cupy_backend
+    host, dev = _experts(b, rng, len(rows), 1024, 512, fmt, gs)
+    x = rng.standard_normal((sum(rows), 1024)).astype(np.float32)
+    res = b.expert_group(dev, rows, x)
+    assert rel_err(res.out, reference.expert_group(host, rows, x)) < REL_TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64)])
+@pytest.mark.parametrize("rows", [[1] * 8, [4] * 8, [2, 1, 4, 3]])
+def test_tensor_core_expert_group_matches_both_paths(cupy_backend, rng, fmt, gs, rows):
+    b = cupy_backend
+    host, dev = _experts(b, rng, len(rows), 2048 + 64, 640, fmt, gs)
+    x = rng.standard_normal((sum(rows), 2048 + 64)).astype(np.float32)
+    ref = reference.expert_group(host, rows, x)
+    tc = b.expert_group(dev, rows, x).out
+    assert rel_err(tc, ref) < TC_TOL
+    assert np.array_equal(tc, b.expert_group(dev, rows, x).out)  # same bits every call
+    from coliworker.kernels import matmul
+
+    matmul.TENSOR_CORES = False
+    try:
+        fp32 = b.expert_group(dev, rows, x).out
+    finally:
+        matmul.TENSOR_CORES = True
+    assert rel_err(fp32, ref) < TC_TOL
+
+
+# ---- the routed plan (no GPU) ----
+
+
+def _expected(routes: np.ndarray, n_experts: int):
+    """Packed rows by expert (ascending), within an expert by flat index (t * K + j)."""
+    T, K = routes.shape
+    pairs = sorted(range(T * K), key=lambda i: (int(routes.flat[i]), i))
+    used = sorted({int(e) for e in routes.flat})
+    rows = [int((routes == e).sum()) for e in used]
+    src = [i // K for i in pairs]
+    pos = [0] * (T * K)
+    for p, i in enumerate(pairs):
+        pos[i] = p
+    x_rows: list[int] | None = []
+    q = 0
+    for c in rows:
+        if src[q : q + c] != list(range(src[q], src[q] + c)):
+            x_rows = None
+            break
+        x_rows.append(src[q])
+        q += c
+    assert all(e < n_experts for e in used)
+    return used, rows, src, pos, x_rows
+
+
+def _random_routes(rng, T: int, K: int, n_experts: int, distinct: bool) -> np.ndarray:
+    if distinct:  # each token's K experts differ (a top-k router)
+        return np.stack([rng.choice(n_experts, K, replace=False) for _ in range(T)]).astype(
+            np.int32
+        )
+    return rng.integers(0, n_experts, size=(T, K), dtype=np.int32)
+
+
+@pytest.mark.parametrize("small", [True, False, None])
+@pytest.mark.parametrize(
+    "T,K,E,distinct",
+    [(1, 8, 8, True), (1, 8, 64, True), (1, 4, 3, False), (3, 2, 5, True), (8, 8, 64, True),
+     (8, 8, 16, False), (32, 8, 256, True), (64, 1, 4, False), (200, 8, 64, True)],
+)  # fmt: skip
+def test_route_plan_matches_definition(T, K, E, distinct, small):
+    rng = np.random.default_rng()
+    for _ in range(5):
+        routes = _random_routes(rng, T, K, E, distinct)
+        plan = route_plan(routes, E, small)
+        used, rows, src, pos, x_rows = _expected(routes, E)
+        assert plan.used == used
+        assert plan.rows == rows
+        assert plan.src.dtype == np.int32 and plan.src.tolist() == src
+        assert plan.pos.dtype == np.int32 and plan.pos.tolist() == pos
+        assert plan.x_rows == x_rows
+
+
+def test_one_token_reads_x_in_place():
+    """At one token with distinct experts every expert's single row is token 0."""
+    routes = np.array([[5, 1, 7, 2]], np.int32)
+    for small in (True, False):
+        plan = route_plan(routes, 8, small)
+        assert plan.used == [1, 2, 5, 7]
+        assert plan.rows == [1, 1, 1, 1]
+        assert plan.x_rows == [0, 0, 0, 0]
+        assert plan.pos.tolist() == [2, 0, 3, 1]
+
+
+def test_size_picks_the_path():
+    rng = np.random.default_rng()
+    big = _random_routes(rng, SMALL_ROUTES // 8 + 1, 8, 64, True)
+    assert big.size > SMALL_ROUTES
+    a, b = route_plan(big, 64), route_plan(big, 64, small=True)
+    assert a.pos.tolist() == b.pos.tolist() and a.x_rows == b.x_rows
