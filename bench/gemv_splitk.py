@@ -16,23 +16,22 @@ Writes ``gemv-splitk-<date>.json`` and ``.md`` into ``--out``: GPU, date, commit
 (COLIWORKER_COMMIT, else git), the command, per shape the weight bytes read (row padding and
 scales included), the floor at 4.48 TB/s, the times, % of roofline and errors.
 
-Counters before / after (device machine; one profiled launch per path and shape, after the
-warm-up; ``--iters 50 --warmup 2`` keeps the run short; the regex takes gemv_tc, gemv_tc_k and
-gemv_tc_sk, never the spin kernel):
+Counters before / after (device machine): ``--profile`` launches each path twice (a checked
+call, then one more) with no timing loop, so ncu sees 2 launches per path and shape (its
+default cache control flushes the caches before each, so both read the weights from HBM);
+``-k regex:gemv_tc`` takes gemv_tc (off), gemv_tc_k and gemv_tc_sk (on and the forced C),
+never the spin kernel; the kernel names and grids in the report tell the paths apart. Achieved
+occupancy is sm__warps_active (Occupancy section), stall reasons the WarpStateStats section:
 
-    ncu --clock-control none --target-processes all -k regex:gemv_tc -s 2 -c 40 \\
+    M=dram__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum
+    M=$M,sm__warps_active.avg.pct_of_peak_sustained_active
+    ncu --clock-control none -k regex:gemv_tc --metrics $M \\
         --section SpeedOfLight --section Occupancy --section LaunchStats \\
         --section WarpStateStats --section MemoryWorkloadAnalysis \\
-        --metrics dram__throughput.avg.pct_of_peak_sustained_elapsed,\\
-    sm__warps_active.avg.pct_of_peak_sustained_active,\\
-    smsp__average_warp_latency_issue_stalled_long_scoreboard,\\
-    smsp__average_warp_latency_issue_stalled_barrier,\\
-    smsp__average_warp_latency_issue_stalled_membar,gpu__time_duration.sum \\
-        -o $OUT/gemv-splitk python bench/gemv_splitk.py --iters 50 --warmup 2 --out $OUT/ncu-run
+        -o $OUT/gemv-splitk python bench/gemv_splitk.py --profile \\
+        --only "dense S=1 6144x6144 int4,o_proj S=1,value proj 64 x [256x512] S=1,gs=64" \\
+        --out $OUT/ncu-run
     ncu --import $OUT/gemv-splitk.ncu-rep --page raw --csv > $OUT/gemv-splitk-ncu.csv
-
-(``-s 2 -c 40`` skips each path's first launches; filter the CSV by kernel name and grid:
-gemv_tc is off, gemv_tc_k / gemv_tc_sk<.., .., C> are on and the forced sizes.)
 """
 
 from __future__ import annotations
@@ -86,6 +85,19 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def job_dtype() -> np.dtype:
+    """The dtype of ``struct GemvJob`` (kernels/records.py where the tree has it, else the
+    older matmul.JOB_DTYPE)."""
+    try:
+        from coliworker.kernels.records import GEMV_JOB
+
+        return GEMV_JOB.dtype
+    except ImportError:
+        from coliworker.kernels import matmul
+
+        return matmul.JOB_DTYPE  # type: ignore[attr-defined]
+
+
 def make_tensor(rng, fmt, o, i, gs):
     from coliworker.kernels.qtensor import QTensor, row_bytes, scale_count
 
@@ -124,7 +136,7 @@ class Case:
         self.y = cupy.zeros((n_jobs, s, o), cupy.float32)
         self.tables = []
         for w, sc in zip(self.w, self.sc, strict=True):
-            host = np.zeros(n_jobs, matmul.JOB_DTYPE)
+            host = np.zeros(n_jobs, job_dtype())
             for j in range(n_jobs):
                 host[j]["w0"] = w.data.ptr + j * o * lay.ld
                 host[j]["s0"] = sc.data.ptr + 4 * j * o * ngp
@@ -212,17 +224,26 @@ def bench_case(rng, spin, spec: tuple, iters: int, warmup: int, sweep: bool) -> 
         bytes=case.bytes, floor_us=case.bytes / READ_BW * 1e6, sets=len(case.tables), paths={},
     )  # fmt: skip
     for pname, split, force in paths:
-        ln = case.launch(split, force)
-        y = case.run_once(ln)
-        same = all(np.array_equal(case.run_once(ln), y) for _ in range(3))
-        r = dict(
-            rel_err=rel_err(y, ref),
-            bit_identical=bool(same),
-            grid=list(ln.grid),
-            smem=int(ln.smem),
-            cluster=(ln.grid[0] // ntiles) if split else None,
-        )
-        r.update(time_launch(case, ln, spin, iters, warmup))
+        try:
+            ln = case.launch(split, force)
+            y = case.run_once(ln)
+            same = all(np.array_equal(case.run_once(ln), y) for _ in range(3))
+            r = dict(
+                rel_err=rel_err(y, ref),
+                bit_identical=bool(same),
+                grid=list(ln.grid),
+                smem=int(ln.smem),
+                cluster=(ln.grid[0] // ntiles) if split else None,
+            )
+            if iters > 0:
+                r.update(time_launch(case, ln, spin, iters, warmup))
+            else:  # --profile: one more launch, for ncu
+                case.run_once(ln)
+                r.update(median_us=np.nan, min_us=np.nan, p90_us=np.nan)
+        except Exception as exc:  # a launch that fails: the rest of the table still comes
+            print(f"  {name:38s} {pname:5s} FAILED: {type(exc).__name__}: {exc}", flush=True)
+            out["paths"][pname] = dict(error=f"{type(exc).__name__}: {exc}")
+            continue
         out["paths"][pname] = r
         print(
             f"  {name:38s} {pname:5s} {r['median_us']:8.2f} us  (min {r['min_us']:.2f}, "
@@ -230,11 +251,16 @@ def bench_case(rng, spin, spec: tuple, iters: int, warmup: int, sweep: bool) -> 
             f"{'' if same else '  NOT BIT-IDENTICAL'}",
             flush=True,
         )
-    on = out["paths"]["on"]["median_us"]
+    on = out["paths"]["on"].get("median_us", np.nan)
+    off = out["paths"]["off"].get("median_us", np.nan)
     out["roofline_pct_on"] = out["floor_us"] / on * 100
-    out["roofline_pct_off"] = out["floor_us"] / out["paths"]["off"]["median_us"] * 100
-    out["speedup"] = out["paths"]["off"]["median_us"] / on
+    out["roofline_pct_off"] = out["floor_us"] / off * 100
+    out["speedup"] = off / on
     return out
+
+
+def _us(p: dict) -> str:
+    return "error" if "error" in p else f"{p['median_us']:.1f}"
 
 
 def render(meta: dict, rows: list[dict]) -> str:
@@ -255,12 +281,13 @@ def render(meta: dict, rows: list[dict]) -> str:
     ]
     for r in rows:
         p = r["paths"]
-        same = all(v["bit_identical"] for v in p.values())
+        same = all(v.get("bit_identical", False) for v in p.values())
+        err = {k: f"{v['rel_err']:.1e}" if "rel_err" in v else "error" for k, v in p.items()}
         md.append(
             f"| {r['name']} | {r['bytes'] / 1e6:.1f} | {r['floor_us']:.1f} | "
-            f"{p['off']['median_us']:.1f} | {p['on']['median_us']:.1f} | {p['on']['cluster']} | "
+            f"{_us(p['off'])} | {_us(p['on'])} | {p['on'].get('cluster', '-')} | "
             f"{r['speedup']:.2f}x | {r['roofline_pct_off']:.0f} | {r['roofline_pct_on']:.0f} | "
-            f"{p['off']['rel_err']:.1e} | {p['on']['rel_err']:.1e} | {'yes' if same else 'NO'} |"
+            f"{err['off']} | {err['on']} | {'yes' if same else 'NO'} |"
         )
     sweep = [k for k in rows[0]["paths"] if k.startswith("C=")] if rows else []
     if sweep:
@@ -273,11 +300,12 @@ def render(meta: dict, rows: list[dict]) -> str:
         ]
         for r in rows:
             p = r["paths"]
-            best = min(sweep, key=lambda k: p[k]["median_us"])
+            ok = [k for k in sweep if "error" not in p[k]]
+            best = min(ok, key=lambda k: p[k]["median_us"]) if ok else None
             md.append(
                 f"| {r['name']} | "
-                + " | ".join(f"{p[k]['median_us']:.1f}" for k in sweep)
-                + f" | {best}: {tuple(p[best]['grid'])} |"
+                + " | ".join(_us(p[k]) for k in sweep)
+                + (f" | {best}: {tuple(p[best]['grid'])} |" if best else " | - |")
             )
     return "\n".join(md) + "\n"
 
@@ -290,8 +318,11 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated substrings of shape names")
     ap.add_argument("--no-sweep", action="store_true", help="only off and on, no forced C")
     ap.add_argument("--seed", type=int, default=14)
+    ap.add_argument("--profile", action="store_true", help="2 launches per path, no timing")
     a = ap.parse_args()
-    if a.iters < 50:
+    if a.profile:
+        a.iters = 0
+    elif a.iters < 50:
         print("note: fewer than 50 timed launches per path", file=sys.stderr)
 
     import cupy
@@ -327,7 +358,7 @@ def main() -> int:
     stem.with_suffix(".md").write_text(md)
     print(md)
     bad = [r["name"] for r in rows for p in r["paths"].values()
-           if p["rel_err"] >= 1e-5 or not p["bit_identical"]]  # fmt: skip
+           if "error" in p or p["rel_err"] >= 1e-5 or not p["bit_identical"]]  # fmt: skip
     if bad:
         print(f"FAILED (error >= 1e-5 or bits differ): {sorted(set(bad))}", file=sys.stderr)
         return 1
