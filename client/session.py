@@ -28,6 +28,7 @@ does not raises ResourceExhausted.
 from __future__ import annotations
 
 import itertools
+import os
 import queue
 import threading
 from collections.abc import Iterable, Iterator
@@ -48,7 +49,14 @@ from coliworker.client.session_calls import (
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.wire import bell as bell_slots
 from coliworker.wire import calls, frames, staging
-from coliworker.wire.shm import PASS_TIMEOUT_S, Allocator, Segment, ShmError, pass_fd
+from coliworker.wire.shm import (
+    PASS_TIMEOUT_S,
+    Allocator,
+    Segment,
+    ShmError,
+    pass_fd,
+    segment_bytes,
+)
 
 _STATUS_OF = {c.value[0]: c for c in grpc.StatusCode}
 #: Turns a response body into the call's value; gets the future to fill backend_ns/lengths.
@@ -135,25 +143,42 @@ class Session(SessionCalls):
             self.segment.close()
 
     def _attach(self, size: int) -> None:
+        """Attach a new segment of ``size`` bytes (``coliworker.wire.shm``): the ticket
+        first, so that a worker on another host costs no memory here."""
+        got = self._ticket(segment_bytes(size))
+        if not os.path.exists(got.socket):
+            raise errors.FailedPrecondition(
+                f"attach_shm: the worker's attach socket {got.socket} is not on this host (is "
+                f"the worker on another host?)"
+            )
         try:
-            seg = Segment.create(size)  # sealed and allocated (coliworker.wire.shm)
+            seg = Segment.create(size)  # sealed and allocated
         except ShmError as exc:
-            raise errors.ResourceExhausted(exc.message) from None
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            if exc.kind != "exhausted":
+                code = grpc.StatusCode.FAILED_PRECONDITION
+            raise errors.from_status(code, exc.message) from None
         try:
-            self._attach_segment(seg)
+            self._pass(seg, got)
         except BaseException:
             seg.close()
             raise
         self.segment, self._alloc = seg, Allocator(seg.size)
 
     def _attach_segment(self, seg: Segment) -> None:
-        """Steps 2-3 of ``coliworker.wire.shm``: a ticket on the stream, then the memfd and
-        the ticket over the worker's attach socket; raises the worker's error."""
-        got = self._submit("attach_shm", pb.ShmAttach(size=seg.size), None).result(self.timeout)
+        """Attach ``seg`` (made by the caller): a ticket, then the memfd."""
+        self._pass(seg, self._ticket(seg.size))
+
+    def _ticket(self, size: int) -> pb.ShmTicket:
+        """Step 2 of ``coliworker.wire.shm``: a ticket of this stream for ``size`` bytes."""
+        got = self._submit("attach_shm", pb.ShmAttach(size=size), None).result(self.timeout)
         if not isinstance(got, pb.ShmTicket):
-            raise errors.InternalError(
-                f"attach_shm: expected a ShmTicket, got {type(got).__name__}"
-            )
+            raise errors.InternalError(f"attach_shm: expected a ShmTicket, got {got!r}")
+        return got
+
+    def _pass(self, seg: Segment, got: pb.ShmTicket) -> None:
+        """Step 3: the memfd and the ticket over the worker's attach socket; raises the
+        worker's error."""
         path = got.socket
         try:
             code, message = pass_fd(path, got.ticket, seg.fd, self.timeout or PASS_TIMEOUT_S)

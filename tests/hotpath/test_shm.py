@@ -90,9 +90,11 @@ def test_worker_refuses_a_named_segment_and_an_unknown_ticket(client):
         seg.close()
 
 
-def test_worker_on_another_host_is_failed_precondition():
+def test_worker_on_another_host_is_failed_precondition(monkeypatch):
     """The attach socket the worker names does not exist here: FailedPrecondition (which
-    transport="auto" takes as "another host" and falls back)."""
+    transport="auto" takes as "another host" and falls back), before any memory is made."""
+    made: list[int] = []
+    monkeypatch.setattr(Segment, "create", classmethod(lambda cls, size: made.append(size)))
     srv = build_server(Config(backend="numpy", port=0, metrics_port=None, data_port=0)).start()
     try:
         shutil.rmtree(srv.servicer.sessions.attach_socket.dir)  # as seen from another host
@@ -101,6 +103,7 @@ def test_worker_on_another_host_is_failed_precondition():
                 w.session(shm=True)
             with w.session() as s:  # "auto": the socket data plane instead
                 assert s.transport == "socket"
+        assert made == []
     finally:
         srv.stop(0)
 

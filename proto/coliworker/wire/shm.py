@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import logging
 import mmap
 import os
@@ -69,8 +68,12 @@ ALIGN = 64
 PREFIX = "coliworker-"
 _NAME = re.compile(r"^coliworker-(\d+)-([0-9a-f]{16})$")
 
+# <linux/fcntl.h> (Python's fcntl has these names on Linux only; this module also loads
+# where there is no shared memory, for the other transports)
+F_ADD_SEALS, F_GET_SEALS = 1033, 1034
+F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW = 0x1, 0x2, 0x4
 #: Seals a client puts on its segment; the worker requires F_SEAL_SHRINK of them.
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+SEALS = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL
 TMPFS_MAGIC = 0x01021994  # statfs.f_type of tmpfs / shmem (memfds live there)
 HUGETLBFS_MAGIC = 0x958458F6
 #: What a client sends on the attach socket: PASS_MAGIC + ticket, with the memfd attached.
@@ -171,14 +174,12 @@ def worker_uid() -> int:
     return os.geteuid()
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
 def fs_type(fd: int) -> int:
     """``statfs.f_type`` of the file system ``fd`` is on (the first field of the Linux
     struct, a word)."""
+    libc = ctypes.CDLL(None, use_errno=True)
     buf = ctypes.create_string_buffer(256)  # sizeof(struct statfs) is 120 on 64-bit Linux
-    if _libc.fstatfs(fd, buf) != 0:
+    if libc.fstatfs(fd, buf) != 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
     return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
@@ -197,6 +198,8 @@ def memfd_name(fd: int) -> str:
 def check_fd(fd: int, size: int) -> str:
     """Worker side: ShmError naming the field and both values unless ``fd`` is a memfd the
     worker may map ``size`` bytes of without risking SIGBUS (module doc); its name."""
+    import fcntl
+
     name = memfd_name(fd)
     if size <= HEADER_BYTES:
         raise ShmError("invalid", f"attach_shm.size: expected > {HEADER_BYTES}, got {size}")
@@ -222,16 +225,16 @@ def check_fd(fd: int, size: int) -> str:
             f"{TMPFS_MAGIC:#010x}), got f_type {kind:#010x}{what}",
         )
     try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        seals = fcntl.fcntl(fd, F_GET_SEALS)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
         seals = 0  # a file that cannot be sealed
-    if not seals & fcntl.F_SEAL_SHRINK:
+    if not seals & F_SEAL_SHRINK:
         raise ShmError(
             "invalid",
             f"attach_shm.fd: segment {name} is not sealed against shrinking: expected "
-            f"F_SEAL_SHRINK ({fcntl.F_SEAL_SHRINK:#x}) in its seals, got {seals:#x} (create "
+            f"F_SEAL_SHRINK ({F_SEAL_SHRINK:#x}) in its seals, got {seals:#x} (create "
             f"it with MFD_ALLOW_SEALING, then F_ADD_SEALS)",
         )
     if st.st_size < size:
@@ -283,8 +286,12 @@ class Segment:
         """Client side: a sealed, fully allocated memfd of ``size`` bytes (plus the header),
         mapped (steps 1 of the module doc). ShmError("exhausted") when the memory cannot be
         allocated (the memory cgroup, or overcommit)."""
+        import fcntl
+
+        if not hasattr(os, "memfd_create"):
+            raise ShmError("not_found", "shm: this system has no memfd_create (Linux only)")
         sweep_stale()  # files a client of an earlier version left in /dev/shm
-        size = HEADER_BYTES + _round(size)
+        size = segment_bytes(size)
         name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
         fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
@@ -299,7 +306,7 @@ class Segment:
                     f"({os.strerror(exc.errno or 0)}); ask for a smaller one or use another "
                     f"transport",
                 ) from None
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+            fcntl.fcntl(fd, F_ADD_SEALS, SEALS)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(fd)
@@ -421,6 +428,11 @@ class Segment:
             self.fd = -1
 
 
+def segment_bytes(size: int) -> int:
+    """The size of a segment with room for ``size`` bytes of arrays (header, alignment)."""
+    return HEADER_BYTES + _round(size)
+
+
 def _round(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -481,6 +493,7 @@ __all__ = [
     "check_fd",
     "copy",
     "pass_fd",
+    "segment_bytes",
     "shm_dir",
     "sweep_stale",
     "worker_uid",
