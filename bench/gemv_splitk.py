@@ -281,7 +281,7 @@ def render(meta: dict, rows: list[dict]) -> str:
     ]
     for r in rows:
         p = r["paths"]
-        same = all(v.get("bit_identical", False) for v in p.values())
+        same = all(v["bit_identical"] for v in p.values() if "error" not in v)
         err = {k: f"{v['rel_err']:.1e}" if "rel_err" in v else "error" for k, v in p.items()}
         md.append(
             f"| {r['name']} | {r['bytes'] / 1e6:.1f} | {r['floor_us']:.1f} | "

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _kern import make_tensor
+from _kern import TC_TOL, make_tensor
 
 from coliworker.kernels import reference
 from coliworker.kernels.qtensor import QTensor
-
-TC_TOL = 1e-5  # as test_cuda_kernels.py: the 3-way bf16 split keeps fp32 activations
 
 
 def row_rel_err(y: np.ndarray, ref: np.ndarray) -> float:
@@ -222,27 +220,23 @@ def test_split_k_bit_identical_and_graph_replay(rng, fmt, gs):
 
 
 @pytest.mark.gpu
-def test_split_k_through_backend_matmul(rng):
+def test_split_k_through_backend_matmul(cupy_backend, rng):
     # CupyBackend.matmul takes the split path by default; switching it off gives gemv_tc.
     from coliworker.kernels import matmul
-    from coliworker.server.backend_cupy import CupyBackend
 
-    b = CupyBackend((0,))
+    b = cupy_backend
+    t = make_tensor(rng, 2, 6144, 6144)
+    w = b.place(t, 0)
+    x = rng.standard_normal((1, 6144)).astype(np.float32)
+    ref = reference.matmul(t, x)
+    on = b.matmul(w, x).out
+    matmul.SPLIT_K = False
     try:
-        t = make_tensor(rng, 2, 6144, 6144)
-        w = b.place(t, 0)
-        x = rng.standard_normal((1, 6144)).astype(np.float32)
-        ref = reference.matmul(t, x)
-        on = b.matmul(w, x).out
-        matmul.SPLIT_K = False
-        try:
-            off = b.matmul(w, x).out
-        finally:
-            matmul.SPLIT_K = True
-        assert row_rel_err(on, ref) < TC_TOL and row_rel_err(off, ref) < TC_TOL
-        assert np.array_equal(on, b.matmul(w, x).out)
+        off = b.matmul(w, x).out
     finally:
-        b.close()
+        matmul.SPLIT_K = True
+    assert row_rel_err(on, ref) < TC_TOL and row_rel_err(off, ref) < TC_TOL
+    assert np.array_equal(on, b.matmul(w, x).out)
 
 
 def test_split_k_host_choice_fills_the_gpu():
