@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_cuda_kernels import make_tensor, rel_err
+from _kern import make_tensor, rel_err
 
 from coliworker.kernels import reference
 
