@@ -140,6 +140,7 @@ def test_files_that_are_not_sealed_allocated_memfds_are_refused(owners, rng, tmp
         "pipe": os.pipe()[0],
         "small memfd": memfd(SIZE // 2),
         "sparse memfd": memfd(SIZE, allocate=False),
+        "read-only memfd": memfd(SIZE, seals=shm.SEALS | shm.F_SEAL_WRITE),
     }
     os.unlink(devshm)
     for name in ("file in /dev/shm", "file on disk"):
@@ -154,6 +155,8 @@ def test_files_that_are_not_sealed_allocated_memfds_are_refused(owners, rng, tmp
         "pipe": "expected a memfd (a regular file)",
         "small memfd": f"attach_shm.size: expected <= {SIZE // 2}",
         "sparse memfd": f"expected all of its {SIZE} bytes allocated, got 0",
+        "read-only memfd": "sealed against writing: expected neither F_SEAL_WRITE (0x8) nor "
+        "F_SEAL_FUTURE_WRITE (0x10) in its seals, got 0xf",
     }
     try:
         with a.session(transport="grpc") as s:

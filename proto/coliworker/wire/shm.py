@@ -17,10 +17,10 @@ a missing page would be SIGBUS, killing it for every owner. Life of a segment:
    uid is refused, PERMISSION_DENIED, its descriptor never taken), finds the stream the
    ticket was given to (once; unknown or expired: FAILED_PRECONDITION), checks the memfd
    (``check_fd``: a regular file of the worker's uid on tmpfs, not hugetlbfs, sealed
-   against shrinking, at least ``size`` bytes, all of them allocated), runs its own
-   ``posix_fallocate`` (a failure: RESOURCE_EXHAUSTED naming the segment and the sizes),
-   maps it and closes the descriptor. Its answer is one byte, a gRPC status code (0: the
-   segment is attached to the stream), then the message, then it closes the connection.
+   against shrinking but not writing, at least ``size`` bytes, all of them allocated), runs
+   its own ``posix_fallocate`` (a failure: RESOURCE_EXHAUSTED naming the segment and the
+   sizes), maps it and closes the descriptor. Its answer is one byte, a gRPC status code
+   (0: the segment is attached to the stream), then the message; then it closes.
    Every refusal is such a status naming the field and both values; the worker carries on.
 
 Why this cannot SIGBUS the worker: the seals cannot be removed, so the file never gets
@@ -71,7 +71,7 @@ _NAME = re.compile(r"^coliworker-(\d+)-([0-9a-f]{16})$")
 # <linux/fcntl.h> (Python's fcntl has these names on Linux only; this module also loads
 # where there is no shared memory, for the other transports)
 F_ADD_SEALS, F_GET_SEALS = 1033, 1034
-F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW = 0x1, 0x2, 0x4
+F_SEAL_SEAL, F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_WRITE, F_SEAL_FUTURE_WRITE = 1, 2, 4, 8, 16
 #: Seals a client puts on its segment; the worker requires F_SEAL_SHRINK of them.
 SEALS = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL
 TMPFS_MAGIC = 0x01021994  # statfs.f_type of tmpfs / shmem (memfds live there)
@@ -237,6 +237,14 @@ def check_fd(fd: int, size: int) -> str:
             f"F_SEAL_SHRINK ({F_SEAL_SHRINK:#x}) in its seals, got {seals:#x} (create "
             f"it with MFD_ALLOW_SEALING, then F_ADD_SEALS)",
         )
+    if seals & (F_SEAL_WRITE | F_SEAL_FUTURE_WRITE):
+        raise ShmError(
+            "invalid",
+            f"attach_shm.fd: segment {name} is sealed against writing: expected neither "
+            f"F_SEAL_WRITE ({F_SEAL_WRITE:#x}) nor F_SEAL_FUTURE_WRITE "
+            f"({F_SEAL_FUTURE_WRITE:#x}) in its seals, got {seals:#x} (the worker writes "
+            f"results into it)",
+        )
     if st.st_size < size:
         raise ShmError(
             "invalid",
@@ -333,7 +341,7 @@ class Segment:
                 mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             except OSError as exc:
                 raise ShmError(
-                    "exhausted",
+                    "exhausted" if exc.errno == errno.ENOMEM else "invalid",
                     f"attach_shm.size: segment {name}: cannot map its {size} bytes here "
                     f"({os.strerror(exc.errno or 0)})",
                 ) from None
