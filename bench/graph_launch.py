@@ -4,8 +4,9 @@ The CuPy backend replays each call's device work as a graph (kernels/graphs.py):
 copies between the arena's pinned and device halves, the kernels and four timing events.
 This bench takes that apart with a trivial kernel (so the GPU time is near zero): the host
 time of ``cudaGraphLaunch`` alone and of launch + wait, for graphs of a kernel alone, with
-the event-record nodes, with the two copies, with both, with five kernels, and the same
-work issued directly (runtime calls one by one), medians of ``--calls``.
+the event-record nodes, with the two copies (copy engine, or the copy kernel of
+``kernels/copy.py``), with both, with five kernels, and the same work issued directly
+(runtime calls one by one), medians of ``--calls``.
 
     PYTHONPATH=.dev python bench/graph_launch.py [--calls 2000] [--bytes 24576]
 
@@ -38,6 +39,7 @@ def main() -> None:
     dev = cupy.zeros(a.bytes // 4, cupy.float32)
     host = cupyx.empty_pinned((a.bytes // 4,), np.float32)
     ev = [cupy.cuda.Event() for _ in range(4)]
+    host[:] = np.arange(host.size, dtype=np.float32)
     k = cupy.RawKernel(
         'extern "C" __global__ void inc(float *x) { if (threadIdx.x == 0) x[0] += 1.f; }', "inc"
     )
@@ -53,27 +55,39 @@ def main() -> None:
         else:
             rt.eventRecord(ev[i].ptr, sp)
 
-    def work(events: bool, copies: bool, kernels: int, capturing: bool) -> None:
+    from coliworker.kernels.copy import copy_launch
+
+    copy_k = copy_launch(n)
+    hp, dp = np.uint64(host.ctypes.data), np.uint64(dev.data.ptr)
+
+    def work(events: bool, copies: str, kernels: int, capturing: bool) -> None:
         if events:
             mark(0, capturing)
-        if copies:
+        if copies == "engine":
             rt.memcpyAsync(dev.data.ptr, host.ctypes.data, n, 1, sp)
+        elif copies == "kernel":
+            copy_k(dp, hp)
         if events:
             mark(1, capturing)
         kern(kernels)
         if events:
             mark(2, capturing)
-        if copies:
+        if copies == "engine":
             rt.memcpyAsync(host.ctypes.data, dev.data.ptr, n, 2, sp)
+        elif copies == "kernel":
+            copy_k(hp, dp)
         if events:
             mark(3, capturing)
 
     variants = [
-        ("kernel", False, False, 1),
-        ("kernel + 4 events", True, False, 1),
-        ("kernel + 2 copies", False, True, 1),
-        ("kernel + 2 copies + 4 events (a call)", True, True, 1),
-        ("5 kernels + 2 copies + 4 events (attention)", True, True, 5),
+        ("kernel", False, "", 1),
+        ("kernel + 4 events", True, "", 1),
+        ("kernel + 2 copies", False, "engine", 1),
+        ("kernel + 2 copies + 4 events (a call)", True, "engine", 1),
+        ("5 kernels + 2 copies + 4 events (attention)", True, "engine", 5),
+        ("kernel + 2 copy kernels", False, "kernel", 1),
+        ("kernel + 2 copy kernels + 4 events (a call)", True, "kernel", 1),
+        ("5 kernels + 2 copy kernels + 4 events (attention)", True, "kernel", 5),
     ]
     rows = []
     with s:
@@ -116,6 +130,12 @@ def main() -> None:
                     ),
                 )  # fmt: skip
             )
+    back = host.copy()
+    host[:] = 0
+    copy_k(hp, dp)
+    s.synchronize()
+    assert np.array_equal(host, cupy.asnumpy(dev)), "copy kernel: device -> host differs"
+    del back
     print(f"copies of {n} bytes, medians of {a.calls}, us")
     print("| graph holds | graphLaunch | launch + wait | direct issue | direct issue + wait |")
     print("|---|---|---|---|---|")

@@ -23,6 +23,7 @@ import cupy
 import cupyx
 import numpy as np
 
+from coliworker.kernels.copy import copy_launch
 from coliworker.kernels.graphs import COPY, LAUNCH, MARK, Graphs
 from coliworker.kernels.pinned import align, put_host
 from coliworker.server.backend import Phases, Result
@@ -199,12 +200,21 @@ class Call:
             self.graphable = False
         for off, ptr, n in sorted(self.direct):
             if off > pos:
-                work.append((COPY, a.dptr + pos, a.hptr + pos, off - pos, H2D))
+                self._copy(a.dptr + pos, a.hptr + pos, off - pos, H2D)
             work.append((COPY, a.dptr + off, ptr, n, H2D))
             pos = off + n
         if pos < nbytes:
-            work.append((COPY, a.dptr + pos, a.hptr + pos, nbytes - pos, H2D))
+            self._copy(a.dptr + pos, a.hptr + pos, nbytes - pos, H2D)
         self.direct = []
+
+    def _copy(self, dst: int, src: int, n: int, direction: int) -> None:
+        """Between the arena's halves: a copy kernel when small (``kernels/copy.py``), else
+        the copy engine."""
+        go = copy_launch(n)
+        if go is None:
+            self.work.append((COPY, dst, src, n, direction))
+        else:
+            self.work.append((LAUNCH, go, (np.uint64(dst), np.uint64(src))))
 
     def launch(self, go: Any, *args: Any) -> None:
         """Launch ``go(*args)`` (a prepared ``Launch`` or a CuPy kernel) in order."""
@@ -214,7 +224,7 @@ class Call:
         """The output float32 ``shape`` at ``off`` device -> host (same offset)."""
         a = self.arena
         n = 4 * math.prod(shape)
-        self.work.append((COPY, a.hptr + off, a.dptr + off, n, D2H))
+        self._copy(a.hptr + off, a.dptr + off, n, D2H)
         self.out = (off, n, shape)
 
     def mark(self, i: int) -> None:

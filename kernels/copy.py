@@ -1,0 +1,40 @@
+"""CuPy wrapper of ``copy.cu``: a call's small host <-> device copies as one kernel launch.
+
+A call's inputs go up and its outputs come back between its arena's pinned host half and its
+device half (``server/cupy_calls.py``). In a CUDA graph a copy-engine transfer (memcpy node)
+costs several microseconds of launch and of latency (``bench/graph_launch.py``); up to
+``KERNEL_BYTES`` the copy is a kernel that reads or writes the pinned memory through its
+mapped address instead. Larger copies keep the copy engine, which moves them at the link's
+rate without taking SMs. ``ENABLED = False`` keeps every copy on the copy engine (tests run
+both: a copy is exact either way).
+"""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+
+from coliworker.kernels._module import get_function
+from coliworker.kernels.launch import Launch, cached
+
+VARIANTS = ("coli_copy",)
+ENABLED = True
+KERNEL_BYTES = 1 << 20
+COPY_BLOCKS = 64
+_THREADS = 256
+
+
+def copy_launch(n: int) -> Launch | None:
+    """coli_copy for ``n`` bytes, taking (dst, src) addresses (16-byte aligned); None where
+    the copy should stay on the copy engine."""
+    if not ENABLED or n > KERNEL_BYTES or n <= 0:
+        return None
+    dev = cupy.cuda.runtime.getDevice()
+
+    def make() -> Launch:
+        fn = get_function("copy.cu", "coli_copy", VARIANTS)
+        lanes = -(-n // 16)
+        blocks = max(1, min(COPY_BLOCKS, -(-lanes // (4 * _THREADS))))
+        return Launch(fn, (blocks,), (_THREADS,), (np.int64(n),), 0)
+
+    return cached((dev, "copy", n), make)  # type: ignore[return-value]
