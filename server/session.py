@@ -502,10 +502,10 @@ class SessionStream:
         except ShmError as exc:
             code, message = status_of(exc, "attach_shm")
             return self._error(rid, code, message)
-        expires = pb.ShmTicket(
+        answer = pb.ShmTicket(
             ticket=ticket, socket=attach.path, expires_ms=int(TICKET_TTL_S * 1000)
         )
-        return pb.SessionResponse(request_id=rid, shm_ticket=expires)
+        return pb.SessionResponse(request_id=rid, shm_ticket=answer)
 
     def attach_segment(self, seg: Segment) -> tuple[int, str]:
         """Step 3 (the attach socket's thread): ``seg`` becomes this stream's segment; the
