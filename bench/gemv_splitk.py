@@ -86,16 +86,10 @@ def _git_commit() -> str:
 
 
 def job_dtype() -> np.dtype:
-    """The dtype of ``struct GemvJob`` (kernels/records.py where the tree has it, else the
-    older matmul.JOB_DTYPE)."""
-    try:
-        from coliworker.kernels.records import GEMV_JOB
+    """The dtype of ``struct GemvJob`` (kernels/records.py)."""
+    from coliworker.kernels.records import GEMV_JOB
 
-        return GEMV_JOB.dtype
-    except ImportError:
-        from coliworker.kernels import matmul
-
-        return matmul.JOB_DTYPE  # type: ignore[attr-defined]
+    return GEMV_JOB.dtype
 
 
 def make_tensor(rng, fmt, o, i, gs):

@@ -1,5 +1,7 @@
-"""CuPy wrappers of ``gemv.cu``: a table of ``y = x @ W^T`` jobs in one launch, and a whole
-expert group in one persistent launch.
+"""The matmul op's host side (``run``; reference ``reference.matmul``; tests
+``tests/kernels/test_matmul.py``) and the launches of the GEMV kernels every op uses
+(``gemv.cu``, ``gemv_tc.cu``, ``prefill_tc.cu``): a table of ``y = x @ W^T`` jobs in one launch,
+and a whole expert group in one persistent launch.
 
 gemv serves a matmul (one job), the value projection of MLA attention (one job per head) and
 the unfused expert path; jobs of one launch share the weight spec (fmt, I, layout). moe runs
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import cupy
 import numpy as np
@@ -19,43 +22,8 @@ from coliworker.kernels._module import get_function
 from coliworker.kernels.launch import Launch
 from coliworker.kernels.launch import cached as _cached
 from coliworker.kernels.layout import Layout
-
-# Mirrors ``struct GemvJob`` in gemv.cu (64 bytes, naturally aligned).
-JOB_DTYPE = np.dtype(
-    [
-        ("w0", "<u8"),
-        ("s0", "<u8"),
-        ("w1", "<u8"),
-        ("s1", "<u8"),
-        ("x", "<u8"),
-        ("y", "<u8"),
-        ("rows", "<i4"),
-        ("out_rows", "<i4"),
-        ("x_stride", "<i4"),
-        ("y_stride", "<i4"),
-    ]
-)
-assert JOB_DTYPE.itemsize == 64
-
-# Mirrors ``struct MoeJob`` in gemv.cu (88 bytes).
-MOE_DTYPE = np.dtype(
-    [
-        ("wg", "<u8"),
-        ("sg", "<u8"),
-        ("wu", "<u8"),
-        ("su", "<u8"),
-        ("wd", "<u8"),
-        ("sd", "<u8"),
-        ("x", "<u8"),
-        ("h", "<u8"),
-        ("y", "<u8"),
-        ("rows", "<i4"),
-        ("ie", "<i4"),
-        ("dout", "<i4"),
-        ("pad", "<i4"),
-    ]
-)
-assert MOE_DTYPE.itemsize == 88
+from coliworker.kernels.pinned import align
+from coliworker.kernels.records import GEMV_JOB
 
 WARPS = 8
 SB_CHOICES = (1, 4, 8)  # activation rows per block: decode, a few rows, prefill
@@ -261,7 +229,7 @@ def _kt(sb: int, blk: int, in_padded: int) -> int:
 
 def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int) -> Launch | None:
     """The gemv launch of a job table (None when there is nothing to do), taking one pointer:
-    the jobs, device ``JOB_DTYPE`` [n_jobs] (8-byte aligned). Every job's x is float32
+    the jobs, device ``records.GEMV_JOB`` [n_jobs] (8-byte aligned). Every job's x is float32
     [rows, x_stride] with ``in_features`` valid columns, y float32 [rows, y_stride]."""
     if n_jobs <= 0 or max_rows <= 0 or max_out <= 0:
         return None
@@ -329,7 +297,7 @@ def moe_launch(
     n_sm: int,
 ) -> Launch | None:  # fmt: skip
     """One persistent launch for a whole expert group (gate+up, silu*mul, down), taking two
-    pointers: the ``MOE_DTYPE`` [n_jobs] jobs, then the int32 counters [1 + n_jobs], ZERO at
+    pointers: the ``records.MOE_JOB`` [n_jobs] jobs, then the int32 counters [1 + n_jobs], ZERO at
     launch (in a table they come first: counters, padded to ``counter_bytes``, then jobs).
     Every job's x is float32 [rows, D], h [rows, ie], y [rows, dout]; gate and up share
     ``gu`` (format, group size, geometry), every down matrix ``dn``.
@@ -400,3 +368,27 @@ def _moe_pf(
     blocks = min(total, _resident_blocks(fn, name, PF_SMEM, n_sm))
     tail = (np.int32(n_jobs), np.int32(ta), np.int32(tb), np.int32(nz), *gu.geom(), *dn.geom())
     return Launch(fn, (blocks,), (WARPS * 32,), tail, PF_SMEM)
+
+
+def run(call: Any, w: Any, x: np.ndarray) -> Any:
+    """matmul: y float32 [S, out] = x float32 [S, in] @ W^T as one gemv job in the call's arena
+    (``call``: the backend's call context, ``server/cupy_calls.py``): x at 0, the job, y."""
+    s, n_in = x.shape
+    n_out = w.out_features
+    xb = 4 * s * n_in
+    j_off = align(xb)
+    y_off = align(j_off + GEMV_JOB.size)
+    go = gemv_launch(w.spec, 1, s, n_out)
+    a = call.reserve(y_off + 4 * s * n_out, y_off + 4 * s * n_out)
+    call.put(0, x, xb)
+    GEMV_JOB.pack_into(a.host, j_off, *w.ptrs, 0, 0, a.dptr, a.dptr + y_off, s, n_out, n_in,
+                       n_out)  # fmt: skip
+    call.mark(0)
+    call.send(j_off + GEMV_JOB.size)
+    call.mark(1)
+    if go is not None:
+        call.launch(go, np.uint64(a.dptr + j_off))
+    call.mark(2)
+    call.receive(y_off, (s, n_out))
+    call.mark(3)
+    return call.finish()

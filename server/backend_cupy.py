@@ -25,17 +25,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import cupy
-import cupyx
 import numpy as np
 
 from coliworker.kernels import attention as att
 from coliworker.kernels import expert_group, layout
-from coliworker.kernels.matmul import gemv_launch
-from coliworker.kernels.pinned import align
+from coliworker.kernels import matmul as mm
 from coliworker.kernels.qtensor import QTensor
-from coliworker.kernels.records import GEMV_JOB
 from coliworker.server.backend import DeviceInfo, ExpertTriple, Result
-from coliworker.server.cupy_calls import Arena, Call, CupyPending, oom_guard
+from coliworker.server.cupy_calls import Arena, Call, CupyPending, oom_guard, pinned
 from coliworker.server.cupy_residents import CupyKVCache, CupyPlacement, CupyResident
 from coliworker.server.cupy_segments import HostSegments
 from coliworker.server.errors import InvalidArgument
@@ -134,7 +131,7 @@ class CupyBackend:
         return CupyPlacement(self, fmt, in_features, out_features, group_size, device)
 
     def staging(self, nbytes: int) -> np.ndarray:
-        return cupyx.empty_pinned((nbytes,), np.uint8)
+        return pinned(nbytes, "upload staging")
 
     def replace(self, resident: CupyResident, tensor: QTensor) -> None:
         w, s = self._layout_on_device(tensor, resident.device)
@@ -148,29 +145,11 @@ class CupyBackend:
         resident.w = resident.s = None  # type: ignore[assignment]
         resident.nbytes = 0
 
-    # -- dense products ----------------------------------------------------------------------
+    # -- dense products (host side: kernels/matmul.py) --------------------------------------
 
     def matmul(self, w: CupyResident, x: np.ndarray) -> Result:
-        s, n_in = x.shape
-        n_out = w.out_features
-        xb = 4 * s * n_in
-        j_off = align(xb)
-        y_off = align(j_off + GEMV_JOB.size)
         with Call(self, w.device, "matmul") as call:
-            go = gemv_launch(w.spec, 1, s, n_out)
-            a = call.reserve(y_off + 4 * s * n_out, y_off + 4 * s * n_out)
-            call.put(0, x, xb)
-            GEMV_JOB.pack_into(a.host, j_off, *w.ptrs, 0, 0, a.dptr, a.dptr + y_off, s, n_out,
-                               n_in, n_out)  # fmt: skip
-            call.mark(0)
-            call.send(j_off + GEMV_JOB.size)
-            call.mark(1)
-            if go is not None:
-                call.launch(go, np.uint64(a.dptr + j_off))
-            call.mark(2)
-            call.receive(y_off, (s, n_out))
-            call.mark(3)
-            return call.finish()
+            return mm.run(call, w, x)
 
     def expert_mlp(
         self, gate: CupyResident, up: CupyResident, down: CupyResident, x: np.ndarray

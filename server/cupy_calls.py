@@ -26,6 +26,7 @@ import numpy as np
 from coliworker.kernels.copy import copy_launch
 from coliworker.kernels.graphs import COPY, LAUNCH, MARK, Graphs
 from coliworker.kernels.pinned import align, put_host
+from coliworker.server import hostmem
 from coliworker.server.backend import Phases, Result
 from coliworker.server.errors import OutOfDeviceMemory
 
@@ -51,6 +52,24 @@ def oom_guard(device: int, what: str) -> Iterator[None]:
         if err is not None:
             raise err from None
         raise
+
+
+#: Pinned host memory left free for everything else when a buffer is allocated.
+PINNED_HEADROOM = 64 << 20
+
+
+def pinned(nbytes: int, what: str) -> np.ndarray:
+    """A pinned host buffer of ``nbytes`` (uint8), admitted against the host memory the
+    worker may use (``hostmem``: the memory cgroup's limit in a container): page-locked
+    memory counts against the cgroup like any other, so a call that would pass the limit
+    is refused as out of memory instead of the worker being OOM-killed."""
+    _, free = hostmem.host_memory()
+    if nbytes + PINNED_HEADROOM > free:
+        raise OutOfDeviceMemory(
+            f"{what}: pinned host memory: needs {nbytes} bytes, {free} available "
+            f"(less {PINNED_HEADROOM} kept free; host memory or the memory cgroup's limit)"
+        )
+    return cupyx.empty_pinned((nbytes,), np.uint8)
 
 
 # Arenas above this many bytes (device or pinned) are freed after their call rather than kept.
@@ -105,7 +124,12 @@ class Arena:
             self.host = None
             if cap > ARENA_KEEP_BYTES:
                 cap = align(host_bytes)
-            self.host = cupyx.empty_pinned((cap,), np.uint8)
+            try:
+                self.host = pinned(cap, "call buffer")
+            except OutOfDeviceMemory:
+                if cap <= align(host_bytes):
+                    raise
+                self.host = pinned(align(host_bytes), "call buffer")  # no room to grow ahead
             self.hptr = self.host.ctypes.data
 
     def give_back(self) -> None:

@@ -62,3 +62,25 @@ def test_out_of_memory_is_typed_and_recoverable(cupy_backend, rng):
         pool.set_limit(size=0)
     x = rng.standard_normal((1, 64)).astype(np.float32)
     assert rel_err(b.matmul(w, x).out, reference.matmul(t, x)) < REL_TOL
+
+
+@pytest.mark.gpu
+def test_pinned_host_memory_past_the_cgroup_is_refused_and_the_backend_keeps_working(
+    cupy_backend, rng, monkeypatch
+):
+    from coliworker.server import hostmem
+    from coliworker.server.errors import OutOfDeviceMemory
+
+    b = cupy_backend
+    w = b.place(make_tensor(rng, 2, 64, 4096), 0)
+    small = rng.standard_normal((1, 4096)).astype(np.float32)
+    want = b.matmul(w, small).out
+    # A container whose memory cgroup has 100 MiB left: a 256 MiB input needs a pinned
+    # buffer past it.
+    monkeypatch.setattr(hostmem, "host_memory", lambda: (1 << 40, 100 << 20))
+    big = rng.standard_normal((16384, 4096)).astype(np.float32)
+    with pytest.raises(OutOfDeviceMemory, match="pinned host memory: needs"):
+        b.matmul(w, big)
+    with pytest.raises(OutOfDeviceMemory, match="upload staging"):
+        b.staging(512 << 20)
+    assert np.array_equal(b.matmul(w, small).out, want)
