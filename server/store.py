@@ -277,7 +277,7 @@ class TensorStore:
             ready = [d for e, d in self._deferred if e < oldest]
             if ready:
                 self._deferred = [(e, d) for e, d in self._deferred if e >= oldest]
-            if not self._active:
+            if not self._active and self._writers:  # only a writer waits for no calls
                 self._calls_changed.notify_all()
         for data in ready:
             self._release(data)

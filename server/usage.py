@@ -81,25 +81,31 @@ class UsageCounts:
         """One expert group: ``experts`` are its (gate, up, down) handle ids, ``rows[c]``
         the rows of expert c (an expert with 0 rows gets no call). The hot path: added to
         the group's pending totals, spread over the handles only when read."""
-        n = np.asarray(rows, np.int64)
+        n = rows.tolist() if isinstance(rows, np.ndarray) else rows
         with self._lock:
             p = self._pending.get(experts)
             if p is None:
                 if len(self._pending) >= PENDING:
                     self._fold()
-                p = self._pending[experts] = [device, np.zeros(len(n), np.int64), np.zeros_like(n)]
-            p[1] += n > 0
-            p[2] += n
+                p = self._pending[experts] = [device, [0] * len(n), [0] * len(n)]
+            calls, totals = p[1], p[2]
+            for c, r in enumerate(n):  # plain ints: a decode group has a handful of experts
+                if r:
+                    calls[c] += 1
+                    totals[c] += r
 
     def routed(self, device: int, experts: tuple, routes: np.ndarray) -> None:
         """One routed group: expert c gets the (token, slot) pairs whose route is c."""
-        self.experts(device, experts, np.bincount(routes.ravel(), minlength=len(experts)))
+        counts = [0] * len(experts)
+        for e in routes.ravel().tolist():
+            counts[e] += 1
+        self.experts(device, experts, counts)
 
     def _fold(self) -> None:
         """Spread the pending group totals over their handles (call with the lock)."""
         pending, self._pending = self._pending, {}
         for experts, (device, calls, rows) in pending.items():
-            for triple, c, r in zip(experts, calls.tolist(), rows.tolist(), strict=True):
+            for triple, c, r in zip(experts, calls, rows, strict=True):
                 if not c:
                     continue
                 for h in triple:
