@@ -55,7 +55,7 @@ __device__ __forceinline__ int tc_stage_index(int e) {
 // round trip, not one per element. The 4 values of a float4 (k0..k3 of one quad and lane)
 // are one 8-byte slot of each column, stored as (k0, k2, k1, k3).
 #define TC_STAGE_LOADS 4
-template <int SB>
+template <int SB, int NL = TC_STAGE_LOADS>
 __device__ __forceinline__ void tc_stage(unsigned short *xb, int cstride,
                                          const float *__restrict__ x, int x_stride, int rows,
                                          int srow0, int in_features, int k0, int ktile) {
@@ -65,17 +65,17 @@ __device__ __forceinline__ void tc_stage(unsigned short *xb, int cstride,
         const bool ok = srow0 + s < rows;
         const float *xr = x + (size_t)(srow0 + s) * x_stride;
         unsigned short *d = xb + 3 * s * cstride;
-        for (int e0 = threadIdx.x * 4; e0 < ktile; e0 += blockDim.x * 4 * TC_STAGE_LOADS) {
-            float4 v[TC_STAGE_LOADS];
+        for (int e0 = threadIdx.x * 4; e0 < ktile; e0 += blockDim.x * 4 * NL) {
+            float4 v[NL];
 #pragma unroll
-            for (int j = 0; j < TC_STAGE_LOADS; ++j) {
+            for (int j = 0; j < NL; ++j) {
                 const int gi = k0 + e0 + j * blockDim.x * 4;
                 v[j] = make_float4(0.f, 0.f, 0.f, 0.f);
                 if (!ok || e0 + j * (int)blockDim.x * 4 >= ktile) continue;
                 tc_load4(v[j], xr, gi, in_features, vec);
             }
 #pragma unroll
-            for (int j = 0; j < TC_STAGE_LOADS; ++j) {
+            for (int j = 0; j < NL; ++j) {
                 const int e = e0 + j * blockDim.x * 4;
                 if (e >= ktile) break;
                 unsigned short p[3][4];  // hi, mid, lo
@@ -110,8 +110,8 @@ template <int FMT, int M> struct TcU {
 
 // One batch of a warp's weight registers: the chunks of steps st0 + TC_KS * u (u < U) of rows
 // ra / rb of each matrix, with their grouped scales (fmt 4).
-template <int FMT, int M> struct TcBatch {
-    static constexpr int U = TcU<FMT, M>::U, QS = TcU<FMT, M>::QS;
+template <int FMT, int M, int UU = TcU<FMT, M>::U> struct TcBatch {
+    static constexpr int U = UU, QS = TcU<FMT, M>::QS;
     uint4 wa[U][M], wb[U][M];
     float qa[U][M][QS], qb[U][M][QS];
 };
@@ -120,12 +120,12 @@ template <int FMT, int M> struct TcBatch {
 // step st is the 64 bytes at st * 64 (steps are consecutive 64-byte pieces of a row). base, for
 // the scales' group index: AL, the element of st = 0 (a multiple of 1024); else its global step
 // (128 elements: step gst covers elements (gst / 8) * 1024 + q * 128 + (gst % 8) * 16 + [0, 16)).
-template <int FMT, int M, bool AL>
-__device__ __forceinline__ void tc_load(TcBatch<FMT, M> &b, const unsigned char *const *pa,
+template <int FMT, int M, bool AL, int UU>
+__device__ __forceinline__ void tc_load(TcBatch<FMT, M, UU> &b, const unsigned char *const *pa,
                                         const unsigned char *const *pb,
                                         const float *const *sa, const float *const *sbr,
                                         const WGeom &g, int base, int st0, int nsteps) {
-    constexpr int U = TcBatch<FMT, M>::U, QS = TcBatch<FMT, M>::QS;
+    constexpr int U = UU, QS = TcBatch<FMT, M, UU>::QS;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
         const int st = st0 + TC_KS * u;
@@ -156,13 +156,13 @@ __device__ __forceinline__ void tc_load(TcBatch<FMT, M> &b, const unsigned char 
 
 // acc[m][nt] += the batch's weights x the staged activations (xcol: each n-tile's column for
 // this lane at step 0 of the staged range).
-template <int FMT, int SB, int M>
+template <int FMT, int SB, int M, int UU>
 __device__ __forceinline__ void tc_compute(float (&acc)[M][TcNT<SB>::value][4],
-                                           const TcBatch<FMT, M> &b,
+                                           const TcBatch<FMT, M, UU> &b,
                                            const unsigned short *const *xcol, int st0,
                                            int nsteps) {
     constexpr int NT = TcNT<SB>::value;
-    constexpr int U = TcBatch<FMT, M>::U, QS = TcBatch<FMT, M>::QS;
+    constexpr int U = UU, QS = TcBatch<FMT, M, UU>::QS;
     const float zero[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -607,4 +607,209 @@ moe_tc(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ntiles_a_row,
         jobs, ctr, n_jobs, ntiles_a_row, ntiles_b_row, nz, ga, gb,
         [&](auto... a) { tc_block<FMT, SB, true>(red, xb, kt, a...); },
         [&](auto... a) { tc_block<FMT, SB, false>(red, xb, kt, a...); });
+}
+
+// ---- moe_tc_f: moe_tc with its loads issued ahead (matmul.MOE_TC_FAST) ----
+//
+// The same tiles, the same per-tile computation and summation order as moe_tc (tc_load and
+// tc_compute of the same steps in the same order, the same reductions): the same bits for
+// every output. What changes is when bytes are asked for:
+// - the next tile's ticket is taken one tile ahead (moe_queue_la in jobs.cuh), and after its
+//   first barrier every tile asks L2 for the first round (TC_KS * U steps per row) of the
+//   block's next tile;
+// - a tile issues its first batch of weight loads (registers) and asks L2 for rounds
+//   1..TC_PFD of its rows (and, fmt 4, all its scale rows) before anything else: before a
+//   down tile's wait for its expert's gate+up tiles and before the activation staging, so HBM
+//   streams meanwhile; the next K tile's first batch is likewise loaded before its staging;
+// - while it runs, each warp asks L2 for the round TC_PFD + 1 rounds ahead of the one it
+//   loads (its quarter of its row group's lines): a window of TC_PFD + 1 rounds per tile in
+//   flight instead of whole tiles, which at 3 blocks per SM would overflow the 60 MB L2;
+// - 3 blocks per SM where the register cap costs no spills (MoeTcF).
+#define TC_PFD 3
+
+// Per variant: blocks per SM (__launch_bounds__), steps per warp batch of the gate+up (UA) and
+// down (UB) tiles, float4 loads in flight per thread in the staging (NL). U and NL group the
+// loads only: tc_compute adds the same steps to the same accumulators in the same order for
+// any U (u, then quad, then matrix: each accumulator takes steps ks, ks + TC_KS, ... in turn),
+// so the bits do not change. Smaller batches and staging make room for the first batch held
+// across the staging and for 3 blocks per SM; the L2 window (TC_PFD rounds) keeps the bytes in
+// flight. ptxas (nvcc 13.0, sm_90): <2, 1> 80 registers at 3 blocks, no spills (at TcU's U, or
+// with NL = 4, it spills 48-500 bytes); the others keep 2 blocks (128 registers): <2, 4> and
+// <4, 1> no spills, <4, 4> 108 bytes (moe_tc: 92); at 3 blocks they would spill 32-600 bytes.
+template <int FMT, int SB> struct MoeTcF {
+    static constexpr bool FAST3 = FMT == 2 && SB == 1;
+    static constexpr int OCC = FAST3 ? 3 : 2;
+    static constexpr int UA = 1, UB = FAST3 ? 1 : TcU<FMT, 1>::U / 2, NL = FAST3 ? 2 : 4;
+};
+
+// L2 prefetch of one round of row group rows [rbase, rbase + 16) of the M matrices: the bytes
+// [b0, b0 + TC_KS * U * 64) of each row (2 * U lines; clamped to the row's nb bytes), the
+// row group's 4 k-slice warps a quarter each (ks: this warp's slice).
+template <int M, int U>
+__device__ __forceinline__ void tc_prefetch_round(const unsigned char *w0,
+                                                  const unsigned char *w1, int ld, int rbase,
+                                                  int out_rows, int b0, int nb, int ks,
+                                                  int lane) {
+    constexpr int N = 16 * M * 2 * U;  // lines of the round
+    for (int idx = ks + TC_KS * lane; idx < N; idx += TC_KS * 32) {
+        const int r = idx & 15, rest = idx >> 4, m = rest % M, j = rest / M;
+        const int b = b0 + j * 128;
+        if (b >= nb) continue;
+        const int row = min(rbase + r, out_rows - 1);
+        const unsigned char *p = (m ? w1 : w0) + (size_t)row * ld + b;
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+    }
+}
+
+// L2 prefetch of the scale rows [row0, row0 + nrows) (clamped) of sc, ngp floats each: one
+// request per 128 bytes from each row's start, none past a row's end.
+__device__ __forceinline__ void tc_prefetch_scales(const float *sc, int ngp, int row0, int nrows,
+                                                   int out_rows) {
+    const int lines = (ngp * 4 + 127) >> 7;
+    for (int j = threadIdx.x; j < nrows * lines; j += blockDim.x) {
+        const int r = min(row0 + j / lines, out_rows - 1);
+        const float *p = sc + (size_t)r * ngp + (j % lines) * 32;
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+    }
+}
+
+// tc_block with its loads ahead (see above); the same outputs, bit for bit. done / need: a
+// down tile's wait (thread 0 spins until *done >= need; nullptr: none); next: moe_queue_la's
+// prefetch of the block's next tile. All threads of the block call it (barriers).
+template <int FMT, int SB, bool DUAL, class Next>
+__device__ __forceinline__ void tc_block_f(float *red, unsigned short *xb, int kt,
+                                           const float *__restrict__ x, int x_stride,
+                                           float *__restrict__ y, int y_stride, int rows_s,
+                                           int srow0, int out_rows, int row0,
+                                           const unsigned char *w0, const float *sc0,
+                                           const unsigned char *w1, const float *sc1,
+                                           const WGeom &g, const int *done, int need,
+                                           Next next) {
+    constexpr int M = DUAL ? 2 : 1, NT = TcNT<SB>::value, NCOL = 8 * NT;
+    constexpr int U = DUAL ? MoeTcF<FMT, SB>::UA : MoeTcF<FMT, SB>::UB;
+    constexpr int RB = TC_KS * U * 64;  // bytes of a row per round
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int rg = warp % TC_RG, ks = warp / TC_RG;
+    const int gid = lane >> 2, t = lane & 3;
+    const int ra = min(row0 + rg * 16 + gid, out_rows - 1);
+    const int rb = min(row0 + rg * 16 + gid + 8, out_rows - 1);
+    const int cstride = kt + 16;
+    const int nb = g.in_padded >> 1;  // weight bytes of a row
+    const unsigned char *pa[M], *pb[M];
+    const float *sa[M], *sbr[M];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+        const unsigned char *w = m ? w1 : w0;
+        const float *sc = m ? sc1 : sc0;
+        pa[m] = w + (size_t)ra * g.ld + t * 16;
+        pb[m] = w + (size_t)rb * g.ld + t * 16;
+        sa[m] = sc + (size_t)ra * g.ngp;
+        sbr[m] = sc + (size_t)rb * g.ngp;
+    }
+    float acc[M][NT][4];
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[m][nt][j] = 0.f;
+    const unsigned short *xcol[NT];
+    tc_cols<SB>(xcol, xb, cstride, lane);
+
+    // First: this warp's first batch in registers, rounds 1..TC_PFD (and fmt 4 the scale rows)
+    // asked of L2; only then the wait (down tiles) and the staging.
+    TcBatch<FMT, M, U> b;
+    tc_load<FMT, M, true>(b, pa, pb, sa, sbr, g, 0, ks, min(kt, g.in_padded) >> 7);
+    tc_prefetch_range(w0, g.ld, row0, TC_RG * 16, out_rows, RB, min(TC_PFD * RB, nb - RB));
+    if (DUAL) tc_prefetch_range(w1, g.ld, row0, TC_RG * 16, out_rows, RB, min(TC_PFD * RB, nb - RB));
+    if (FMT == 4) {
+        tc_prefetch_scales(sc0, g.ngp, row0, TC_RG * 16, out_rows);
+        if (DUAL) tc_prefetch_scales(sc1, g.ngp, row0, TC_RG * 16, out_rows);
+    }
+    if (done != nullptr && threadIdx.x == 0) {
+        const volatile int *d = done;
+        while (*d < need) __nanosleep(128);
+        __threadfence();  // the expert's h stores are visible before the staging reads them
+    }
+    for (int k0 = 0; k0 < g.in_padded; k0 += kt) {
+        const int ktile = min(kt, g.in_padded - k0), nsteps = ktile >> 7;
+        __syncthreads();  // the previous tile is consumed (and thread 0's wait is over)
+        tc_stage<SB, MoeTcF<FMT, SB>::NL>(xb, cstride, x, x_stride, rows_s, srow0, g.in_features, k0,
+                                       ktile);
+        __syncthreads();
+        if (k0 == 0) next();
+        const unsigned char *qa[M], *qb[M];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            qa[m] = pa[m] + (size_t)(k0 >> 5) * 16;
+            qb[m] = pb[m] + (size_t)(k0 >> 5) * 16;
+        }
+        for (int st0 = ks; st0 < nsteps; st0 += TC_KS * U) {
+            if (st0 != ks) tc_load<FMT, M, true>(b, qa, qb, sa, sbr, g, k0, st0, nsteps);
+            // This round starts at byte (k0 / 128 + st0 - ks) * 64 of the row.
+            tc_prefetch_round<M, U>(w0, w1, g.ld, row0 + rg * 16, out_rows,
+                                    (k0 >> 1) + (st0 - ks) * 64 + (TC_PFD + 1) * RB, nb, ks,
+                                    lane);
+            tc_compute<FMT, SB, M>(acc, b, xcol, st0, nsteps);
+        }
+        const int kn = k0 + kt;
+        if (kn < g.in_padded) {  // the next K tile's first batch, before its staging
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                qa[m] = pa[m] + (size_t)(kn >> 5) * 16;
+                qb[m] = pb[m] + (size_t)(kn >> 5) * 16;
+            }
+            tc_load<FMT, M, true>(b, qa, qb, sa, sbr, g, kn, ks, min(kt, g.in_padded - kn) >> 7);
+        }
+    }
+    // The reduction of tc_block, unchanged.
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            float *p = red + ((ks * TC_RG + rg) * M + m) * 16 * NCOL + nt * 8 + 2 * t;
+            p[gid * NCOL] = acc[m][nt][0];
+            p[gid * NCOL + 1] = acc[m][nt][1];
+            p[(gid + 8) * NCOL] = acc[m][nt][2];
+            p[(gid + 8) * NCOL + 1] = acc[m][nt][3];
+        }
+    __syncthreads();
+    for (int o = threadIdx.x; o < TC_RG * 16 * SB; o += blockDim.x) {
+        const int s = o / (TC_RG * 16), rr = o - s * (TC_RG * 16);
+        const int row = row0 + rr, srow = srow0 + s;
+        if (row >= out_rows || srow >= rows_s) continue;
+        const int rgo = rr >> 4, r = rr & 15;
+        float v[M];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            float sum = 0.f;
+#pragma unroll
+            for (int k = 0; k < TC_KS; ++k) {
+                const float *p = red + ((k * TC_RG + rgo) * M + m) * 16 * NCOL + r * NCOL + 3 * s;
+                sum += (p[0] + p[1]) + p[2];
+            }
+            if (FMT == 2) sum *= (m ? sc1 : sc0)[row];
+            v[m] = sum;
+        }
+        y[(size_t)srow * y_stride + row] = coli_out<DUAL>(v[0], v[M - 1]);
+    }
+}
+
+// moe_tc's jobs, arguments, grid and shared memory.
+template <int FMT, int SB>
+__global__ void __launch_bounds__(GEMV_WARPS * 32, MoeTcF<FMT, SB>::OCC)
+moe_tc_f(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ntiles_a_row,
+         int ntiles_b_row, int nz, int a_in, int a_in_padded, int a_ld, int a_ngp, int a_gs,
+         int a_gs_shift, int b_in, int b_in_padded, int b_ld, int b_ngp, int b_gs,
+         int b_gs_shift, int kt) {
+    const WGeom ga{a_in, a_in_padded, a_ld, a_ngp, a_gs, a_gs_shift};
+    const WGeom gb{b_in, b_in_padded, b_ld, b_ngp, b_gs, b_gs_shift};
+    extern __shared__ float4 smem4[];
+    float *red = reinterpret_cast<float *>(smem4);
+    unsigned short *xb = reinterpret_cast<unsigned short *>(red + tc_red_floats<SB>());
+    moe_queue_la<TC_RG * 16, TC_RG * 16, SB>(
+        jobs, ctr, n_jobs, ntiles_a_row, ntiles_b_row, nz, ga, gb, TC_KS * MoeTcF<FMT, SB>::UA * 64,
+        TC_KS * MoeTcF<FMT, SB>::UB * 64,
+        [&](auto... a) { tc_block_f<FMT, SB, true>(red, xb, kt, a...); },
+        [&](auto... a) { tc_block_f<FMT, SB, false>(red, xb, kt, a...); });
 }

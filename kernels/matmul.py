@@ -69,9 +69,15 @@ SPLIT_K = True
 SPLIT_K_FORCE: int | None = None
 SK_CLUSTERS = (1, 2, 4, 8)  # C = 1: gemv_tc_k (no cluster); 2..8: gemv_tc_sk<FMT, SB, C>
 SK_BLOCK_COST = 16  # a block's fixed cost (launch, staging, reductions) in 64-byte weight steps
+# moe_tc_f (gemv_tc.cu): moe_tc with its loads issued ahead (the next tile's ticket and first
+# round, a tile's first batch before its wait and staging, an L2 window of TC_PFD rounds) and
+# 3 blocks per SM for <2, 1>: the same tiles and summation order, the same bits as moe_tc.
+# ``MOE_TC_FAST`` switches it off (moe_tc as before; tests compare both); launches are cached
+# per setting.
+MOE_TC_FAST = True
 TC_VARIANTS = (
-    tuple(f"{k}<{f}, {sb}>" for k in ("gemv_tc", "moe_tc", "gemv_tc_k") for f in (2, 4)
-          for sb in (1, 4))
+    tuple(f"{k}<{f}, {sb}>" for k in ("gemv_tc", "moe_tc", "gemv_tc_k", "moe_tc_f")
+          for f in (2, 4) for sb in (1, 4))
     + tuple(f"gemv_tc_sk<{f}, {sb}, {c}>" for f in (2, 4) for sb in (1, 4) for c in SK_CLUSTERS[1:])
 )  # fmt: skip
 
@@ -326,7 +332,8 @@ def moe_launch(
                 *dn.geom(), np.int32(kt))  # fmt: skip
         return Launch(fn, (blocks,), (WARPS * 32,), tail, smem)
 
-    key = (dev, "moe", id(gu), id(dn), n_jobs, max_rows, max_ie, max_dout, n_sm, TENSOR_CORES)
+    key = (dev, "moe", id(gu), id(dn), n_jobs, max_rows, max_ie, max_dout, n_sm, TENSOR_CORES,
+           MOE_TC_FAST)  # fmt: skip
     return _cached(key, make)
 
 
@@ -334,11 +341,13 @@ def _moe_tc(
     gu: WeightSpec, dn: WeightSpec, n_jobs: int, max_rows: int, max_ie: int, max_dout: int,
     n_sm: int,
 ) -> Launch | None:  # fmt: skip
-    """moe_launch's launch on the tensor-core path (same arguments, same pointers)."""
+    """moe_launch's launch on the tensor-core path (same arguments, same pointers): moe_tc_f
+    when ``MOE_TC_FAST``, else moe_tc. The grid is every resident block (the kernel's real
+    registers and shared memory: 3 per SM for moe_tc_f<2, 1>), at most one per tile."""
     sb, kt_a, smem_a = _tc_geometry(max_rows, gu.layout.in_padded)
     _, kt_b, smem_b = _tc_geometry(max_rows, dn.layout.in_padded)
     kt, smem = (kt_a, smem_a) if kt_a >= kt_b else (kt_b, smem_b)
-    name = f"moe_tc<{gu.fmt}, {sb}>"
+    name = f"{'moe_tc_f' if MOE_TC_FAST else 'moe_tc'}<{gu.fmt}, {sb}>"
     fn = get_function("gemv_tc.cu", name, TC_VARIANTS)
     nz = -(-max_rows // sb)
     ta = -(-max_ie // (TC_RG * 16))

@@ -1,0 +1,364 @@
+"""Decode expert group on tensor cores (issue #14): moe_tc against moe_tc_f (matmul.MOE_TC_FAST).
+
+For each shape (GLM-5.2's group: 8 experts, D = 6144, I = 2048; gate+up [2048 x 6144] and
+down [6144 x 2048] each) it builds the job table itself (int32 counters, then the MoeJob
+records, as kernels/expert_group.py writes them), rotates among enough weight sets that the
+60 MB L2 never holds the next one, and times ``moe_launch``'s launch with CUDA events, median
+of ``--iters`` (>= 50) launches after ``--warmup``, each kernel alone between its two events:
+the counters are reset by a device copy of the pristine table and a spin kernel runs before
+the first event, so neither the copy nor the host's launch time is counted. Every path is
+checked against float64 (max over rows of max|y - ref| / max|ref|), for the same bits on
+repeated calls, and moe_tc_f for the same bits as moe_tc.
+
+    scripts/devlink && PYTHONPATH=.dev:. python bench/moe_tc.py --out $OUT
+
+Writes ``moe-tc-<date>.json`` and ``.md`` into ``--out``: GPU, date, commit
+(COLIWORKER_COMMIT, else git), the command, per shape the bytes read (row padding and scales
+included), the floor at 4.48 TB/s, old and new times, % of roofline, errors, grid and
+registers of each kernel.
+
+Counters before / after (device machine): ``--profile`` launches each path twice (a checked
+call, then one more) with no timing loop; ncu's default cache control flushes the caches
+before each launch, so both read the weights from HBM. ``-k regex:moe_tc`` takes moe_tc and
+moe_tc_f (never the spin kernel or the table copy):
+
+    M=dram__throughput.avg.pct_of_peak_sustained_elapsed,gpu__time_duration.sum
+    M=$M,sm__warps_active.avg.pct_of_peak_sustained_active,lts__t_sector_hit_rate.pct
+    ncu --clock-control none -k regex:moe_tc --metrics $M \\
+        --section SpeedOfLight --section Occupancy --section LaunchStats \\
+        --section WarpStateStats --section MemoryWorkloadAnalysis \\
+        -o $OUT/moe-tc python bench/moe_tc.py --profile --out $OUT/ncu-run
+    ncu --import $OUT/moe-tc.ncu-rep --page raw --csv > $OUT/moe-tc-ncu.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+READ_BW = 4.48e12  # measured streaming read of the H200, bytes/s
+L2 = 60e6
+SPIN_NS = 30_000  # the spin kernel ahead of each timed launch
+
+# (name, fmt, group size, rows per expert, D, I, experts, target us from issue #14)
+SHAPES = [
+    ("decode 8x1 int4", 2, 0, 1, 6144, 2048, 8, 45.0),
+    ("decode 8x1 gs=64", 4, 64, 1, 6144, 2048, 8, 50.0),
+    ("decode 8x4 int4", 2, 0, 4, 6144, 2048, 8, 55.0),
+    ("decode 8x1 gs=128", 4, 128, 1, 6144, 2048, 8, None),
+]
+
+_SPIN = r"""
+extern "C" __global__ void coli_spin(unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
+"""
+
+
+def _git_commit() -> str:
+    if os.environ.get("COLIWORKER_COMMIT"):
+        return os.environ["COLIWORKER_COMMIT"]
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def make_tensor(rng, fmt, o, i, gs):
+    from coliworker.kernels.qtensor import QTensor, row_bytes, scale_count
+
+    w = rng.integers(0, 256, size=o * row_bytes(fmt, i), dtype=np.uint8)
+    s = (rng.random(scale_count(fmt, i, o, gs)) * 0.02 + 0.001).astype(np.float32)
+    return QTensor(fmt, i, o, gs, w, s)
+
+
+class Case:
+    """One shape: nsets device weight sets (set 0 from host tensors, the reference's), a
+    pristine job table per set, the activations, hidden and outputs."""
+
+    def __init__(self, rng, fmt, gs, r, d, ie, n):
+        import cupy
+
+        from coliworker.kernels import layout, matmul
+        from coliworker.kernels.expert_group import counter_bytes
+        from coliworker.kernels.records import MOE_JOB
+
+        self.n, self.r, self.d, self.ie = n, r, d, ie
+        self.rows = [r] * n
+        self.host = [
+            tuple(make_tensor(rng, fmt, *sh, gs) for sh in ((ie, d), (ie, d), (d, ie)))
+            for _ in range(n)
+        ]
+        self.gu = matmul.WeightSpec.of(fmt, d, gs)
+        self.dn = matmul.WeightSpec.of(fmt, ie, gs)
+        set0 = [
+            [
+                (layout.relayout(cupy, t, cupy.asarray(t.weights)),
+                 layout.scales(cupy, t, cupy.asarray(t.scales)))
+                for t in e
+            ]
+            for e in self.host
+        ]  # fmt: skip
+        self.bytes = int(sum(w.nbytes + s.nbytes for e in set0 for w, s in e))
+        nsets = max(2, int(np.ceil(3 * L2 / self.bytes)))
+        sets = [set0]
+        for _ in range(nsets - 1):
+            sets.append(
+                [
+                    [
+                        (cupy.random.randint(0, 256, w.size, dtype=cupy.uint8),
+                         cupy.random.random(s.size, dtype=cupy.float32) * 0.02 + 0.001)
+                        for w, s in e
+                    ]
+                    for e in set0
+                ]
+            )  # fmt: skip
+        self.sets = sets
+        total = r * n
+        self.xh = rng.standard_normal((total, d)).astype(np.float32)
+        self.x = cupy.asarray(self.xh)
+        self.h = cupy.zeros(total * ie, cupy.float32)
+        self.y = cupy.zeros((total, d), cupy.float32)
+        self.cb = counter_bytes(n)
+        self.pristine = []
+        for st in sets:
+            buf = np.zeros(self.cb + MOE_JOB.size * n, np.uint8)
+            for c, ((wg, sg), (wu, su), (wd, sd)) in enumerate(st):
+                MOE_JOB.pack_into(buf, self.cb + c * MOE_JOB.size, wg.data.ptr, sg.data.ptr,
+                                  wu.data.ptr, su.data.ptr, wd.data.ptr, sd.data.ptr,
+                                  self.x.data.ptr + 4 * c * r * d,
+                                  self.h.data.ptr + 4 * c * r * ie,
+                                  self.y.data.ptr + 4 * c * r * d, r, ie, d, 0)  # fmt: skip
+            self.pristine.append(cupy.asarray(buf))
+        self.table = cupy.empty_like(self.pristine[0])
+
+    def reference(self) -> np.ndarray:
+        from coliworker.kernels import reference
+
+        return reference.expert_group(self.host, self.rows, self.xh).astype(np.float64)
+
+    def launch(self, fast: bool):
+        from coliworker.kernels import matmul
+
+        saved = matmul.MOE_TC_FAST
+        matmul.MOE_TC_FAST = fast
+        try:
+            n_sm = matmul._sm_count(0)
+            return matmul.moe_launch(self.gu, self.dn, self.n, self.r, self.ie, self.d, n_sm)
+        finally:
+            matmul.MOE_TC_FAST = saved
+
+    def reset(self, k: int) -> None:
+        p = self.pristine[k % len(self.pristine)]
+        self.table.data.copy_from_device_async(p.data, p.nbytes)
+
+    def call(self, ln) -> None:
+        ln(np.uint64(self.table.data.ptr + self.cb), np.uint64(self.table.data.ptr))
+
+    def run_once(self, ln) -> np.ndarray:
+        import cupy
+
+        self.y.fill(np.nan)
+        self.reset(0)
+        self.call(ln)
+        cupy.cuda.get_current_stream().synchronize()
+        return self.y.get()
+
+
+def rel_err(y: np.ndarray, ref: np.ndarray) -> float:
+    """Max over rows of max|y - ref| / max|ref|."""
+    num = np.abs(y - ref).max(axis=-1)
+    den = np.maximum(np.abs(ref).max(axis=-1), 1e-30)
+    return float(np.nan_to_num(num / den, nan=np.inf).max())
+
+
+def time_launch(case: Case, ln, spin, iters: int, warmup: int) -> dict:
+    import cupy
+
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    arg = (np.uint64(SPIN_NS),)
+    ms = []
+    for k in range(warmup + iters):
+        case.reset(k)
+        spin((1,), (1,), arg)
+        start.record()
+        case.call(ln)
+        stop.record()
+        stop.synchronize()
+        if k >= warmup:
+            ms.append(cupy.cuda.get_elapsed_time(start, stop))
+    us = np.array(ms) * 1e3
+    return dict(
+        median_us=float(np.median(us)),
+        min_us=float(us.min()),
+        p90_us=float(np.percentile(us, 90)),
+    )
+
+
+def bench_case(rng, spin, spec: tuple, iters: int, warmup: int) -> dict:
+    name, fmt, gs, r, d, ie, n, target = spec
+    case = Case(rng, fmt, gs, r, d, ie, n)
+    ref = case.reference()
+    out: dict = dict(
+        name=name, fmt=fmt, gs=gs, rows=r, d=d, ie=ie, experts=n, bytes=case.bytes,
+        floor_us=case.bytes / READ_BW * 1e6, target_us=target, sets=len(case.sets), paths={},
+    )  # fmt: skip
+    ys = {}
+    for pname, fast in (("old", False), ("new", True)):
+        try:
+            ln = case.launch(fast)
+            y = case.run_once(ln)
+            same = all(np.array_equal(case.run_once(ln), y) for _ in range(3))
+            ys[pname] = y
+            p = dict(
+                rel_err=rel_err(y, ref),
+                bit_identical=bool(same),
+                grid=list(ln.grid),
+                smem=int(ln.smem),
+                regs=int(ln.fn.num_regs),
+                local_bytes=int(ln.fn.local_size_bytes),
+            )
+            if iters > 0:
+                p.update(time_launch(case, ln, spin, iters, warmup))
+            else:  # --profile: one more launch, for ncu
+                case.run_once(ln)
+                p.update(median_us=np.nan, min_us=np.nan, p90_us=np.nan)
+        except Exception as exc:  # a launch that fails: the rest of the table still comes
+            print(f"  {name:20s} {pname:4s} FAILED: {type(exc).__name__}: {exc}", flush=True)
+            out["paths"][pname] = dict(error=f"{type(exc).__name__}: {exc}")
+            continue
+        out["paths"][pname] = p
+        print(
+            f"  {name:20s} {pname:4s} {p['median_us']:8.2f} us (min {p['min_us']:.2f}, "
+            f"grid {p['grid'][0]}, {p['regs']} regs, {p['local_bytes']} B local) "
+            f"rel err {p['rel_err']:.1e}{'' if same else '  NOT BIT-IDENTICAL'}",
+            flush=True,
+        )
+    out["new_equals_old"] = (
+        bool(np.array_equal(ys["new"].view(np.uint32), ys["old"].view(np.uint32)))
+        if len(ys) == 2
+        else False
+    )
+    old = out["paths"]["old"].get("median_us", np.nan)
+    new = out["paths"]["new"].get("median_us", np.nan)
+    out["roofline_pct_old"] = out["floor_us"] / old * 100
+    out["roofline_pct_new"] = out["floor_us"] / new * 100
+    out["speedup"] = old / new
+    return out
+
+
+def _us(p: dict) -> str:
+    return "error" if "error" in p else f"{p['median_us']:.1f}"
+
+
+def render(meta: dict, rows: list[dict]) -> str:
+    md = [
+        f"# Decode expert group moe_tc vs moe_tc_f, {meta['gpu']}, {meta['date']}, "
+        f"commit {meta['commit']}",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"Kernel time between CUDA events, median of {meta['iters']} launches after "
+        f"{meta['warmup']} warm-up, each alone (counter reset and a spin kernel ahead of its "
+        "events), weight sets rotated past the L2. Floor: weight bytes read (row padding and "
+        f"scales included) at {READ_BW / 1e12:.2f} TB/s. Error: max over rows of "
+        "max|y - ref| / max|ref| against float64. new = old: moe_tc_f's outputs the same "
+        "bits as moe_tc's.",
+        "",
+        "| shape | MB | floor us | target us | old us | new us | speedup | % roofline old | "
+        "% roofline new | rel err old | rel err new | grid old / new | regs old / new | "
+        "same bits | new = old |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        p = r["paths"]
+        ok = [v for v in p.values() if "error" not in v]
+        same = len(ok) == 2 and all(v["bit_identical"] for v in ok)
+        err = {k: f"{v['rel_err']:.1e}" if "rel_err" in v else "error" for k, v in p.items()}
+        grid = " / ".join(str(v.get("grid", ["-"])[0]) for v in p.values())
+        regs = " / ".join(str(v.get("regs", "-")) for v in p.values())
+        tgt = "-" if r["target_us"] is None else f"{r['target_us']:.0f}"
+        md.append(
+            f"| {r['name']} | {r['bytes'] / 1e6:.1f} | {r['floor_us']:.1f} | {tgt} | "
+            f"{_us(p['old'])} | {_us(p['new'])} | {r['speedup']:.2f}x | "
+            f"{r['roofline_pct_old']:.0f} | {r['roofline_pct_new']:.0f} | {err['old']} | "
+            f"{err['new']} | {grid} | {regs} | {'yes' if same else 'NO'} | "
+            f"{'yes' if r['new_equals_old'] else 'NO'} |"
+        )
+    return "\n".join(md) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for the JSON and markdown")
+    ap.add_argument("--iters", type=int, default=100, help="timed launches per path (>= 50)")
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--only", default="", help="comma-separated substrings of shape names")
+    ap.add_argument("--seed", type=int, default=14)
+    ap.add_argument("--profile", action="store_true", help="2 launches per path, no timing")
+    a = ap.parse_args()
+    if a.profile:
+        a.iters = 0
+    elif a.iters < 50:
+        print("note: fewer than 50 timed launches per path", file=sys.stderr)
+
+    import cupy
+
+    spin = cupy.RawKernel(_SPIN, "coli_spin")
+    rng = np.random.default_rng(a.seed)
+    only = [x.strip() for x in a.only.split(",") if x.strip()]
+    shapes = [sh for sh in SHAPES if not only or any(o in sh[0] for o in only)]
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("COLIWORKER_COMMIT",) if k in os.environ)
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    meta = dict(
+        gpu=props["name"].decode(),
+        sms=int(props["multiProcessorCount"]),
+        date=datetime.date.today().isoformat(),
+        commit=_git_commit(),
+        host=platform.node(),
+        command=(env + " " if env else "")
+        + f"PYTHONPATH={os.environ.get('PYTHONPATH', '')} python "
+        + " ".join(sys.argv),
+        read_bw_TBps=READ_BW / 1e12,
+        iters=a.iters,
+        warmup=a.warmup,
+        cupy=cupy.__version__,
+    )
+    print(f"{meta['gpu']}, {meta['sms']} SMs, commit {meta['commit']}", flush=True)
+    rows = []
+    for sh in shapes:
+        rows.append(bench_case(rng, spin, sh, a.iters, a.warmup))
+        cupy.get_default_memory_pool().free_all_blocks()
+    a.out.mkdir(parents=True, exist_ok=True)
+    stem = a.out / f"moe-tc-{meta['date']}"
+    stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    md = render(meta, rows)
+    stem.with_suffix(".md").write_text(md)
+    print(md)
+    bad = [r["name"] for r in rows if not r["new_equals_old"]] + [
+        r["name"]
+        for r in rows
+        for p in r["paths"].values()
+        if "error" in p or p["rel_err"] >= 1e-5 or not p["bit_identical"]
+    ]
+    if bad:
+        print(f"FAILED (error >= 1e-5, bits differ, or new != old): {sorted(set(bad))}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
