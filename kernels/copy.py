@@ -25,8 +25,8 @@ _THREADS = 256
 
 
 def copy_launch(n: int) -> Launch | None:
-    """coli_copy for ``n`` bytes, taking (dst, src) addresses (16-byte aligned); None where
-    the copy should stay on the copy engine."""
+    """coli_copy for ``n`` bytes, taking (dst, src) addresses, both 16-byte aligned (the
+    caller checks); None where the copy should stay on the copy engine."""
     if not ENABLED or n > KERNEL_BYTES or n <= 0:
         return None
     dev = cupy.cuda.runtime.getDevice()

@@ -232,9 +232,10 @@ class Call:
         self.direct = []
 
     def _copy(self, dst: int, src: int, n: int, direction: int) -> None:
-        """Between the arena's halves: a copy kernel when small (``kernels/copy.py``), else
-        the copy engine."""
-        go = copy_launch(n)
+        """Between the arena's halves: a copy kernel when small and both ends are 16-byte
+        aligned (``kernels/copy.py``), else the copy engine (the part of the inputs after an
+        array read from a client's segment can start anywhere)."""
+        go = copy_launch(n) if not (dst | src) & 15 else None  # the kernel moves 16-byte lanes
         if go is None:
             self.work.append((COPY, dst, src, n, direction))
         else:
