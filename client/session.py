@@ -28,6 +28,7 @@ does not raises ResourceExhausted.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import queue
 import threading
@@ -57,6 +58,8 @@ from coliworker.wire.shm import (
     pass_fd,
     segment_bytes,
 )
+
+log = logging.getLogger(__name__)
 
 _STATUS_OF = {c.value[0]: c for c in grpc.StatusCode}
 #: Turns a response body into the call's value; gets the future to fill backend_ns/lengths.
@@ -488,6 +491,8 @@ def open_session(
         return Session(client, shm=True, shm_bytes=shm_bytes, doorbell=True, **options)
     except (errors.FailedPrecondition, errors.PermissionDenied, errors.InvalidArgument, OSError):
         pass  # another host (or a segment this worker may not open)
+    except errors.ResourceExhausted as exc:  # no room for the segment (a tight memory cgroup)
+        log.info("session: no shared memory (%s); the socket data plane carries the calls", exc)
     try:
         return SocketSession(client, **socket_options)
     except errors.Unavailable:

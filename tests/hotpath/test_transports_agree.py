@@ -230,3 +230,14 @@ def test_ragged_start_past_resident_rows(client, model, rng):
     finally:
         client.free_sequence(sid)
     assert "start" in msg and cls.__name__ in ("InvalidArgument", "FailedPrecondition")
+
+
+def test_auto_takes_the_socket_when_no_segment_can_be_allocated(client, monkeypatch):
+    from coliworker.wire import shm
+
+    def no_room(size: int):
+        raise shm.ShmError("exhausted", f"shm_bytes: cannot allocate {size} bytes (test)")
+
+    monkeypatch.setattr(shm.Segment, "create", classmethod(lambda cls, size: no_room(size)))
+    with client.session(transport="auto") as s:
+        assert s.transport == "socket"
