@@ -160,7 +160,7 @@ __device__ __forceinline__ void moe_queue_la(const MoeJob *__restrict__ jobs, in
             for (int i = threadIdx.x; i < (w1 ? 2 : 1) * per_m; i += blockDim.x) {
                 const int m = i >= per_m, k = i - m * per_m;
                 const int r = min(row0 + k / lines, out_rows - 1);
-                const unsigned char *p = (m ? w1 : w0) + (size_t)r * ld + (size_t)(k % lines) * 128;
+                const unsigned char *p = (m ? w1 : w0) + (size_t)r * ld + (k % lines) * 128;
                 asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
             }
         };

@@ -71,7 +71,8 @@ SK_CLUSTERS = (1, 2, 4, 8)  # C = 1: gemv_tc_k (no cluster); 2..8: gemv_tc_sk<FM
 SK_BLOCK_COST = 16  # a block's fixed cost (launch, staging, reductions) in 64-byte weight steps
 # moe_tc_f (gemv_tc.cu): moe_tc with its loads issued ahead (the next tile's ticket and first
 # round, a tile's first batch before its wait and staging, an L2 window of TC_PFD rounds) and
-# 3 blocks per SM for <2, 1>: the same tiles and summation order, the same bits as moe_tc.
+# 3 blocks per SM at one row, fmt 4's scales staged in shared memory: the same tiles and
+# summation order, the same bits as moe_tc.
 # ``MOE_TC_FAST`` switches it off (moe_tc as before; tests compare both); launches are cached
 # per setting.
 MOE_TC_FAST = True
@@ -342,12 +343,21 @@ def _moe_tc(
     n_sm: int,
 ) -> Launch | None:  # fmt: skip
     """moe_launch's launch on the tensor-core path (same arguments, same pointers): moe_tc_f
-    when ``MOE_TC_FAST``, else moe_tc. The grid is every resident block (the kernel's real
-    registers and shared memory: 3 per SM for moe_tc_f<2, 1>), at most one per tile."""
+    when ``MOE_TC_FAST`` (for fmt 4 where the tile's staged scales leave room for 2 blocks per
+    SM), else moe_tc. The grid is every resident block (the kernel's real registers and
+    shared memory: 3 per SM for moe_tc_f<F, 1> at GLM-5.2 widths), at most one per tile."""
     sb, kt_a, smem_a = _tc_geometry(max_rows, gu.layout.in_padded)
     _, kt_b, smem_b = _tc_geometry(max_rows, dn.layout.in_padded)
     kt, smem = (kt_a, smem_a) if kt_a >= kt_b else (kt_b, smem_b)
-    name = f"{'moe_tc_f' if MOE_TC_FAST else 'moe_tc'}<{gu.fmt}, {sb}>"
+    fast = MOE_TC_FAST
+    if fast and gu.fmt == 4:  # moe_tc_f stages a tile's scales (tc_ssc_floats in gemv_tc.cu)
+        ngp_a, ngp_b = max(gu.layout.ngp, 1), max(dn.layout.ngp, 1)
+        nsc = max(2 * TC_RG * 16 * (ngp_a | 1), TC_RG * 16 * (ngp_b | 1))
+        smem_f = smem + 4 * (-(-nsc // 4) * 4)
+        fast = 2 * (smem_f + 1024 + 16) <= 227 * 1024  # else (gs < 32 at D = 6144): moe_tc
+        if fast:
+            smem = smem_f
+    name = f"{'moe_tc_f' if fast else 'moe_tc'}<{gu.fmt}, {sb}>"
     fn = get_function("gemv_tc.cu", name, TC_VARIANTS)
     nz = -(-max_rows // sb)
     ta = -(-max_ie // (TC_RG * 16))

@@ -111,12 +111,13 @@ class Group:
         return self.y.get()
 
 
-def check_both(g: Group, calls: int = 3) -> np.ndarray:
+def check_both(g: Group, calls: int = 3, fallback: bool = False) -> np.ndarray:
     """Old and new path: within TC_TOL of float64, the same bits as each other and on every
-    call. Returns the output."""
+    call. Returns the output. fallback: the new path is moe_tc too (fmt 4 scales too large
+    for moe_tc_f's shared memory)."""
     ref = g.reference()
     old_ln, new_ln = g.launch(False), g.launch(True)
-    assert old_ln.fn is not new_ln.fn  # two kernels: moe_tc and moe_tc_f
+    assert (old_ln.fn is new_ln.fn) == fallback  # moe_tc and moe_tc_f, or moe_tc twice
     old = g.run(old_ln)
     new = g.run(new_ln)
     assert not np.isnan(new).any()
@@ -262,14 +263,24 @@ def test_backend_fast_and_old_with_graphs(cupy_backend, rng, graphs, fmt, gs, r)
         assert rel_err(g_, reference.expert_group(host, rows, x)) < TC_TOL
 
 
-def test_decode_int4_runs_three_blocks_per_sm(rng):
-    # moe_tc_f<2, 1> is built for 3 blocks per SM (__launch_bounds__(256, 3): <= 80 registers,
-    # no spills with nvcc 13): its grid is 3 x the SMs where moe_tc's is 2 x.
+@pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64), (4, 128)])
+def test_decode_runs_three_blocks_per_sm(rng, fmt, gs):
+    # moe_tc_f<F, 1> is built for 3 blocks per SM (__launch_bounds__(256, 3): <= 80 registers,
+    # no spills with nvcc 13; fmt 4's staged scales fit 3 blocks' shared memory at these
+    # group sizes): its grid is 3 x the SMs where moe_tc's is 2 x.
     from coliworker.kernels import matmul
 
-    g = Group(rng, 2, 0, 6144, 2048, [1] * 8)
+    g = Group(rng, fmt, gs, 6144, 2048, [1] * 8)
     n_sm = matmul._sm_count(0)
     new, old = g.launch(True), g.launch(False)
     assert new.fn.num_regs <= 80, new.fn.num_regs
     assert new.grid[0] == 3 * n_sm and old.grid[0] == 2 * n_sm, (new.grid, old.grid)
-    print(f"moe_tc_f<2, 1>: {new.fn.num_regs} registers, {new.fn.local_size_bytes} B local")
+    print(f"moe_tc_f<{fmt}, 1>: {new.fn.num_regs} registers, {new.fn.local_size_bytes} B local")
+
+
+def test_fmt4_small_groups_fall_back(rng):
+    # gs = 16 at D = 6144: a gate+up tile's scales (2 x 32 x 385 floats) leave room for one
+    # block per SM only, so MOE_TC_FAST keeps moe_tc there; the results are the same.
+    g = Group(rng, 4, 16, 6144, 256, [1, 4, 1])
+    g.set_x(rng.standard_normal((6, 6144)).astype(np.float32))
+    check_both(g, fallback=True)
