@@ -204,6 +204,8 @@ def test_graph_replay(rng, fmt, gs, r):
     ln = g.launch(True)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
+        g.set_x(rng.standard_normal((sum(rows), 6144)).astype(np.float32))
+        g.run(ln)  # a direct launch first (module and parameter block ready before capture)
         stream.begin_capture()
         g.issue(ln)
         graph = stream.end_capture()
