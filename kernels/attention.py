@@ -223,7 +223,7 @@ def run(
     n_up = sum(len(x) for x in latents)
     a = call.take()
     key = ("attention", id(kv_b), id(o_proj), S, H, q_dim, R, V, scale, n_up, nsplit,
-           caches is None, flash, mm.TENSOR_CORES)  # fmt: skip
+           caches is None, flash, mm.settings())  # fmt: skip
     plan = a.plans.get(key)
     if plan is None:
         plan = _plan(call, kv_b, o_proj, S, H, q_dim, R, V, scale, n_up, nsplit, flash)

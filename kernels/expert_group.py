@@ -297,7 +297,7 @@ def prepare(
 
     T, D = x.shape
     a = call.take()
-    key = ("group", mm.TENSOR_CORES, *map(id, experts), *rows, T, D, extra_in, extra_out,
+    key = ("group", mm.settings(), *map(id, experts), *rows, T, D, extra_in, extra_out,
            None if x_rows is None else tuple(x_rows))  # fmt: skip
     hit = a.plans.get(key)
     if hit is not None:

@@ -75,9 +75,17 @@ SK_BLOCK_COST = 16  # a block's fixed cost (launch, staging, reductions) in 64-b
 # 3 blocks per SM at one row, fmt 4's scales staged in shared memory: the same tiles and
 # summation order, the same bits as moe_tc.
 # ``MOE_TC_FAST`` switches it off (moe_tc as before; tests compare both); launches are cached
-# per setting, but a backend keeps a group's launches in its arenas' plans (expert_group.py),
-# so set it before the first call: COLIWORKER_MOE_TC_FAST=0 in the environment does.
+# per setting, and the plans a backend keeps per arena are keyed by ``settings()``;
+# COLIWORKER_MOE_TC_FAST=0 in the environment sets it off from the start.
 MOE_TC_FAST = os.environ.get("COLIWORKER_MOE_TC_FAST", "1") != "0"
+
+
+def settings() -> tuple:
+    """The switches that pick launches (TENSOR_CORES, SPLIT_K, SPLIT_K_FORCE, MOE_TC_FAST):
+    part of every cached plan's key, so a plan made under other settings is not reused."""
+    return (TENSOR_CORES, SPLIT_K, SPLIT_K_FORCE, MOE_TC_FAST)
+
+
 TC_VARIANTS = (
     tuple(f"{k}<{f}, {sb}>" for k in ("gemv_tc", "moe_tc", "gemv_tc_k", "moe_tc_f")
           for f in (2, 4) for sb in (1, 4))
