@@ -188,7 +188,8 @@ def test_small_odd_widths(rng, fmt, gs, d, ie, rows):
 def test_wide_range_activations(rng, fmt, gs):
     rows = [1, 4, 2]
     g = Group(rng, fmt, gs, 2048, 256, rows)
-    x = rng.standard_normal((7, 2048)) * 10.0 ** rng.uniform(-20, 20, (7, 1))
+    # 10^+-8: wider, and silu(gate) * up overflows float32 on both paths (inf - inf = NaN)
+    x = rng.standard_normal((7, 2048)) * 10.0 ** rng.uniform(-8, 8, (7, 1))
     g.set_x(x.astype(np.float32))
     check_both(g)
 
