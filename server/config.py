@@ -70,6 +70,7 @@ class Config:
     data_unix_socket: str = ""
     max_frame_bytes: int = 1 << 30
     data_spin_us: int = 1000
+    data_stall_timeout: float = 30.0
     max_data_connections: int = 256
     # Security and limits (auth.py, limits.py).
     token_file: str = ""
@@ -133,6 +134,10 @@ class Config:
             raise ValueError(f"data_port: expected a port other than port {self.port}")
         if not 1 << 20 <= self.max_frame_bytes <= 1 << 40:
             raise ValueError(f"max_frame_bytes: expected 1M..1T bytes, got {self.max_frame_bytes}")
+        if self.data_stall_timeout < 0:
+            raise ValueError(
+                f"data_stall_timeout: expected >= 0 seconds, got {self.data_stall_timeout}"
+            )
         if not 0 <= self.data_spin_us <= 10_000:
             raise ValueError(f"data_spin_us: expected 0..10000, got {self.data_spin_us}")
         if self.max_data_connections < 1:
@@ -305,6 +310,15 @@ SETTINGS: tuple[Setting, ...] = (
         int,
         "how long a data-plane connection polls for the next call before it sleeps, 0..10000 "
         "us (polling saves ~20-60 us per call and costs a core meanwhile; default 1000)",
+    ),
+    Setting(
+        "data_stall_timeout",
+        "--data-stall-timeout",
+        "COLIWORKER_DATA_STALL_TIMEOUT",
+        float,
+        "seconds a data-plane frame may go without a byte moving in its middle (a client that "
+        "sent half a call, or stopped reading its reply) before the connection is closed; "
+        "0: never (default 30)",
     ),
     Setting(
         "max_data_connections",

@@ -225,7 +225,9 @@ class _Connection:
         self.servicer = plane.servicer
         self.dispatch = plane.servicer.dispatch
         self.sock = sock
-        self.io: frames.FrameSocket = frames.FrameSocket(sock, plane.config.data_spin_us)
+        self.io: frames.FrameSocket = frames.FrameSocket(
+            sock, plane.config.data_spin_us, plane.config.data_stall_timeout
+        )
         self.owner = ""
         self.busy = False
         self.counted = False  # counted in its owner's share of the connections
@@ -250,6 +252,10 @@ class _Connection:
             pass
         except frames.FrameError as exc:
             self._send_quiet(frames.error_frame(0, exc.request_id, exc.code, exc.message))
+        except frames.Stalled as exc:
+            log.info(
+                "data connection of owner %r closed: %s (--data-stall-timeout)", self.owner, exc
+            )
         except (OSError, TimeoutError) as exc:
             log.debug("data connection ended: %s", exc)
         except Exception:
@@ -279,7 +285,9 @@ class _Connection:
                 log.debug("data connection: TLS handshake failed: %s", exc)
                 return False
             self.sock = tls
-            self.io = frames.FrameSocket(tls, self.plane.config.data_spin_us)
+            self.io = frames.FrameSocket(
+                tls, self.plane.config.data_spin_us, self.plane.config.data_stall_timeout
+            )
         head = self.io.recv_header(deadline, hard=True)
         if head.type != frames.HELLO or head.data_bytes or head.body_bytes > frames.MAX_HELLO_BYTES:
             self._welcome_error(

@@ -13,7 +13,17 @@ import time
 
 import numpy as np
 import pytest
-from _frames import ANSWER_S, HANG_S, Plane, hello_frame, rss, upload_header
+from _frames import (
+    ANSWER_S,
+    HANG_S,
+    INFO,
+    Plane,
+    call_bytes,
+    hello_frame,
+    read_frame,
+    rss,
+    upload_header,
+)
 from _rel import TOKENS, serve, token_env
 
 from coliworker.client import WorkerClient
@@ -170,3 +180,47 @@ def test_client_gone_mid_upload_is_not_an_internal_error(plane):
     plane.healthy()
     plane.check()  # nothing stored, no budget held
     assert plane.failures.upload_closed == [], plane.failures.upload_closed[0]
+
+
+def test_a_frame_stalled_in_its_middle_is_closed_after_the_stall_timeout():
+    # A CALL header and half its body, then nothing: the connection is closed after
+    # --data-stall-timeout while another connection keeps being served.
+    srv = serve(data_stall_timeout=0.5)
+    try:
+        port = srv.data.port
+        stalled = socket.create_connection(("127.0.0.1", port), HANG_S)
+        stalled.sendall(hello_frame())
+        head, body, _ = read_frame(stalled)
+        assert head.type == frames.WELCOME and head.status == 0, body
+        body = pb.InfoRequest().SerializeToString() + bytes(64)
+        stalled.sendall(frames.pack(frames.CALL, INFO, 1, 0, len(body), 0) + body[:10])
+        other = socket.create_connection(("127.0.0.1", port), HANG_S)
+        other.sendall(hello_frame())
+        assert read_frame(other)[0].status == 0
+        other.sendall(call_bytes(INFO, 7, pb.InfoRequest()))
+        head, _, _ = read_frame(other)
+        assert head.type == frames.REPLY and head.status == 0 and head.request_id == 7
+        assert closed_by_worker(stalled)
+        other.sendall(call_bytes(INFO, 8, pb.InfoRequest()))  # the other still served
+        assert read_frame(other)[0].request_id == 8
+        stalled.close()
+        other.close()
+    finally:
+        srv.stop(grace=None)
+
+
+def test_frame_socket_stall_limits_only_the_middle_of_a_frame():
+    a, b = socket.socketpair()
+    try:
+        fs = frames.FrameSocket(a, spin_us=0, stall_s=0.2)
+        b.sendall(frames.pack(frames.CALL, INFO, 1, 0, 8, 0)[:5])  # 5 bytes of a header
+        with pytest.raises(frames.Stalled, match="in the middle of a frame"):
+            fs.recv_header()
+        # Between frames a deadline, not the stall limit, bounds the wait.
+        fs2 = frames.FrameSocket(b, spin_us=0, stall_s=0.05)
+        with pytest.raises(TimeoutError) as info:
+            fs2.recv_header(deadline=time.monotonic() + 0.3)
+        assert not isinstance(info.value, frames.Stalled)
+    finally:
+        a.close()
+        b.close()

@@ -59,6 +59,14 @@ class Closed(Exception):
         self.partial = partial
 
 
+class Stalled(TimeoutError):
+    """A frame stopped moving: no byte received (or sent) for ``seconds`` in its middle."""
+
+    def __init__(self, seconds: float, direction: str) -> None:
+        super().__init__(f"no byte to {direction} for {seconds:g} s in the middle of a frame")
+        self.seconds = seconds
+
+
 @dataclass(frozen=True, slots=True)
 class Header:
     type: int
@@ -134,8 +142,14 @@ class FrameSocket:
     """Frame I/O on one connected socket. ``recv_*`` from one thread at a time, ``send``
     from one thread at a time (callers hold their own locks)."""
 
-    def __init__(self, sock: socket.socket, spin_us: int = SPIN_US) -> None:
+    def __init__(
+        self, sock: socket.socket, spin_us: int = SPIN_US, stall_s: float | None = None
+    ) -> None:
+        """``stall_s``: once a frame has begun (or while one is being sent), at most this
+        long without a byte moving before ``Stalled`` (None: wait for as long as it takes);
+        between frames the wait is the caller's ``deadline``."""
         self.sock = sock
+        self.stall_s = stall_s or None
         self.spin_ns = max(0, int(spin_us)) * 1000
         self.tls = isinstance(sock, ssl.SSLSocket)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -159,13 +173,23 @@ class FrameSocket:
 
     # -- receiving ------------------------------------------------------------------------
 
-    def _wait(self, events: int, deadline: float | None) -> None:
+    def _wait(self, events: int, deadline: float | None, stalls: bool = False) -> None:
+        """Until the socket is ready for ``events``: TimeoutError past ``deadline``; with
+        ``stalls`` (mid-frame) and no deadline, Stalled after ``stall_s`` without progress."""
+        if stalls and deadline is None and self.stall_s is not None:
+            if not self._poll(events, time.monotonic() + self.stall_s):
+                raise Stalled(self.stall_s, "receive" if events == select.POLLIN else "send")
+            return
+        if not self._poll(events, deadline):
+            raise TimeoutError("no data before the deadline")
+
+    def _poll(self, events: int, deadline: float | None) -> bool:
+        """False once ``deadline`` has passed with the socket not ready."""
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
         p = select.poll()
         p.register(self._fd, events)
         ms = -1 if timeout is None else int(timeout * 1000) + 1
-        if not p.poll(ms) and deadline is not None and time.monotonic() >= deadline:
-            raise TimeoutError("no data before the deadline")
+        return bool(p.poll(ms)) or deadline is None or time.monotonic() < deadline
 
     def recv_exact(
         self,
@@ -190,11 +214,12 @@ class FrameSocket:
                 if now < spin_end:
                     os.sched_yield()
                     continue
-                self._wait(select.POLLIN, deadline if got == 0 or hard else None)
+                waiting = (first and got == 0) or hard  # for a frame, not inside one
+                self._wait(select.POLLIN, deadline if waiting or got == 0 else None, not waiting)
                 spin_end = time.perf_counter_ns() + self.spin_ns
                 continue
             except ssl.SSLWantWriteError:
-                self._wait(select.POLLOUT, deadline)
+                self._wait(select.POLLOUT, deadline, True)
                 continue
             except (ConnectionError, ssl.SSLError) as exc:
                 raise Closed(partial=not (first and got == 0)) from exc
@@ -264,7 +289,7 @@ class FrameSocket:
             try:
                 k = self.sock.sendmsg(bufs[:512])
             except BlockingIOError:
-                self._wait(select.POLLOUT, None)
+                self._wait(select.POLLOUT, None, True)
                 continue
             except ConnectionError as exc:
                 raise Closed(partial=True) from exc
@@ -281,10 +306,10 @@ class FrameSocket:
             try:
                 k = self.sock.send(view)
             except (BlockingIOError, ssl.SSLWantWriteError):
-                self._wait(select.POLLOUT, None)
+                self._wait(select.POLLOUT, None, True)
                 continue
             except ssl.SSLWantReadError:
-                self._wait(select.POLLIN, None)
+                self._wait(select.POLLIN, None, True)
                 continue
             except (ConnectionError, ssl.SSLError) as exc:
                 raise Closed(partial=True) from exc
@@ -298,6 +323,7 @@ __all__ = [
     "HELLO",
     "MAGIC",
     "MAX_BODY_BYTES",
+    "Stalled",
     "MAX_HELLO_BYTES",
     "REPLY",
     "VERSION",
