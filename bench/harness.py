@@ -224,20 +224,6 @@ def machine() -> dict:
         gpu = f"{len(lines)} x {lines[0]}" if len(lines) > 1 else gpu  # one line per GPU
     except (OSError, subprocess.SubprocessError):
         pass
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    # COLIWORKER_COMMIT first: a run from an exported tree (the GPU machine's copy may carry an
-    # unrelated .git) names the commit it was exported from.
-    commit = os.environ.get("COLIWORKER_COMMIT", "")
-    dirty = ""
-    if not commit:
-        commit = subprocess.run(
-            ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
     return {
         "host": platform.node(),
         "cpu": cpu,
@@ -245,8 +231,29 @@ def machine() -> dict:
         "gpu": gpu or "none",
         "python": platform.python_version(),
         "grpcio": grpc.__version__,
-        "commit": commit + ("+dirty" if dirty else ""),
+        "commit": commit(),
     }
+
+
+def commit() -> str:
+    """The commit a result comes from: COLIWORKER_COMMIT first (a run from an exported tree:
+    the GPU machine's copy may carry an unrelated .git names the commit it was exported
+    from), else git's HEAD, "+dirty" with uncommitted changes to tracked files."""
+    if os.environ.get("COLIWORKER_COMMIT"):
+        return os.environ["COLIWORKER_COMMIT"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(
+            ["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+    return (head or "unknown") + ("+dirty" if dirty else "")
 
 
 def spawn(script: str, *args: str) -> tuple[subprocess.Popen, list[str]]:

@@ -26,22 +26,13 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import harness  # noqa: E402  (run from anywhere: bench/ is beside the package)
+
 READ_BW = 4.48e12  # measured streaming read of the H200, bytes/s
 GLM = dict(D=6144, I=2048, H=64, Q=192, R=64, V=256, K=512)
 L2 = 60e6
-
-
-def _git_commit() -> str:
-    """COLIWORKER_COMMIT when set (a run from an exported tree: the GPU machine's copy may
-    carry an unrelated .git), else git's HEAD."""
-    if os.environ.get("COLIWORKER_COMMIT"):
-        return os.environ["COLIWORKER_COMMIT"]
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except Exception:
-        return os.environ.get("COLIWORKER_COMMIT", "unknown")
 
 
 def rel_err(y, want) -> float:
@@ -284,7 +275,7 @@ def run_meta(command: str) -> dict:
     return dict(
         gpu=cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(),
         date=datetime.date.today().isoformat(),
-        commit=_git_commit(),
+        commit=harness.commit(),
         host=platform.node(),
         command=command,
         read_bw_TBps=READ_BW / 1e12,

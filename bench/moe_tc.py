@@ -38,11 +38,14 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import harness  # noqa: E402  (run from anywhere: bench/ is beside the package)
 
 READ_BW = 4.48e12  # measured streaming read of the H200, bytes/s
 L2 = 60e6
@@ -63,17 +66,6 @@ extern "C" __global__ void coli_spin(unsigned long long ns) {
     do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
 }
 """
-
-
-def _git_commit() -> str:
-    if os.environ.get("COLIWORKER_COMMIT"):
-        return os.environ["COLIWORKER_COMMIT"]
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except Exception:
-        return "unknown"
 
 
 def make_tensor(rng, fmt, o, i, gs):
@@ -326,7 +318,7 @@ def main() -> int:
         gpu=props["name"].decode(),
         sms=int(props["multiProcessorCount"]),
         date=datetime.date.today().isoformat(),
-        commit=_git_commit(),
+        commit=harness.commit(),
         host=platform.node(),
         command=(env + " " if env else "")
         + f"PYTHONPATH={os.environ.get('PYTHONPATH', '')} python "

@@ -24,3 +24,12 @@ def make_tensor(rng: np.random.Generator, fmt: int, o: int, i: int, gs: int = 0)
 
 
 FMT_GS = [(0, 0), (1, 0), (2, 0), (3, 0), (4, 64), (4, 128), (4, 3), (4, 5), (4, 6)]
+
+
+def row_rel_err(y: np.ndarray, ref: np.ndarray) -> float:
+    """Worst over rows of max|y - ref| / max|ref| (rows may differ in scale)."""
+    worst = 0.0
+    for k in range(ref.shape[0]):
+        den = max(float(np.abs(ref[k]).max()), 1e-30)
+        worst = max(worst, float(np.abs(y[k] - ref[k]).max()) / den)
+    return worst

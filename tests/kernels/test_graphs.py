@@ -18,12 +18,8 @@ CALLS = 4  # direct, captured, replayed, replayed
 
 
 @pytest.fixture
-def backend():
-    from coliworker.server.backend_cupy import CupyBackend
-
-    b = CupyBackend((0,))
-    yield b
-    b.close()
+def backend(cupy_backend):
+    return cupy_backend
 
 
 @pytest.fixture

@@ -14,20 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _kern import TC_TOL, make_tensor, rel_err
+from _kern import TC_TOL, make_tensor, rel_err, row_rel_err
 
 from coliworker.kernels import reference
 
 pytestmark = pytest.mark.gpu
-
-
-def row_rel_err(y: np.ndarray, ref: np.ndarray) -> float:
-    """Worst over rows of max|y - ref| / max|ref| (rows may differ in scale)."""
-    worst = 0.0
-    for k in range(ref.shape[0]):
-        den = max(float(np.abs(ref[k]).max()), 1e-30)
-        worst = max(worst, float(np.abs(y[k] - ref[k]).max()) / den)
-    return worst
 
 
 class Group:

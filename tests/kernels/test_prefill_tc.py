@@ -23,15 +23,6 @@ FMT_GS = [(2, 0), (4, 16), (4, 64), (4, 128)]
 
 
 @pytest.fixture
-def cupy_backend():
-    from coliworker.server.backend_cupy import CupyBackend
-
-    b = CupyBackend((0,))
-    yield b
-    b.close()
-
-
-@pytest.fixture
 def fp32_path():
     """Runs the body with the fp32 kernels (gemv / moe) in place of the tensor-core ones."""
     from coliworker.kernels import matmul
