@@ -71,6 +71,7 @@ class Config:
     max_frame_bytes: int = 1 << 30
     data_spin_us: int = 1000
     data_stall_timeout: float = 30.0
+    data_idle_timeout: float = 0.0
     max_data_connections: int = 256
     # Security and limits (auth.py, limits.py).
     token_file: str = ""
@@ -134,6 +135,10 @@ class Config:
             raise ValueError(f"data_port: expected a port other than port {self.port}")
         if not 1 << 20 <= self.max_frame_bytes <= 1 << 40:
             raise ValueError(f"max_frame_bytes: expected 1M..1T bytes, got {self.max_frame_bytes}")
+        if self.data_idle_timeout < 0:
+            raise ValueError(
+                f"data_idle_timeout: expected >= 0 seconds, got {self.data_idle_timeout}"
+            )
         if self.data_stall_timeout < 0:
             raise ValueError(
                 f"data_stall_timeout: expected >= 0 seconds, got {self.data_stall_timeout}"
@@ -319,6 +324,15 @@ SETTINGS: tuple[Setting, ...] = (
         "seconds a data-plane frame may go without a byte moving in its middle (a client that "
         "sent half a call, or stopped reading its reply) before the connection is closed; "
         "0: never (default 30)",
+    ),
+    Setting(
+        "data_idle_timeout",
+        "--data-idle-timeout",
+        "COLIWORKER_DATA_IDLE_TIMEOUT",
+        float,
+        "seconds a data-plane connection may wait between calls before the worker closes it, "
+        "giving back its thread (the C client dials again; a Python socket session needs "
+        "RecoveringClient); 0: never (default)",
     ),
     Setting(
         "max_data_connections",

@@ -361,8 +361,16 @@ class _Connection:
 
     def _serve(self) -> None:
         limit = self.plane.config.max_frame_bytes
+        idle = self.plane.config.data_idle_timeout
         while not self.plane._stopping:
-            head = self.io.recv_header()
+            try:
+                head = self.io.recv_header(time.monotonic() + idle if idle else None)
+            except frames.Stalled:  # half a header: the caller's stall handling
+                raise
+            except TimeoutError:
+                log.info("data connection of owner %r closed: no call for %g s "
+                         "(--data-idle-timeout)", self.owner, idle)  # fmt: skip
+                return
             self.busy = True
             try:
                 n = head.body_bytes + head.data_bytes

@@ -461,6 +461,18 @@ fail:
     return NULL;
 }
 
+/* Whether a connection that sat in the pool is still open: a worker closes idle ones after
+ * --data-idle-timeout. An idle plain connection has nothing to read, so end of stream or any
+ * byte means the worker is done with it; over TLS pending bytes can be the worker's session
+ * tickets, so only the end of stream counts there. */
+int cw_alive(cw_conn *c) {
+    char b;
+    ssize_t k = recv(c->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (k == 0) return 0;
+    if (k < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+    return c->ssl != NULL;
+}
+
 void cw_close(cw_conn *c) {
     if (!c) return;
 #ifdef COLIWORKER_WITH_TLS

@@ -107,6 +107,7 @@ typedef struct cw_conn {
 
 cw_conn *cw_connect(struct cw_worker *w, int quiet);
 void cw_close(cw_conn *c);
+int cw_alive(cw_conn *c); /* a pooled connection not closed by the worker meanwhile */
 /* Frame data: cw_begin clears it; cw_place appends a piece at the next 64-byte aligned
  * offset and returns that offset; cw_append appends without padding (uploads). */
 void cw_begin(cw_conn *c);

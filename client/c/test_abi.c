@@ -14,6 +14,7 @@
  * worker meanwhile). Exit status 0 when every check passed; failures are printed.
  */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -836,6 +837,29 @@ static void test_multi(void) {
     CHECK(coli_cuda_device_count() == 0, "shutdown");
 }
 
+/* The worker closes data-plane connections idle for --data-idle-timeout (the harness starts
+ * it with 1 s): after a longer pause the library finds its pooled connections closed and
+ * dials new ones, so the call is served, not refused. */
+static void test_idle(void) {
+    int devs[1] = {0};
+    CHECK(coli_cuda_init(devs, 1), "init");
+    Host a = make(2, 30, 5, 0);
+    CHECK(upload(&a, 0), "upload");
+    float x[60], y[10];
+    double xd[60], ref[10];
+    for (int i = 0; i < 60; i++) xd[i] = x[i] = normal();
+    CHECK(coli_cuda_matmul(&a.t, y, x, NULL, NULL, 2, 2, 30, 5, 0), "matmul before the pause");
+    ref_matmul(&a, xd, ref, 2);
+    CLOSE("matmul before the pause", y, ref, 10);
+    struct timespec t = {2, 500000000L};
+    while (nanosleep(&t, &t) && errno == EINTR) {}
+    CHECK(coli_cuda_matmul(&a.t, y, x, NULL, NULL, 2, 2, 30, 5, 0),
+          "matmul after the worker closed the idle connections");
+    CLOSE("matmul after the pause", y, ref, 10);
+    drop(&a);
+    coli_cuda_shutdown();
+}
+
 int main(int argc, char **argv) {
     const char *what = argc > 1 ? argv[1] : "all";
     const char *seed = getenv("TEST_ABI_SEED");
@@ -865,8 +889,10 @@ int main(int argc, char **argv) {
         test_restart();
     } else if (!strcmp(what, "multi")) {
         test_multi();
+    } else if (!strcmp(what, "idle")) {
+        test_idle();
     } else {
-        fprintf(stderr, "usage: test_abi all|restart|multi\n");
+        fprintf(stderr, "usage: test_abi all|restart|multi|idle\n");
         return 2;
     }
     printf("%s: %d checks, %d failed\n", failures ? "FAILED" : "OK", checks, failures);

@@ -268,12 +268,14 @@ cw_conn *cw_acquire(cw_worker *w) {
         pthread_mutex_unlock(&w->mu);
         return NULL;
     }
-    cw_conn *c = w->idle;
-    if (c) {
+    memcpy(instance, w->instance, sizeof instance);
+    cw_conn *c;
+    while ((c = w->idle)) {
         w->idle = c->next;
         w->nidle--;
+        if (cw_alive(c)) break;
+        cw_close(c); /* the worker closed it while it sat in the pool (--data-idle-timeout) */
     }
-    memcpy(instance, w->instance, sizeof instance);
     pthread_mutex_unlock(&w->mu);
     if (c) return c;
     c = cw_connect(w, 1);

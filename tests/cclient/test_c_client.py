@@ -167,6 +167,16 @@ def test_worker_restart_mid_run(built: Path, retain: str) -> None:
     assert seen["freed"] == (0, 0, 0), seen
 
 
+def test_pooled_connections_the_worker_closed_are_dialled_again(built: Path) -> None:
+    """The worker closes idle data-plane connections after 1 s (--data-idle-timeout); a call
+    after a longer pause is served on a new connection, not refused."""
+    w, port = _worker("--data-idle-timeout", "1")
+    try:
+        _run(built, "idle", {"COLIWORKER_ADDRESS": f"127.0.0.1:{port}"})
+    finally:
+        w.stop()
+
+
 def test_two_workers_and_a_unix_socket(built: Path) -> None:
     """COLIWORKER_ADDRESS lists two workers (the second on its Unix socket): the engine's
     device ids 0, 1 are the first worker's, 2 the second's."""

@@ -224,3 +224,17 @@ def test_frame_socket_stall_limits_only_the_middle_of_a_frame():
     finally:
         a.close()
         b.close()
+
+
+def test_an_idle_connection_is_closed_after_the_idle_timeout():
+    srv = serve(data_idle_timeout=0.5)
+    try:
+        s = socket.create_connection(("127.0.0.1", srv.data.port), HANG_S)
+        s.sendall(hello_frame())
+        assert read_frame(s)[0].status == 0
+        s.sendall(call_bytes(INFO, 1, pb.InfoRequest()))
+        assert read_frame(s)[0].request_id == 1  # served, then idle
+        assert closed_by_worker(s)
+        s.close()
+    finally:
+        srv.stop(grace=None)
