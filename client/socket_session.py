@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import select
 import socket
 import ssl
 import threading
@@ -46,6 +47,10 @@ _STATUS_OF = {c.value[0]: c for c in grpc.StatusCode}
 #: thread's core meanwhile, which at decode waits for the answer anyway.
 SPIN_US = 1000
 CONNECT_TIMEOUT_S = 10.0
+#: A connection unused this long is checked before the next call (the worker may have closed
+#: it: --data-idle-timeout) and dialled again if it is gone.
+IDLE_CHECK_S = 1.0
+_RDHUP = getattr(select, "POLLRDHUP", 0x2000)  # the peer shut its side (Linux)
 
 
 def _host_of(address: str) -> str:
@@ -111,12 +116,14 @@ class SocketSession(SessionCalls):
         info = client._call(client._stub.Info, pb.InfoRequest())
         self.instance_id = info.instance_id
         self.address = address or self._pick(info)
+        self._dial = (info.data_tls, spin_us)
         self._io = self._connect(self.address, info.data_tls, spin_us)
         try:
             self._hello(client)
         except BaseException:
             self._io.close()
             raise
+        self._last = time.monotonic()  # the last call sent
 
     # -- connecting -------------------------------------------------------------------------
 
@@ -169,6 +176,33 @@ class SocketSession(SessionCalls):
             raise errors.from_status(code, body.decode("utf-8", "replace"))
         welcome = pb.DataWelcome.FromString(body)
         self.instance_id = welcome.instance_id
+
+    def _redial_if_closed(self, rid: int) -> None:
+        """Before a call on a connection idle for ``IDLE_CHECK_S``, with nothing in flight:
+        if the worker closed it meanwhile (its --data-idle-timeout), connect again. The
+        same worker instance keeps this owner's handles; another instance means the worker
+        restarted, which ``RecoveringSession`` handles (Unavailable here). Holds
+        ``_send_lock``; ``rid`` is the call about to be sent."""
+        p = select.poll()
+        p.register(self._io.sock.fileno(), select.POLLIN | _RDHUP)
+        events = p.poll(0)
+        if not events or not events[0][1] & (_RDHUP | select.POLLHUP | select.POLLERR):
+            return
+        with self._lock:
+            if any(r != rid for r in self._pending):
+                return  # a reply is due on it: its reader sees the connection end
+        with self._reading:  # free: no other call is in flight
+            instance = self.instance_id
+            self._io.close()
+            self._io = self._connect(self.address, *self._dial)
+        self._hello(self._client)
+        if self.instance_id != instance:
+            err = errors.Unavailable(
+                f"data plane {self.address}: the worker restarted (instance {instance} -> "
+                f"{self.instance_id}): its handles are gone"
+            )
+            self._fail(err)
+            raise err
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -235,9 +269,15 @@ class SocketSession(SessionCalls):
             self._pending[rid] = (fut, decode or raw, call)
         try:
             with self._send_lock:
+                now = time.monotonic()
+                if now - self._last > IDLE_CHECK_S:
+                    self._redial_if_closed(rid)
+                self._last = now
                 self._io.send(buffers)
         except (frames.Closed, OSError) as exc:
             self._fail(errors.Unavailable(f"data plane {self.address}: connection lost ({exc})"))
+        except errors.WorkerError as exc:  # dialling again failed
+            self._fail(exc)
         return fut
 
     # -- receiving --------------------------------------------------------------------------

@@ -71,7 +71,7 @@ class Config:
     max_frame_bytes: int = 1 << 30
     data_spin_us: int = 1000
     data_stall_timeout: float = 30.0
-    data_idle_timeout: float = 0.0
+    data_idle_timeout: float = 600.0
     max_data_connections: int = 256
     # Security and limits (auth.py, limits.py).
     token_file: str = ""
@@ -331,8 +331,8 @@ SETTINGS: tuple[Setting, ...] = (
         "COLIWORKER_DATA_IDLE_TIMEOUT",
         float,
         "seconds a data-plane connection may wait between calls before the worker closes it, "
-        "giving back its thread (the C client dials again; a Python socket session needs "
-        "RecoveringClient); 0: never (default)",
+        "giving back its thread (the Python session and the C client dial again); 0: never "
+        "(default 600)",
     ),
     Setting(
         "max_data_connections",

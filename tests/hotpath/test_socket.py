@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -367,5 +368,33 @@ def test_large_frames_are_admitted_against_the_owner(rng):
                 s.matmul_sync(t, big)
             np.testing.assert_array_equal(s.matmul_sync(t, small), w.matmul(t, small))
             assert srv.servicer.owners.held("")[2] == 0
+    finally:
+        srv.stop(0)
+
+
+def test_a_session_dials_again_when_the_worker_closed_its_idle_connection(rng, monkeypatch):
+    """--data-idle-timeout closes the connection between calls; the session's next call finds
+    it closed, connects again to the same worker and is served with the same handles."""
+    from coliworker.client import socket_session
+
+    monkeypatch.setattr(socket_session, "IDLE_CHECK_S", 0.2)
+    srv = build_server(
+        Config(backend="numpy", port=0, metrics_port=None, data_port=0, data_idle_timeout=0.3)
+    ).start()
+    try:
+        with WorkerClient(srv.address, progress=False) as w:
+            m = rng.standard_normal((7, 5)).astype(np.float32)
+            t = w.upload(m, None, fmt=0, in_features=5, out_features=7)
+            x = rng.standard_normal((2, 5)).astype(np.float32)
+            want = w.matmul(t, x)
+            with w.session(transport="socket") as s:
+                assert np.array_equal(s.matmul_sync(t, x), want)
+                first = s._io
+                deadline = time.monotonic() + 10
+                while srv.data.connections() and time.monotonic() < deadline:
+                    time.sleep(0.05)  # the worker closes the idle connection
+                assert not srv.data.connections()
+                assert np.array_equal(s.matmul_sync(t, x), want)
+                assert s._io is not first
     finally:
         srv.stop(0)
