@@ -24,7 +24,8 @@ Large arrays arrive as ``chunk`` messages ahead of their call and leave the same
 a shared-memory segment attached (``coliworker.wire.shm``) arrays are read from and
 written to it. ``attach_shm`` only hands out a ticket; the sealed memfd arrives with it on
 the worker's attach socket (``shm_socket.py``), whose thread gives it to the stream
-(``attach_segment``). The segment is unmapped when the stream ends for any reason.
+(``attach_segment``); those steps are ``session_shm.py``'s. The segment is unmapped when the
+stream ends for any reason.
 
 With a segment attached the client may also open a doorbell channel (``attach_doorbell``,
 ``server/doorbell.py``): its calls then arrive as frames in segment slots rung through
@@ -53,15 +54,16 @@ from typing import Any
 
 import grpc
 
-from coliworker.server.dispatch import STATUS_OF, status_of
+from coliworker.server import session_shm
+from coliworker.server.dispatch import STATUS_OF
 from coliworker.server.doorbell import Doorbell
 from coliworker.server.errors import WorkerError
 from coliworker.server.idle import IdleWatchdog, Watch, end_stream
-from coliworker.server.shm_socket import TICKET_TTL_S, AttachSocket
+from coliworker.server.shm_socket import AttachSocket
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.wire import calls, staging
 from coliworker.wire.codec import ArrayIO
-from coliworker.wire.shm import HEADER_BYTES, Segment, ShmError
+from coliworker.wire.shm import Segment, ShmError
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +89,6 @@ def _chunks(rid: int, views: list[memoryview]) -> Iterator[pb.SessionResponse]:
     for view in views:
         for piece in staging.pieces(view):
             yield pb.SessionResponse(request_id=rid, chunk=piece.tobytes())
-
-
-def _status(code: grpc.StatusCode, message: str) -> pb.Status:
-    return pb.Status(code=code.value[0], message=message)
 
 
 @dataclass
@@ -302,10 +300,10 @@ class SessionStream:
             self._unstage(staged)
             staged = None
         if kind == "attach_shm":
-            self.out.put([self._attach(rid, req.attach_shm)])
+            self.out.put([session_shm.ticket(self, rid, req.attach_shm)])
             return
         if kind == "attach_doorbell":
-            self.out.put([self._attach_doorbell(rid, req.attach_doorbell)])
+            self.out.put([session_shm.doorbell(self, rid, req.attach_doorbell)])
             return
         if kind is None:
             self._refuse(rid, "session", grpc.StatusCode.INVALID_ARGUMENT, "session: empty", t0)
@@ -466,95 +464,13 @@ class SessionStream:
         if end:
             self.out.put(_END)
 
-    def _error(self, rid: int, code: grpc.StatusCode, message: str) -> pb.SessionResponse:
-        return pb.SessionResponse(request_id=rid, error=_status(code, message))
-
-    def _attach(self, rid: int, msg: pb.ShmAttach) -> pb.SessionResponse:
-        """Step 2 of ``coliworker.wire.shm``: a ticket to pass the memfd with."""
-        if self.segment is not None:
-            return self._error(
-                rid,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"attach_shm: this stream already has segment {self.segment.name}",
-            )
-        if msg.name:
-            return self._error(
-                rid,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"attach_shm.name: expected empty (a sealed memfd passed over the worker's "
-                f"attach socket), got {msg.name[:80]!r}: segments named in /dev/shm are "
-                f"refused, a file its client can truncate could crash the worker (SIGBUS)",
-            )
-        if msg.size <= HEADER_BYTES:
-            return self._error(
-                rid,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"attach_shm.size: expected > {HEADER_BYTES}, got {msg.size}",
-            )
-        attach = self.servicer.sessions.attach_socket
-        try:
-            if attach is None:
-                raise ShmError("not_found", "attach_shm: this worker serves no shared memory")
-            with self.lock:
-                if self.ended:
-                    return self._error(rid, grpc.StatusCode.CANCELLED, "attach_shm: stream ended")
-                ticket = attach.expect(self, msg.size)
-        except ShmError as exc:
-            code, message = status_of(exc, "attach_shm")
-            return self._error(rid, code, message)
-        answer = pb.ShmTicket(
-            ticket=ticket, socket=attach.path, expires_ms=int(TICKET_TTL_S * 1000)
-        )
-        return pb.SessionResponse(request_id=rid, shm_ticket=answer)
+    @staticmethod
+    def _error(rid: int, code: grpc.StatusCode, message: str) -> pb.SessionResponse:
+        return session_shm.error(rid, code, message)
 
     def attach_segment(self, seg: Segment) -> tuple[int, str]:
-        """Step 3 (the attach socket's thread): ``seg`` becomes this stream's segment; the
-        answer for the socket (status code value, message)."""
-        with self.lock:
-            if self.ended:
-                why = (grpc.StatusCode.CANCELLED, "attach_shm: the session stream ended")
-            elif self.segment is not None:
-                why = (
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"attach_shm: this stream already has segment {self.segment.name}",
-                )
-            else:
-                self.segment = seg
-                attach = getattr(self.servicer.backend, "attach_segment", None)
-                if attach is not None:  # the CUDA backend reads large inputs straight from it
-                    attach(seg)
-                return 0, f"segment {seg.name} attached ({seg.size} bytes)"
-        seg.close()
-        return why[0].value[0], why[1]
-
-    def _attach_doorbell(self, rid: int, msg: pb.DoorbellAttach) -> pb.SessionResponse:
-        seg = self.segment
-        if seg is None:
-            return self._error(
-                rid,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "attach_doorbell: attach a shared-memory segment first (attach_shm)",
-            )
-        if self.doorbell is not None:
-            return self._error(
-                rid,
-                grpc.StatusCode.FAILED_PRECONDITION,
-                "attach_doorbell: this stream already has a doorbell channel",
-            )
-        try:
-            bell = Doorbell(self, seg, msg)
-        except ShmError as exc:
-            code, message = status_of(exc, "attach_doorbell")
-            return self._error(rid, code, message)
-        with self.lock:
-            if self.ended:
-                bell.close()
-                return self._error(rid, grpc.StatusCode.CANCELLED, "attach_doorbell: stream ended")
-            self.doorbell = bell
-        bell.start()
-        return pb.SessionResponse(
-            request_id=rid, doorbell_attached=pb.DoorbellAttached(slots=bell.slots)
-        )
+        """The attach socket's thread hands this stream its segment (``session_shm.py``)."""
+        return session_shm.attach_segment(self, seg)
 
 
 class SessionManager:
