@@ -28,6 +28,23 @@ TOKENS = {
 }
 
 
+def client(server, who: str | None, **kw):
+    """A client of ``server`` as owner ``who`` (a TOKENS name; None: no token)."""
+    from coliworker.client import WorkerClient
+
+    return WorkerClient(server.address, timeout=20, progress=False, token=TOKENS.get(who), **kw)
+
+
+def wait_until(predicate, seconds: float = 20.0) -> bool:
+    """Poll ``predicate`` until it holds (True) or ``seconds`` pass (its last answer)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
 def token_env(names=("alice", "bob")) -> str:
     return ",".join(f"{n}:{TOKENS[n]}" for n in names)
 

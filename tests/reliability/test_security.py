@@ -8,7 +8,18 @@ import threading
 import grpc
 import numpy as np
 import pytest
-from _rel import TOKENS, Mla, arrays, make_pki, random_tensor, rel_err, serve, token_env, upload
+from _rel import (
+    TOKENS,
+    Mla,
+    arrays,
+    client,
+    make_pki,
+    random_tensor,
+    rel_err,
+    serve,
+    token_env,
+    upload,
+)
 
 from coliworker.client import (
     InvalidArgument,
@@ -34,10 +45,6 @@ def server():
     srv = serve(tokens=token_env())
     yield srv
     srv.stop(grace=None)
-
-
-def client(server, who: str | None, **kw) -> WorkerClient:
-    return WorkerClient(server.address, timeout=20, progress=False, token=TOKENS.get(who), **kw)
 
 
 # -- authentication --------------------------------------------------------------------------
