@@ -42,17 +42,14 @@ import json
 import os
 import platform
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import harness  # noqa: E402  (run from anywhere: bench/ is beside the package)
-
-READ_BW = 4.48e12  # measured streaming read of the H200, bytes/s
-L2 = 60e6
-SPIN_NS = 30_000  # the spin kernel ahead of each timed launch
+from bench import gpu_timing, harness  # noqa: E402  (run from anywhere: bench/ is beside the package)
 
 # (name, fmt, group size, activation rows, in_features, output rows per job, jobs)
 SHAPES = [
@@ -68,28 +65,12 @@ SHAPES = [
     ("dense S=1 6144x6144 gs=128", 4, 128, 1, 6144, 6144, 1),
 ]
 
-_SPIN = r"""
-extern "C" __global__ void coli_spin(unsigned long long ns) {
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
-}
-"""
-
 
 def job_dtype() -> np.dtype:
     """The dtype of ``struct GemvJob`` (kernels/records.py)."""
     from coliworker.kernels.records import GEMV_JOB
 
     return GEMV_JOB.dtype
-
-
-def make_tensor(rng, fmt, o, i, gs):
-    from coliworker.kernels.qtensor import QTensor, row_bytes, scale_count
-
-    w = rng.integers(0, 256, size=o * row_bytes(fmt, i), dtype=np.uint8)
-    s = (rng.random(scale_count(fmt, i, o, gs)) * 0.02 + 0.001).astype(np.float32)
-    return QTensor(fmt, i, o, gs, w, s)
 
 
 class Case:
@@ -102,14 +83,14 @@ class Case:
         from coliworker.kernels import layout, matmul
 
         self.fmt, self.n_jobs, self.s, self.o = fmt, n_jobs, s, o
-        self.t = make_tensor(rng, fmt, o * n_jobs, i, gs)
+        self.t = gpu_timing.make_tensor(rng, fmt, o * n_jobs, i, gs)
         self.spec = matmul.WeightSpec.of(fmt, i, gs)
         lay = self.spec.layout
         ngp = max(lay.ngp, 1) if fmt == 4 else 1
         w0 = layout.relayout(cupy, self.t, cupy.asarray(self.t.weights))
         s0 = layout.scales(cupy, self.t, cupy.asarray(self.t.scales))
         self.bytes = int(w0.nbytes + s0.nbytes)
-        nsets = max(2, int(np.ceil(3 * L2 / self.bytes)))
+        nsets = max(2, int(np.ceil(3 * gpu_timing.L2 / self.bytes)))
         self.w = [w0] + [
             cupy.random.randint(0, 256, w0.size, dtype=cupy.uint8) for _ in range(nsets - 1)
         ]
@@ -156,6 +137,10 @@ class Case:
         finally:
             matmul.SPLIT_K, matmul.SPLIT_K_FORCE = saved
 
+    def call(self, ln, k: int) -> None:
+        """Launch ``ln`` on weight set ``k`` (modulo the sets)."""
+        ln(np.uint64(self.tables[k % len(self.tables)].data.ptr))
+
     def run_once(self, ln, k: int = 0) -> np.ndarray:
         import cupy
 
@@ -163,36 +148,6 @@ class Case:
         ln(np.uint64(self.tables[k].data.ptr))
         cupy.cuda.get_current_stream().synchronize()
         return self.y.get()
-
-
-def rel_err(y: np.ndarray, ref: np.ndarray) -> float:
-    """Max over (job, activation row) of max|y - ref| / max|ref|."""
-    num = np.abs(y - ref).max(axis=-1)
-    den = np.maximum(np.abs(ref).max(axis=-1), 1e-30)
-    return float(np.nan_to_num(num / den, nan=np.inf).max())
-
-
-def time_launch(case: Case, ln, spin, iters: int, warmup: int) -> dict:
-    import cupy
-
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    arg = (np.uint64(SPIN_NS),)
-    ms = []
-    n = len(case.tables)
-    for k in range(warmup + iters):
-        spin((1,), (1,), arg)
-        start.record()
-        ln(np.uint64(case.tables[k % n].data.ptr))
-        stop.record()
-        stop.synchronize()
-        if k >= warmup:
-            ms.append(cupy.cuda.get_elapsed_time(start, stop))
-    us = np.array(ms) * 1e3
-    return dict(
-        median_us=float(np.median(us)),
-        min_us=float(us.min()),
-        p90_us=float(np.percentile(us, 90)),
-    )
 
 
 def bench_case(rng, spin, spec: tuple, iters: int, warmup: int, sweep: bool) -> dict:
@@ -207,7 +162,8 @@ def bench_case(rng, spin, spec: tuple, iters: int, warmup: int, sweep: bool) -> 
         paths += [(f"C={c}", True, c) for c in matmul.SK_CLUSTERS]
     out: dict = dict(
         name=name, fmt=fmt, gs=gs, rows=s, in_features=i, out_features=o, n_jobs=n_jobs,
-        bytes=case.bytes, floor_us=case.bytes / READ_BW * 1e6, sets=len(case.tables), paths={},
+        bytes=case.bytes, floor_us=case.bytes / gpu_timing.READ_BW * 1e6, sets=len(case.tables),
+        paths={},
     )  # fmt: skip
     for pname, split, force in paths:
         try:
@@ -215,14 +171,14 @@ def bench_case(rng, spin, spec: tuple, iters: int, warmup: int, sweep: bool) -> 
             y = case.run_once(ln)
             same = all(np.array_equal(case.run_once(ln), y) for _ in range(3))
             r = dict(
-                rel_err=rel_err(y, ref),
+                rel_err=gpu_timing.rel_err(y, ref),
                 bit_identical=bool(same),
                 grid=list(ln.grid),
                 smem=int(ln.smem),
                 cluster=(ln.grid[0] // ntiles) if split else None,
             )
             if iters > 0:
-                r.update(time_launch(case, ln, spin, iters, warmup))
+                r.update(gpu_timing.time_launch(partial(case.call, ln), spin, iters, warmup))
             else:  # --profile: one more launch, for ncu
                 case.run_once(ln)
                 r.update(median_us=np.nan, min_us=np.nan, p90_us=np.nan)
@@ -245,10 +201,6 @@ def bench_case(rng, spin, spec: tuple, iters: int, warmup: int, sweep: bool) -> 
     return out
 
 
-def _us(p: dict) -> str:
-    return "error" if "error" in p else f"{p['median_us']:.1f}"
-
-
 def render(meta: dict, rows: list[dict]) -> str:
     md = [
         f"# Split-K decode GEMV, {meta['gpu']}, {meta['date']}, commit {meta['commit']}",
@@ -258,8 +210,8 @@ def render(meta: dict, rows: list[dict]) -> str:
         f"Kernel time between CUDA events, median of {meta['iters']} launches after "
         f"{meta['warmup']} warm-up, each alone (a spin kernel ahead of its events), weight sets "
         "rotated past the L2. Floor: weight bytes read (row padding and scales included) at "
-        f"{READ_BW / 1e12:.2f} TB/s. Error: max over rows of max|y - ref| / max|ref| against "
-        "float64.",
+        f"{gpu_timing.READ_BW / 1e12:.2f} TB/s. Error: max over rows of max|y - ref| / max|ref| "
+        "against float64.",
         "",
         "| shape | MB | floor us | off us | on us | C | speedup | % roofline off | "
         "% roofline on | rel err off | rel err on | same bits |",
@@ -271,7 +223,8 @@ def render(meta: dict, rows: list[dict]) -> str:
         err = {k: f"{v['rel_err']:.1e}" if "rel_err" in v else "error" for k, v in p.items()}
         md.append(
             f"| {r['name']} | {r['bytes'] / 1e6:.1f} | {r['floor_us']:.1f} | "
-            f"{_us(p['off'])} | {_us(p['on'])} | {p['on'].get('cluster', '-')} | "
+            f"{gpu_timing.us(p['off'])} | {gpu_timing.us(p['on'])} | "
+            f"{p['on'].get('cluster', '-')} | "
             f"{r['speedup']:.2f}x | {r['roofline_pct_off']:.0f} | {r['roofline_pct_on']:.0f} | "
             f"{err['off']} | {err['on']} | {'yes' if same else 'NO'} |"
         )
@@ -290,7 +243,7 @@ def render(meta: dict, rows: list[dict]) -> str:
             best = min(ok, key=lambda k: p[k]["median_us"]) if ok else None
             md.append(
                 f"| {r['name']} | "
-                + " | ".join(_us(p[k]) for k in sweep)
+                + " | ".join(gpu_timing.us(p[k]) for k in sweep)
                 + (f" | {best}: {tuple(p[best]['grid'])} |" if best else " | - |")
             )
     return "\n".join(md) + "\n"
@@ -313,7 +266,7 @@ def main() -> int:
 
     import cupy
 
-    spin = cupy.RawKernel(_SPIN, "coli_spin")
+    spin = gpu_timing.spin_kernel()
     rng = np.random.default_rng(a.seed)
     only = [x.strip() for x in a.only.split(",") if x.strip()]
     shapes = [sh for sh in SHAPES if not only or any(o in sh[0] for o in only)]
@@ -327,7 +280,7 @@ def main() -> int:
         command=(env + " " if env else "")
         + f"PYTHONPATH={os.environ.get('PYTHONPATH', '')} python "
         + " ".join(sys.argv),
-        read_bw_TBps=READ_BW / 1e12,
+        read_bw_TBps=gpu_timing.READ_BW / 1e12,
         iters=a.iters,
         warmup=a.warmup,
         cupy=cupy.__version__,

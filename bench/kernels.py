@@ -29,10 +29,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import harness  # noqa: E402  (run from anywhere: bench/ is beside the package)
+from bench.gpu_timing import L2, READ_BW  # noqa: E402
 
-READ_BW = 4.48e12  # measured streaming read of the H200, bytes/s
 GLM = dict(D=6144, I=2048, H=64, Q=192, R=64, V=256, K=512)
-L2 = 60e6
 
 
 def rel_err(y, want) -> float:

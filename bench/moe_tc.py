@@ -39,17 +39,14 @@ import json
 import os
 import platform
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import harness  # noqa: E402  (run from anywhere: bench/ is beside the package)
-
-READ_BW = 4.48e12  # measured streaming read of the H200, bytes/s
-L2 = 60e6
-SPIN_NS = 30_000  # the spin kernel ahead of each timed launch
+from bench import gpu_timing, harness  # noqa: E402  (run from anywhere: bench/ is beside the package)
 
 # (name, fmt, group size, rows per expert, D, I, experts, target us from issue #14)
 SHAPES = [
@@ -58,22 +55,6 @@ SHAPES = [
     ("decode 8x4 int4", 2, 0, 4, 6144, 2048, 8, 55.0),
     ("decode 8x1 gs=128", 4, 128, 1, 6144, 2048, 8, None),
 ]
-
-_SPIN = r"""
-extern "C" __global__ void coli_spin(unsigned long long ns) {
-    unsigned long long t0, t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
-}
-"""
-
-
-def make_tensor(rng, fmt, o, i, gs):
-    from coliworker.kernels.qtensor import QTensor, row_bytes, scale_count
-
-    w = rng.integers(0, 256, size=o * row_bytes(fmt, i), dtype=np.uint8)
-    s = (rng.random(scale_count(fmt, i, o, gs)) * 0.02 + 0.001).astype(np.float32)
-    return QTensor(fmt, i, o, gs, w, s)
 
 
 class Case:
@@ -90,7 +71,7 @@ class Case:
         self.n, self.r, self.d, self.ie = n, r, d, ie
         self.rows = [r] * n
         self.host = [
-            tuple(make_tensor(rng, fmt, *sh, gs) for sh in ((ie, d), (ie, d), (d, ie)))
+            tuple(gpu_timing.make_tensor(rng, fmt, *sh, gs) for sh in ((ie, d), (ie, d), (d, ie)))
             for _ in range(n)
         ]
         self.gu = matmul.WeightSpec.of(fmt, d, gs)
@@ -104,7 +85,7 @@ class Case:
             for e in self.host
         ]  # fmt: skip
         self.bytes = int(sum(w.nbytes + s.nbytes for e in set0 for w, s in e))
-        nsets = max(2, int(np.ceil(3 * L2 / self.bytes)))
+        nsets = max(2, int(np.ceil(3 * gpu_timing.L2 / self.bytes)))
         sets = [set0]
         for _ in range(nsets - 1):
             sets.append(
@@ -156,7 +137,8 @@ class Case:
         p = self.pristine[k % len(self.pristine)]
         self.table.data.copy_from_device_async(p.data, p.nbytes)
 
-    def call(self, ln) -> None:
+    def call(self, ln, _k: int = 0) -> None:
+        """Launch ``ln`` on the job table (``reset`` put set k's pristine copy there)."""
         ln(np.uint64(self.table.data.ptr + self.cb), np.uint64(self.table.data.ptr))
 
     def run_once(self, ln) -> np.ndarray:
@@ -169,43 +151,14 @@ class Case:
         return self.y.get()
 
 
-def rel_err(y: np.ndarray, ref: np.ndarray) -> float:
-    """Max over rows of max|y - ref| / max|ref|."""
-    num = np.abs(y - ref).max(axis=-1)
-    den = np.maximum(np.abs(ref).max(axis=-1), 1e-30)
-    return float(np.nan_to_num(num / den, nan=np.inf).max())
-
-
-def time_launch(case: Case, ln, spin, iters: int, warmup: int) -> dict:
-    import cupy
-
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    arg = (np.uint64(SPIN_NS),)
-    ms = []
-    for k in range(warmup + iters):
-        case.reset(k)
-        spin((1,), (1,), arg)
-        start.record()
-        case.call(ln)
-        stop.record()
-        stop.synchronize()
-        if k >= warmup:
-            ms.append(cupy.cuda.get_elapsed_time(start, stop))
-    us = np.array(ms) * 1e3
-    return dict(
-        median_us=float(np.median(us)),
-        min_us=float(us.min()),
-        p90_us=float(np.percentile(us, 90)),
-    )
-
-
 def bench_case(rng, spin, spec: tuple, iters: int, warmup: int) -> dict:
     name, fmt, gs, r, d, ie, n, target = spec
     case = Case(rng, fmt, gs, r, d, ie, n)
     ref = case.reference()
     out: dict = dict(
         name=name, fmt=fmt, gs=gs, rows=r, d=d, ie=ie, experts=n, bytes=case.bytes,
-        floor_us=case.bytes / READ_BW * 1e6, target_us=target, sets=len(case.sets), paths={},
+        floor_us=case.bytes / gpu_timing.READ_BW * 1e6, target_us=target, sets=len(case.sets),
+        paths={},
     )  # fmt: skip
     ys = {}
     for pname, fast in (("old", False), ("new", True)):
@@ -215,7 +168,7 @@ def bench_case(rng, spin, spec: tuple, iters: int, warmup: int) -> dict:
             same = all(np.array_equal(case.run_once(ln), y) for _ in range(3))
             ys[pname] = y
             p = dict(
-                rel_err=rel_err(y, ref),
+                rel_err=gpu_timing.rel_err(y, ref),
                 bit_identical=bool(same),
                 grid=list(ln.grid),
                 smem=int(ln.smem),
@@ -223,7 +176,8 @@ def bench_case(rng, spin, spec: tuple, iters: int, warmup: int) -> dict:
                 local_bytes=int(ln.fn.local_size_bytes),
             )
             if iters > 0:
-                p.update(time_launch(case, ln, spin, iters, warmup))
+                launch = partial(case.call, ln)
+                p.update(gpu_timing.time_launch(launch, spin, iters, warmup, before=case.reset))
             else:  # --profile: one more launch, for ncu
                 case.run_once(ln)
                 p.update(median_us=np.nan, min_us=np.nan, p90_us=np.nan)
@@ -251,10 +205,6 @@ def bench_case(rng, spin, spec: tuple, iters: int, warmup: int) -> dict:
     return out
 
 
-def _us(p: dict) -> str:
-    return "error" if "error" in p else f"{p['median_us']:.1f}"
-
-
 def render(meta: dict, rows: list[dict]) -> str:
     md = [
         f"# Decode expert group moe_tc vs moe_tc_f, {meta['gpu']}, {meta['date']}, "
@@ -265,7 +215,7 @@ def render(meta: dict, rows: list[dict]) -> str:
         f"Kernel time between CUDA events, median of {meta['iters']} launches after "
         f"{meta['warmup']} warm-up, each alone (counter reset and a spin kernel ahead of its "
         "events), weight sets rotated past the L2. Floor: weight bytes read (row padding and "
-        f"scales included) at {READ_BW / 1e12:.2f} TB/s. Error: max over rows of "
+        f"scales included) at {gpu_timing.READ_BW / 1e12:.2f} TB/s. Error: max over rows of "
         "max|y - ref| / max|ref| against float64. new = old: moe_tc_f's outputs the same "
         "bits as moe_tc's.",
         "",
@@ -284,7 +234,7 @@ def render(meta: dict, rows: list[dict]) -> str:
         tgt = "-" if r["target_us"] is None else f"{r['target_us']:.0f}"
         md.append(
             f"| {r['name']} | {r['bytes'] / 1e6:.1f} | {r['floor_us']:.1f} | {tgt} | "
-            f"{_us(p['old'])} | {_us(p['new'])} | {r['speedup']:.2f}x | "
+            f"{gpu_timing.us(p['old'])} | {gpu_timing.us(p['new'])} | {r['speedup']:.2f}x | "
             f"{r['roofline_pct_old']:.0f} | {r['roofline_pct_new']:.0f} | {err['old']} | "
             f"{err['new']} | {grid} | {regs} | {'yes' if same else 'NO'} | "
             f"{'yes' if r['new_equals_old'] else 'NO'} |"
@@ -308,7 +258,7 @@ def main() -> int:
 
     import cupy
 
-    spin = cupy.RawKernel(_SPIN, "coli_spin")
+    spin = gpu_timing.spin_kernel()
     rng = np.random.default_rng(a.seed)
     only = [x.strip() for x in a.only.split(",") if x.strip()]
     shapes = [sh for sh in SHAPES if not only or any(o in sh[0] for o in only)]
@@ -323,7 +273,7 @@ def main() -> int:
         command=(env + " " if env else "")
         + f"PYTHONPATH={os.environ.get('PYTHONPATH', '')} python "
         + " ".join(sys.argv),
-        read_bw_TBps=READ_BW / 1e12,
+        read_bw_TBps=gpu_timing.READ_BW / 1e12,
         iters=a.iters,
         warmup=a.warmup,
         cupy=cupy.__version__,

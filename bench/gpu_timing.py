@@ -1,0 +1,83 @@
+"""What the single-kernel GPU benches share (``gemv_splitk.py``, ``moe_tc.py``): the H200's
+measured read rate and L2 size, random quantized tensors, the row-wise error against a
+reference, and the timing of one launch between CUDA events with a spin kernel ahead of it
+(the GPU busy, so the launch's own host cost does not show).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+READ_BW = 4.48e12  # measured streaming read of the H200, bytes/s
+L2 = 60e6
+SPIN_NS = 30_000  # the spin kernel ahead of each timed launch
+
+_SPIN = r"""
+extern "C" __global__ void coli_spin(unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}
+"""
+
+
+def spin_kernel():
+    """A one-thread kernel that runs ``SPIN_NS`` ns (CuPy, compiled on first use)."""
+    import cupy
+
+    return cupy.RawKernel(_SPIN, "coli_spin")
+
+
+def make_tensor(rng, fmt, o, i, gs):
+    """A random quantized tensor [o, i] of format ``fmt`` (group size ``gs``)."""
+    from coliworker.kernels.qtensor import QTensor, row_bytes, scale_count
+
+    w = rng.integers(0, 256, size=o * row_bytes(fmt, i), dtype=np.uint8)
+    s = (rng.random(scale_count(fmt, i, o, gs)) * 0.02 + 0.001).astype(np.float32)
+    return QTensor(fmt, i, o, gs, w, s)
+
+
+def rel_err(y: np.ndarray, ref: np.ndarray) -> float:
+    """Max over rows (the last axis's) of max|y - ref| / max|ref|."""
+    num = np.abs(y - ref).max(axis=-1)
+    den = np.maximum(np.abs(ref).max(axis=-1), 1e-30)
+    return float(np.nan_to_num(num / den, nan=np.inf).max())
+
+
+def time_launch(
+    launch: Callable[[int], None],
+    spin,
+    iters: int,
+    warmup: int,
+    before: Callable[[int], None] | None = None,
+) -> dict:
+    """Median, min and p90 us of ``launch(k)`` between two events, ``warmup`` + ``iters``
+    times, each behind the spin kernel; ``before(k)`` runs first, outside the timing."""
+    import cupy
+
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    arg = (np.uint64(SPIN_NS),)
+    ms = []
+    for k in range(warmup + iters):
+        if before is not None:
+            before(k)
+        spin((1,), (1,), arg)
+        start.record()
+        launch(k)
+        stop.record()
+        stop.synchronize()
+        if k >= warmup:
+            ms.append(cupy.cuda.get_elapsed_time(start, stop))
+    us = np.array(ms) * 1e3
+    return dict(
+        median_us=float(np.median(us)),
+        min_us=float(us.min()),
+        p90_us=float(np.percentile(us, 90)),
+    )
+
+
+def us(p: dict) -> str:
+    """A path's median us for a table ("error" where it failed)."""
+    return "error" if "error" in p else f"{p['median_us']:.1f}"
