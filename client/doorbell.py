@@ -43,8 +43,8 @@ from typing import Any
 from coliworker.client import errors
 from coliworker.client.session_calls import read_until
 from coliworker.v1 import worker_pb2 as pb
-from coliworker.wire import bell, frames
-from coliworker.wire.shm import Segment, pid_alive, shm_dir
+from coliworker.wire import bell, frames, shm
+from coliworker.wire.shm import Segment, shm_dir
 
 #: Calls one channel may have outstanding (request slots, and as many response slots).
 SLOTS = 4
@@ -67,24 +67,7 @@ OnDone = Callable[[bytes | None, BaseException | None], None]
 
 def sweep_stale(directory: str | None = None) -> list[str]:
     """Remove this uid's channel directories whose creating process is gone."""
-    directory = directory or shm_dir()
-    removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        m = _DIR.match(name)
-        if not m or pid_alive(int(m.group(1))):
-            continue
-        path = os.path.join(directory, name)
-        try:
-            if os.lstat(path).st_uid == os.geteuid():
-                shutil.rmtree(path)
-                removed.append(name)
-        except OSError:
-            pass
-    return removed
+    return shm.sweep_stale(directory, _DIR)
 
 
 class Channel:

@@ -61,25 +61,8 @@ def check_peer(uid: int, pid: int) -> None:
 
 
 def sweep_stale(directory: str | None = None) -> list[str]:
-    """Remove this uid's attach-socket directories whose worker process is gone."""
-    directory = directory or shm.shm_dir()
-    removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        m = _DIR.match(name)
-        if not m or shm.pid_alive(int(m.group(1))):
-            continue
-        path = os.path.join(directory, name)
-        try:
-            if os.lstat(path).st_uid == os.geteuid():
-                shutil.rmtree(path)
-                removed.append(name)
-        except OSError:
-            pass
-    return removed
+    """Remove this uid's attach-socket directories whose creating process is gone."""
+    return shm.sweep_stale(directory, _DIR)
 
 
 @dataclass

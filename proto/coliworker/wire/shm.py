@@ -52,6 +52,7 @@ import mmap
 import os
 import re
 import secrets
+import shutil
 import socket
 import stat
 import tempfile
@@ -146,8 +147,11 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep_stale(directory: str | None = None) -> list[str]:
-    """Remove this uid's segments whose creating process is gone; returns the names."""
+def sweep_stale(directory: str | None = None, pattern: re.Pattern[str] = _NAME) -> list[str]:
+    """Remove this uid's entries of ``directory`` (default the shm directory) whose names
+    match ``pattern`` and whose creating process (the pattern's first group, a pid) is gone:
+    files, or whole directories (a doorbell's FIFOs, an attach socket's); returns the names.
+    The default pattern: segments a client of an earlier version left in /dev/shm."""
     directory = directory or shm_dir()
     removed: list[str] = []
     try:
@@ -156,14 +160,19 @@ def sweep_stale(directory: str | None = None) -> list[str]:
         return removed
     uid = os.geteuid()
     for name in names:
-        m = _NAME.match(name)
+        m = pattern.match(name)
         if not m or pid_alive(int(m.group(1))):
             continue
         path = os.path.join(directory, name)
         try:
-            if os.lstat(path).st_uid == uid:
+            st = os.lstat(path)
+            if st.st_uid != uid:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(path)
+            else:
                 os.unlink(path)
-                removed.append(name)
+            removed.append(name)
         except OSError:
             pass
     return removed
