@@ -2,9 +2,10 @@
 
 An ``Array`` may hold its bytes inline (``data``), in the chunks streamed ahead of its
 message (``staged``) or in the session's shared-memory segment (``shm``). This module finds
-the arrays of a message, moves large ones into chunks, checks the slices of chunked or
-shared-memory arrays, and hands their bytes to ``codec.decode`` without copying them into
-the message (``source``).
+the arrays of a message, cuts large bytes into chunks (``pieces``), puts staged bytes back
+inline for unary gRPC (``inline``), checks the slices of chunked or shared-memory arrays
+(``check``), and hands their bytes to ``codec.decode`` without copying them into the message
+(``source``).
 """
 
 from __future__ import annotations
@@ -65,23 +66,6 @@ def iter_arrays(msg: Message) -> Iterator[pb.Array]:
 def pieces(view: memoryview) -> list[memoryview]:
     """``view`` cut into chunks of CHUNK_BYTES (views, not copies)."""
     return [view[i : i + CHUNK_BYTES] for i in range(0, len(view), CHUNK_BYTES)]
-
-
-def stage(msg: Message, limit: int = STAGE_ABOVE) -> list[bytes | memoryview]:
-    """Move every array of ``msg`` with more than ``limit`` bytes out of it; returns the
-    pieces to send as chunks, in order (their concatenation is what ``staged`` points into)."""
-    out: list[bytes | memoryview] = []
-    offset = 0
-    for a in iter_arrays(msg):
-        data = a.data  # each read of a bytes field copies it: read once
-        n = len(data)
-        if n <= limit:
-            continue
-        out += pieces(memoryview(data))
-        a.staged.offset, a.staged.length = offset, n
-        a.ClearField("data")
-        offset += n
-    return out
 
 
 def inline(msg: Message, side: list[Any]) -> None:
@@ -152,42 +136,4 @@ def source(
     return get
 
 
-def resolve(
-    msg: Message,
-    staged: bytes | bytearray | None,
-    shm_read: Callable[[int, int, str], bytes] | None,
-    field: str,
-) -> None:
-    """Put staged / shared-memory bytes back into ``data`` (in place).
-
-    Raises ValueError naming ``field`` when a slice points outside its buffer or at a
-    buffer this stream does not have.
-    """
-    for a in iter_arrays(msg):
-        if a.HasField("staged"):
-            off, n = a.staged.offset, a.staged.length
-            have = 0 if staged is None else len(staged)
-            if off + n > have:
-                raise ValueError(
-                    f"{field}: staged slice {off}..{off + n} is past the {have} bytes "
-                    f"of chunks received for this request"
-                )
-            a.data = bytes(memoryview(staged)[off : off + n])  # type: ignore[arg-type]
-            a.ClearField("staged")
-        elif a.HasField("shm"):
-            if shm_read is None:
-                raise ValueError(f"{field}: refers to shared memory, but none is attached")
-            a.data = shm_read(a.shm.offset, a.shm.length, field)
-            a.ClearField("shm")
-
-
-__all__ = [
-    "STAGE_ABOVE",
-    "check",
-    "inline",
-    "iter_arrays",
-    "pieces",
-    "resolve",
-    "source",
-    "stage",
-]
+__all__ = ["STAGE_ABOVE", "check", "inline", "iter_arrays", "pieces", "source"]
