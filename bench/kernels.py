@@ -62,9 +62,9 @@ def timed(fn, n: int, warmup: int = 3):
     return float(np.median(walls)) * 1e3, float(np.median(kernels))
 
 
-def bench_group(backend, rng, name, count, rows, fmt=2, gs=0, n=50):
-    from coliworker.kernels import reference as ref
-
+def _expert_sets(backend, rng, count, fmt=2, gs=0):
+    """(host sets, placed sets, weight bytes of one set): enough sets of ``count`` GLM-5.2
+    experts (gate, up, down) that the 60 MB L2 never holds the next one."""
     d, i = GLM["D"], GLM["I"]
     set_bytes = count * 3 * (d * i // 2 if fmt in (2, 4) else d * i)
     nsets = max(2, int(np.ceil(3 * L2 / set_bytes)))
@@ -80,16 +80,29 @@ def bench_group(backend, rng, name, count, rows, fmt=2, gs=0, n=50):
         for _ in range(nsets)
     ]
     res = [[tuple(backend.place(t, 0) for t in e) for e in hs] for hs in hosts]
+    return hosts, res, set_bytes
+
+
+def _release(backend, sets) -> None:
+    for experts in sets:
+        for e in experts:
+            for t in e:
+                backend.release(t)
+
+
+def bench_group(backend, rng, name, count, rows, fmt=2, gs=0, n=50):
+    from coliworker.kernels import reference as ref
+
+    d, i = GLM["D"], GLM["I"]
+    hosts, res, set_bytes = _expert_sets(backend, rng, count, fmt, gs)
+    nsets = len(res)
     rl = [rows] * count
     x = rng.standard_normal((rows * count, d)).astype(np.float32)
     y = backend.expert_group(res[0], rl, x).out
     err = rel_err(y, ref.expert_group(hosts[0], rl, x))
     call_ms, kern_ms = timed(lambda k: backend.expert_group(res[k % nsets], rl, x), n)
     wbytes = set_bytes + sum(t.scales.nbytes for e in hosts[0] for t in e)
-    for rs in res:
-        for e in rs:
-            for t in e:
-                backend.release(t)
+    _release(backend, res)
     flops = 2 * 3 * d * i * rows * count
     return dict(
         name=name,
@@ -109,16 +122,8 @@ def bench_routed(backend, rng, name, count, tokens, topk, n=50):
     from coliworker.kernels import reference as ref
 
     d, i = GLM["D"], GLM["I"]
-    set_bytes = count * 3 * d * i // 2
-    nsets = max(2, int(np.ceil(3 * L2 / set_bytes)))
-    hosts = [
-        [
-            (make_tensor(rng, 2, d, i), make_tensor(rng, 2, d, i), make_tensor(rng, 2, i, d))
-            for _ in range(count)
-        ]
-        for _ in range(nsets)
-    ]
-    res = [[tuple(backend.place(t, 0) for t in e) for e in hs] for hs in hosts]
+    hosts, res, _ = _expert_sets(backend, rng, count)
+    nsets = len(res)
     x = rng.standard_normal((tokens, d)).astype(np.float32)
     routes = [
         np.stack([rng.permutation(count)[:topk] for _ in range(tokens)]).astype(np.int32)
@@ -132,10 +137,7 @@ def bench_routed(backend, rng, name, count, tokens, topk, n=50):
     )
     used = len(np.unique(routes[0]))
     wbytes = used * 3 * (d * i // 2) + sum(t.scales.nbytes for e in hosts[0][:used] for t in e)
-    for rs in res:
-        for e in rs:
-            for t in e:
-                backend.release(t)
+    _release(backend, res)
     return dict(
         name=name,
         call_ms=call_ms,
