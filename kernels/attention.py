@@ -225,14 +225,14 @@ def run(
     key = ("attention", id(kv_b), id(o_proj), S, H, q_dim, R, V, scale, n_up, nsplit,
            caches is None, flash, mm.settings())  # fmt: skip
     plan = a.plans.get(key)
-    if plan is None:
+    if plan is None:  # _plan sizes the arena first: a reallocated arena forgets its plans
         plan = _plan(call, kv_b, o_proj, S, H, q_dim, R, V, scale, n_up, nsplit, flash)
         if len(a.plans) >= PLANS_PER_ARENA:
             a.plans.clear()
+        a.plans[key] = plan
     (_, dev_end, host_end, d_off, j_off, l_off, r_off, in_end, out_off, dout, scratch,
      jobs, launches) = plan  # fmt: skip
-    a.reserve(dev_end, host_end)
-    a.plans[key] = plan  # after reserve: a reallocated arena forgets the old plans
+    a.reserve(dev_end, host_end)  # the size the plan was made for: nothing to do
     base, host = a.dptr, a.host
     qfull, cl, _, pm, pl, pacc = (base + o for o in scratch)
     call.put(0, q, 4 * q.size)
