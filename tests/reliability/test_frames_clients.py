@@ -17,7 +17,6 @@ from _frames import (
     ANSWER_S,
     HANG_S,
     INFO,
-    Plane,
     call_bytes,
     hello_frame,
     read_frame,
@@ -29,15 +28,6 @@ from _rel import TOKENS, serve, token_env
 from coliworker.client import WorkerClient
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.wire import calls, frames
-
-
-@pytest.fixture(scope="module")
-def plane():
-    p = Plane()
-    yield p
-    p.check()
-    p.close()
-
 
 # -- idle and killed clients -----------------------------------------------------------------
 

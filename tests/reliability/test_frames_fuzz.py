@@ -25,7 +25,6 @@ from _frames import (
     METHODS,
     PER_METHOD,
     SMALL,
-    Plane,
     call_bytes,
     decode_matmul,
     exchange,
@@ -43,15 +42,6 @@ from test_fuzz import message
 
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.wire import calls, frames, staging
-
-
-@pytest.fixture(scope="module")
-def plane():
-    p = Plane()
-    yield p
-    p.check()
-    p.close()
-
 
 # -- garbage, truncation, sizes --------------------------------------------------------------
 
