@@ -20,10 +20,8 @@ Compare the sum with a raw socket echo (bench/harness.py) to see what the transp
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import shlex
 import sys
 import threading
 import time
@@ -177,18 +175,10 @@ def main() -> None:
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = p.parse_args()
     result = run(args.calls)
-    date = datetime.datetime.now(datetime.timezone.utc)
-    mc = harness.machine()
-    doc = {
-        "date": date.isoformat(timespec="seconds"),
-        "machine": mc,
-        "command": "python " + shlex.join(["bench/call_cost.py", *sys.argv[1:]]),
-        "us_per_call": result,
-    }
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"call-cost-{date:%Y-%m-%d}-{mc['host']}")
-    with open(stem + ".json", "w") as f:
-        json.dump(doc, f, indent=2)
+    date, doc = harness.run_record("bench/call_cost.py")
+    doc["us_per_call"] = result
+    mc = doc["machine"]
+    stem = harness.write_json(args.out, f"call-cost-{date:%Y-%m-%d}-{mc['host']}", doc)
     names = list(next(iter(result.values())))
     lines = [
         "# bench/call_cost.py — host CPU per decode call, no transport",

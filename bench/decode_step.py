@@ -26,10 +26,7 @@ bench/results/decode-step-<date>-<backend>[-s<sequences>].json and .md.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -277,16 +274,13 @@ def measure(w, m: Model, path: str, args: argparse.Namespace) -> dict:
 
 
 def write(result: dict, args: argparse.Namespace) -> None:
-    date = datetime.datetime.now(datetime.timezone.utc)
-    result["machine"] = harness.machine()
-    result["date"] = date.isoformat(timespec="seconds")
-    result["command"] = "python " + shlex.join(["bench/decode_step.py", *sys.argv[1:]])
-    os.makedirs(args.out, exist_ok=True)
+    date, record = harness.run_record("bench/decode_step.py")
+    result.update(record)
     suffix = f"-s{args.sequences}" if args.sequences != 1 else ""
     suffix += f"-w{args.workers}" if args.workers != 1 else ""
-    stem = os.path.join(args.out, f"decode-step-{date:%Y-%m-%d}-{args.backend}{suffix}")
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=2)
+    stem = harness.write_json(
+        args.out, f"decode-step-{date:%Y-%m-%d}-{args.backend}{suffix}", result
+    )
     mc = result["machine"]
     shape = "GLM-5.2 widths" if not args.small else f"small widths {result['shape']}"
     lines = [

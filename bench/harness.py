@@ -5,8 +5,11 @@ fresh random bytes, starting a worker process, and the machine a result was meas
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -233,6 +236,26 @@ def machine() -> dict:
         "grpcio": grpc.__version__,
         "commit": commit(),
     }
+
+
+def run_record(script: str) -> tuple[datetime.datetime, dict]:
+    """When and where this run is, for a results file: (now in UTC, {date, machine,
+    command}), the command being ``python <script> <this process's arguments>``."""
+    date = datetime.datetime.now(datetime.timezone.utc)
+    return date, {
+        "date": date.isoformat(timespec="seconds"),
+        "machine": machine(),
+        "command": "python " + shlex.join([script, *sys.argv[1:]]),
+    }
+
+
+def write_json(out: str, name: str, doc: dict) -> str:
+    """``doc`` as ``<out>/<name>.json``; returns ``<out>/<name>`` (the markdown goes beside)."""
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, name)
+    with open(stem + ".json", "w") as f:
+        json.dump(doc, f, indent=2)
+    return stem
 
 
 def commit() -> str:

@@ -24,10 +24,8 @@ first sleeps the call's backend p50 (harness.py's) shows what the transport alon
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import shlex
 import sys
 import time
 
@@ -202,18 +200,11 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def write(result: dict, args: argparse.Namespace) -> None:
-    date = datetime.datetime.now(datetime.timezone.utc)
-    mc = harness.machine()
-    doc = {
-        "date": date.isoformat(timespec="seconds"),
-        "machine": mc,
-        "command": "python " + shlex.join(["bench/socket_timeline.py", *sys.argv[1:]]),
-        "calls": result,
-    }
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"socket-timeline-{date:%Y-%m-%d}-{args.backend}")
-    with open(stem + ".json", "w") as f:
-        json.dump(doc, f, indent=2)
+    date, doc = harness.run_record("bench/socket_timeline.py")
+    doc["calls"] = result
+    mc = doc["machine"]
+    name = f"socket-timeline-{date:%Y-%m-%d}-{args.backend}"
+    stem = harness.write_json(args.out, name, doc)
     lines = [
         f"# bench/socket_timeline.py — {args.backend} backend",
         "",
