@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _rel import Mla, WorkerProcess, random_tensor, upload
+from _rel import Mla, WorkerProcess, random_tensor, running, upload
 
 from coliworker.client import InvalidArgument, NotFound, PoolRef, WorkerClient, WorkerPool
 from coliworker.client.uploads import UploadItem
@@ -18,14 +18,7 @@ SEQ = 41
 @pytest.fixture(scope="module")
 def workers():
     """Worker 1 serves two devices: pool devices 0 | 1, 2 | 3."""
-    procs = [WorkerProcess(), WorkerProcess("--devices", "0,1"), WorkerProcess()]
-    try:
-        for p in procs:
-            p.start()
-        yield procs
-    finally:
-        for p in procs:
-            p.stop()
+    yield from running([WorkerProcess(), WorkerProcess("--devices", "0,1"), WorkerProcess()])
 
 
 def item(t, device: int) -> UploadItem:

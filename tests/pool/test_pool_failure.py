@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from _rel import TOL, DecodeLayer, WorkerProcess, rel_err
+from _rel import TOL, DecodeLayer, WorkerProcess, rel_err, running
 
 from coliworker.client import Unavailable, WorkerPool, WorkerRestarted
 from coliworker.kernels import reference as ref
@@ -19,14 +19,7 @@ SEQUENCES = (3, 5)
 
 @pytest.fixture
 def workers():
-    procs = [WorkerProcess() for _ in range(3)]
-    try:
-        for p in procs:
-            p.start()
-        yield procs
-    finally:
-        for p in procs:
-            p.stop()
+    yield from running([WorkerProcess() for _ in range(3)])
 
 
 class Layer(DecodeLayer):

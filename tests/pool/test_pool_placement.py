@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _rel import TOL, WorkerProcess, random_tensor, rel_err
+from _rel import TOL, WorkerProcess, random_tensor, rel_err, running
 from test_pool_calls import item
 
 from coliworker.client import Unavailable, WorkerPool, placement
@@ -81,14 +81,7 @@ def test_trace_counts() -> None:
 
 @pytest.fixture
 def two():
-    procs = [WorkerProcess(), WorkerProcess()]
-    try:
-        for p in procs:
-            p.start()
-        yield procs
-    finally:
-        for p in procs:
-            p.stop()
+    yield from running([WorkerProcess(), WorkerProcess()])
 
 
 def test_rebalance_moves_experts_uploads_before_frees(two, rng) -> None:

@@ -199,6 +199,17 @@ class WorkerProcess:
 # -- certificates ----------------------------------------------------------------------------
 
 
+def running(procs: list[WorkerProcess]):
+    """Start every worker of ``procs``, yield the list, stop them all (a fixture's body)."""
+    try:
+        for p in procs:
+            p.start()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
 def make_pki(directory: str) -> dict[str, str]:
     """A CA, a server certificate for 127.0.0.1/localhost and a client certificate (PEM
     files in ``directory``); returns their paths by name."""
