@@ -24,12 +24,14 @@ COPY_BLOCKS = 64
 _THREADS = 256
 
 
-def copy_launch(n: int) -> Launch | None:
-    """coli_copy for ``n`` bytes, taking (dst, src) addresses, both 16-byte aligned (the
-    caller checks); None where the copy should stay on the copy engine."""
+def copy_launch(n: int, device: int | None = None) -> Launch | None:
+    """coli_copy for ``n`` bytes on ``device`` (the current one, which it must be; given by
+    a caller that knows it, one runtime call less per copy), taking (dst, src) addresses,
+    both 16-byte aligned (the caller checks); None where the copy should stay on the copy
+    engine."""
     if not ENABLED or n > KERNEL_BYTES or n <= 0:
         return None
-    dev = cupy.cuda.runtime.getDevice()
+    dev = cupy.cuda.runtime.getDevice() if device is None else device
 
     def make() -> Launch:
         fn = get_function("copy.cu", "coli_copy", VARIANTS)

@@ -235,7 +235,8 @@ class Call:
         """Between the arena's halves: a copy kernel when small and both ends are 16-byte
         aligned (``kernels/copy.py``), else the copy engine (the part of the inputs after an
         array read from a client's segment can start anywhere)."""
-        go = copy_launch(n) if not (dst | src) & 15 else None  # the kernel moves 16-byte lanes
+        aligned = not (dst | src) & 15  # the kernel moves 16-byte lanes
+        go = copy_launch(n, self.device) if aligned else None
         if go is None:
             self.work.append((COPY, dst, src, n, direction))
         else:
