@@ -16,7 +16,6 @@ new call finds it) and its memory released once those calls have ended; an in-pl
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
 import secrets
@@ -197,7 +196,7 @@ class TensorStore:
         # Calls in progress by the epoch they began in, and copies unlinked while they ran
         # (released once no call that began before the unlink is left).
         self._epoch = 0
-        self._active: collections.Counter[int] = collections.Counter()
+        self._active: dict[int, int] = {}  # epoch -> calls running that began in it
         self._deferred: list[tuple[int, TensorData]] = []
         self._writers = 0  # in-place updates waiting for the running calls to end
         self._calls_changed = threading.Condition(self._lock)
@@ -265,18 +264,22 @@ class TensorStore:
             while self._writers:
                 self._calls_changed.wait()
             epoch = self._epoch
-            self._active[epoch] += 1
+            self._active[epoch] = self._active.get(epoch, 0) + 1
             return epoch
 
     def end_call(self, epoch: int) -> None:
         with self._lock:
-            self._active[epoch] -= 1
-            if not self._active[epoch]:
+            n = self._active[epoch] - 1
+            if n:
+                self._active[epoch] = n
+            else:
                 del self._active[epoch]
-            oldest = min(self._active) if self._active else self._epoch + 1
-            ready = [d for e, d in self._deferred if e < oldest]
-            if ready:
-                self._deferred = [(e, d) for e, d in self._deferred if e >= oldest]
+            ready = []
+            if self._deferred:  # a free waits for the calls before it: the rare case
+                oldest = min(self._active) if self._active else self._epoch + 1
+                ready = [d for e, d in self._deferred if e < oldest]
+                if ready:
+                    self._deferred = [(e, d) for e, d in self._deferred if e >= oldest]
             if not self._active and self._writers:  # only a writer waits for no calls
                 self._calls_changed.notify_all()
         for data in ready:
