@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import harness  # noqa: E402
 
 
-def run(n: int) -> dict:
+def run(n: int, profile: bool = False) -> dict:
     from coliworker.client import WorkerClient, requests
     from coliworker.client.session_calls import SessionCalls
     from coliworker.server.app import build_server
@@ -153,6 +153,8 @@ def run(n: int) -> dict:
         row["worker dispatch, usage counting off"] = _time(dispatch, n)
         counts.tensor, counts.experts, counts.routed = saved
         row["sum"] = sum(v for k, v in row.items() if "off" not in k)
+        if profile:
+            _profile(kind, dispatch, n)
         result[kind] = row
         print(kind, json.dumps(row, indent=1), flush=True)
     w.close()
@@ -169,12 +171,29 @@ def _time(fn, n: int) -> float:
     return (time.perf_counter_ns() - t0) / n / 1e3
 
 
+def _profile(kind: str, fn, n: int) -> None:
+    """The worker dispatch of ``kind`` under cProfile: where its microseconds go, by function."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    print(f"-- {kind}: worker dispatch, {n} calls, by own time", flush=True)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=3000)
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument(
+        "--profile", action="store_true", help="also print the dispatch's cProfile, by function"
+    )
     args = p.parse_args()
-    result = run(args.calls)
+    result = run(args.calls, args.profile)
     date, doc = harness.run_record("bench/call_cost.py")
     doc["us_per_call"] = result
     mc = doc["machine"]
