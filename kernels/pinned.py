@@ -1,15 +1,18 @@
 """Writing a call's inputs into its pinned host buffer (every op's host side uses these).
 
 ``put_host`` copies an array in (large ones in slices on several threads: NumPy releases the
-GIL while it copies), ``stack_into`` stacks row blocks without a temporary, ``align`` rounds
-an offset in a call's arena up to 256 bytes. No CuPy here.
+GIL while it copies), ``copy_async`` starts such a copy and returns at once (the pipelined
+expert group, ``kernels/expert_group.py``, sends each piece up as soon as its copy is done),
+``stack_into`` stacks row blocks without a temporary, ``align`` rounds an offset in a call's
+arena up to 256 bytes. The copy threads are one pool per process, ``COPY_THREADS`` of them
+(``set_copy_threads``: the host-profile bench sweeps it). No CuPy here.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -22,9 +25,37 @@ def align(n: int) -> int:
 
 # Inputs of at least this many bytes are copied into the pinned buffer by several threads.
 SPLIT_COPY_BYTES = 8 << 20
-_COPY_THREADS = 4
+#: Threads of the copy pool (a large copy is cut in this many slices).
+COPY_THREADS = 4
 _copy_pool: ThreadPoolExecutor | None = None
 _copy_pool_lock = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _copy_pool
+    with _copy_pool_lock:
+        if _copy_pool is None:
+            _copy_pool = ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="pinned-copy")
+        return _copy_pool
+
+
+def set_copy_threads(n: int) -> None:
+    """Use ``n`` copy threads from now on (the old pool finishes its copies, then ends)."""
+    global _copy_pool, COPY_THREADS
+    with _copy_pool_lock:
+        old, _copy_pool, COPY_THREADS = _copy_pool, None, max(1, int(n))
+    if old is not None:
+        old.shutdown(wait=False)
+
+
+def copy_async(dst: np.ndarray, src: np.ndarray) -> list[Future]:
+    """Start ``dst[...] = src`` (uint8 arrays of one size) in ``COPY_THREADS`` slices on the
+    copy pool; returns the slices' futures (the copy is done once all are)."""
+    n = dst.nbytes
+    pool = _pool()
+    step = -(-n // COPY_THREADS) if n else 1
+    step = -(-step // 4096) * 4096  # whole pages per slice
+    return [pool.submit(np.copyto, dst[i : i + step], src[i : i + step]) for i in range(0, n, step)]
 
 
 def put_host(
@@ -37,13 +68,7 @@ def put_host(
     if nbytes < SPLIT_COPY_BYTES:
         dst[...] = b
         return
-    global _copy_pool
-    with _copy_pool_lock:
-        if _copy_pool is None:
-            _copy_pool = ThreadPoolExecutor(_COPY_THREADS, thread_name_prefix="pinned-copy")
-    step = -(-nbytes // _COPY_THREADS)
-    parts = [(dst[i : i + step], b[i : i + step]) for i in range(0, nbytes, step)]
-    for f in [_copy_pool.submit(np.copyto, d, src) for d, src in parts]:
+    for f in copy_async(dst, b):
         f.result()
 
 

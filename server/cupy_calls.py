@@ -10,6 +10,12 @@ CUDA graph once the arena has seen it before (``kernels/graphs.py``). Large inpu
 copied into pinned memory on several threads (``kernels/pinned.py``), or read by the device
 straight from a session's shared-memory segment once CUDA has it registered
 (``server/cupy_segments.py``).
+
+A pipelined call (the prefill-sized expert group, ``kernels/expert_group.py``) issues its work
+itself, on three streams: the arena's two copy streams (``Arena.streams``: inputs up, outputs
+down, one copy engine each) and the call's stream for the kernels, ordered by the arena's
+pipeline events (``Arena.pipe_events``); it sets ``Call.spans`` and ``Call.done``, and
+``finish`` reads its phases from them (the sum of each phase's busy spans).
 """
 
 from __future__ import annotations
@@ -90,7 +96,8 @@ class Arena:
     the host, so an issued call owns its buffers until ``result()``; calls beyond the pool's
     size (several in flight) get fresh arenas."""
 
-    __slots__ = ("dev", "dptr", "host", "hptr", "events", "eptr", "home", "graphs", "plans")
+    __slots__ = ("dev", "dptr", "host", "hptr", "events", "eptr", "home", "graphs", "plans",
+                 "side", "pipe", "pptr")  # fmt: skip
 
     def __init__(self, home: list[Arena]) -> None:
         self.dev: Any = None  # cupy.ndarray uint8, set by reserve()
@@ -101,6 +108,24 @@ class Arena:
         self.home = home
         self.graphs = Graphs()  # the calls' device work, captured (kernels/graphs.py)
         self.plans: dict[tuple, Any] = {}  # the ops' host plans in this arena, by call shape
+        self.side: tuple[Any, Any] | None = None  # the copy streams (up, down), once made
+        self.pipe: list[Any] = []  # a pipelined call's events, made as needed
+        self.pptr: list[int] = []
+
+    def streams(self) -> tuple[Any, Any]:
+        """This arena's two copy streams (inputs up, outputs down), made on first use on the
+        current device (the call's): non-blocking, like the call's own stream."""
+        if self.side is None:
+            self.side = (cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True))
+        return self.side
+
+    def pipe_events(self, n: int) -> list[int]:
+        """Handles of ``n`` timing events of this arena (at least; kept for later calls)."""
+        while len(self.pipe) < n:
+            e = cupy.cuda.Event()
+            self.pipe.append(e)
+            self.pptr.append(e.ptr)
+        return self.pptr
 
     def forget(self) -> None:
         """Drop what holds this arena's addresses: its graphs and plans."""
@@ -156,7 +181,7 @@ class Call:
     before (``kernels/graphs.py``)."""
 
     __slots__ = ("backend", "device", "what", "stream", "arena", "_prev", "out", "direct",
-                 "work", "graphable")  # fmt: skip
+                 "work", "graphable", "spans", "done")  # fmt: skip
 
     def __init__(self, backend: Any, device: int, what: str) -> None:
         """``backend``: the CuPy backend (its per-thread ``_stream`` and ``_arenas``, and
@@ -169,6 +194,11 @@ class Call:
         self.direct: list[tuple[int, int, int]] = []  # (arena offset, host address, bytes)
         self.work: list[tuple] = []  # the device work not yet issued (kernels/graphs.py)
         self.graphable = True  # False once the work reads a client's segment
+        # A pipelined call's phases: (start, end) event handles of each busy span of its
+        # H2D, kernel and D2H phases, and the event recorded after all its work; None: the
+        # arena's four phase events (module docstring).
+        self.spans: tuple[list[tuple[int, int]], ...] | None = None
+        self.done = 0
 
     def __enter__(self) -> Call:
         self._prev = cupy.cuda.runtime.getDevice()
@@ -185,6 +215,8 @@ class Call:
             if self.arena is not None:  # the GPU may still read it: let it finish, then drop it
                 with contextlib.suppress(Exception):
                     self.stream.synchronize()
+                    for s in self.arena.side or ():
+                        s.synchronize()
                 self.arena = None
             err = oom_error(ev, self.device, self.what)
             if err is not None:
@@ -267,7 +299,8 @@ class Call:
         a = self.arena
         ev = a.eptr
         rt = cupy.cuda.runtime
-        rt.eventSynchronize(ev[3])
+        spans = self.spans
+        rt.eventSynchronize(ev[3] if spans is None else self.done)
         off, n, shape = self.out
         if n >= DETACH_BYTES:
             # The result keeps the pinned buffer (returned to CuPy's pinned pool when it is
@@ -277,7 +310,11 @@ class Call:
             a.forget()
         else:
             out = a.host[off : off + n].view(np.float32).reshape(shape).copy()  # arena reused
-        phases = Phases(*(int(rt.eventElapsedTime(ev[i], ev[i + 1]) * 1e6) for i in range(3)))
+        if spans is None:
+            phases = Phases(*(int(rt.eventElapsedTime(ev[i], ev[i + 1]) * 1e6) for i in range(3)))
+        else:
+            ms = rt.eventElapsedTime
+            phases = Phases(*(int(sum(ms(s, e) for s, e in ph) * 1e6) for ph in spans))
         self.arena = None
         a.give_back()
         return Result(out, phases)

@@ -1,5 +1,5 @@
-"""The CuPy backend as a whole: calls from several threads at once, out-of-memory as a typed,
-recoverable error. GPU only."""
+"""The CuPy backend as a whole: calls from several threads at once (pipelined prefill groups
+too: their copy threads are shared), out-of-memory as a typed, recoverable error. GPU only."""
 
 from __future__ import annotations
 
@@ -29,6 +29,39 @@ def test_concurrent_threads(cupy_backend, rng):
                 errors.append(f"thread {n}")
 
     threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+
+
+@pytest.mark.gpu
+def test_concurrent_threads_pipelined_groups(cupy_backend, rng, monkeypatch):
+    from coliworker.kernels import expert_group as eg
+
+    b = cupy_backend
+    rows = [300, 17, 250, 5, 128, 330]  # 1030 x 4096 float32: over 16 MiB, pipelined
+    experts = [
+        tuple(
+            b.place(make_tensor(rng, 2, *sh), 0) for sh in ((256, 4096), (256, 4096), (4096, 256))
+        )
+        for _ in rows
+    ]
+    xs = [rng.standard_normal((sum(rows), 4096)).astype(np.float32) for _ in range(4)]
+    assert 4 * xs[0].size >= eg.PIPE_BYTES
+    monkeypatch.setattr(eg, "PIPE_BYTES", 1 << 62)
+    want = [b.expert_group(experts, rows, x).out for x in xs]  # one launch, this thread
+    monkeypatch.setattr(eg, "PIPE_BYTES", 16 << 20)
+    errors: list[str] = []
+
+    def work(n: int) -> None:
+        for k in range(3):
+            out = b.expert_group(experts, rows, xs[(n + k) % 4]).out
+            if not np.array_equal(out.view(np.uint32), want[(n + k) % 4].view(np.uint32)):
+                errors.append(f"thread {n} call {k}")
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
     for th in threads:
         th.start()
     for th in threads:
