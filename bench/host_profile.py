@@ -1,6 +1,7 @@
 """Where the host time of a backend call goes: cProfile over repeated GLM-5.2 decode calls.
 
     PYTHONPATH=.dev python bench/host_profile.py [--calls 300] [--gaps 0,1000] [--profile]
+    PYTHONPATH=.dev python bench/host_profile.py --prefill [--stages] [--calls 20]
 
 Prints, per operation, the median wall time per call and the backend's own kernel phase, for
 back-to-back calls and for calls spaced by idle gaps (a worker between requests: the host
@@ -8,6 +9,13 @@ thread and the GPU idle for a while), from the main thread and from a pool threa
 handlers run); with --profile, the top functions by self time. A diagnostic for the gap
 between "call" and "kernel" in bench/kernels.py and for backend_ns in bench/rpc.py; it writes
 no results file.
+
+``--prefill`` instead takes apart the prefill expert group (64 GLM-5.2 int4 experts x 32 rows,
+x float32 [2048, 6144]: 50 MB in, 50 MB out): the host copy into pinned memory by copy
+threads, the copy engines up, down and both at once, then the call on the one-launch path and
+pipelined (``kernels/expert_group.py``: PIPE_LAUNCHES x PIPE_PIECES, copy threads) swept, each
+checked to the bit against the one-launch result; with --stages, the steps of the pipelined
+call.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from bench.kernels import make_tensor  # noqa: E402  (run from the repository ro
 def _stage_timers() -> dict[str, int]:
     """Wrap the CuPy backend's per-call steps with wall-time accumulators (ns, by step).
     Nested steps count in both (``finish`` includes the wait for the GPU)."""
-    from coliworker.kernels import attention, expert_group, launch, route
+    from coliworker.kernels import attention, expert_group, launch, pinned, route
     from coliworker.kernels import graphs as cupy_graphs
     from coliworker.server import cupy_calls
 
@@ -45,10 +53,12 @@ def _stage_timers() -> dict[str, int]:
 
         setattr(owner, name, timed)
 
-    for name in ("plan_group", "write_group", "route_plan", "prepare"):
+    for name in ("plan_group", "write_group", "route_plan", "prepare", "pipe_plan",
+                 "pipe_tables", "issue_pipelined"):  # fmt: skip
         wrap(expert_group, name, f"expert_group.{name}")
     for mod in (expert_group, cupy_calls):  # each imported put_host by name
         wrap(mod, "put_host", "put_host")
+    wrap(pinned, "copy_async", "pinned.copy_async (started)")  # issue_pipelined's, at the call
     for name in ("absorb_launch", "flash_launch", "flash_splits", "flash_ok", "gemv_launch",
                  "_plan", "head_jobs", "stack_into"):  # fmt: skip
         wrap(attention, name, f"attention.{name}")
@@ -62,9 +72,126 @@ def _stage_timers() -> dict[str, int]:
     wrap(rt, "eventElapsedTime", "eventElapsedTime")
     wrap(rt, "graphLaunch", "graphLaunch")
     wrap(launch.Launch, "__call__", "kernel launches")
+    for name in ("memcpyAsync", "eventRecord", "streamWaitEvent"):
+        wrap(rt, name, f"runtime.{name}")
     for name in ("combine_launch", "gather_launch"):
         wrap(route, name, f"route.{name}")
     return acc
+
+
+def _median_ms(fn, n: int) -> float:
+    fn()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter_ns()
+        fn()
+        ts.append(time.perf_counter_ns() - t0)
+    return float(np.median(ts)) / 1e6
+
+
+def _copy_rates(x: np.ndarray) -> None:
+    """The host copy of ``x`` into pinned memory by copy threads, and the copy engines."""
+    import cupy
+    import cupyx
+
+    from coliworker.kernels import pinned
+
+    nb = x.nbytes
+    raw = x.reshape(-1).view(np.uint8)
+    dst = cupyx.empty_pinned((nb,), np.uint8)
+    threads0 = pinned.COPY_THREADS
+    print("| host copy into pinned | threads | ms | GB/s |\n|---|---|---|---|")
+    for t in (1, 2, 4, 8, 12):
+        pinned.set_copy_threads(t)
+        ms = _median_ms(lambda: [f.result() for f in pinned.copy_async(dst, raw)], 10)
+        print(f"| x, {nb >> 20} MiB | {t} | {ms:.3f} | {nb / ms / 1e6:.1f} |")
+    pinned.set_copy_threads(threads0)
+    dev, dev2 = cupy.empty((nb,), cupy.uint8), cupy.empty((nb,), cupy.uint8)
+    back = cupyx.empty_pinned((nb,), np.uint8)
+    s1, s2 = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    rt = cupy.cuda.runtime
+
+    def up() -> None:
+        rt.memcpyAsync(dev.data.ptr, dst.ctypes.data, nb, 1, s1.ptr)
+        s1.synchronize()
+
+    def down() -> None:
+        rt.memcpyAsync(back.ctypes.data, dev.data.ptr, nb, 2, s2.ptr)
+        s2.synchronize()
+
+    def both() -> None:
+        rt.memcpyAsync(dev2.data.ptr, dst.ctypes.data, nb, 1, s1.ptr)
+        rt.memcpyAsync(back.ctypes.data, dev.data.ptr, nb, 2, s2.ptr)
+        s1.synchronize()
+        s2.synchronize()
+
+    print("| copy engine (pinned) | ms | GB/s (each way) |\n|---|---|---|")
+    for name, fn in (("H2D", up), ("D2H", down), ("H2D + D2H at once", both)):
+        ms = _median_ms(fn, 10)
+        print(f"| {name} | {ms:.3f} | {nb / ms / 1e6:.1f} |")
+
+
+def prefill(b, calls: int, stages: bool) -> None:
+    """--prefill (module docstring)."""
+    from coliworker.kernels import expert_group as eg
+    from coliworker.kernels import pinned
+
+    rng = np.random.default_rng(0)
+    d, i, n_exp, rows = 6144, 2048, 64, 32
+    experts = [
+        tuple(b.place(make_tensor(rng, 2, *s), 0) for s in ((d, i), (d, i), (i, d)))
+        for _ in range(n_exp)
+    ]
+    rl = [rows] * n_exp
+    x = rng.standard_normal((rows * n_exp, d)).astype(np.float32)
+    print(f"== prefill {n_exp}x{rows}: x {x.nbytes / 1e6:.1f} MB in, the same out")
+    _copy_rates(x)
+
+    def measure() -> tuple[float, float, float, float]:
+        walls, ph = [], []
+        b.expert_group(experts, rl, x)
+        for _ in range(calls):
+            t0 = time.perf_counter_ns()
+            r = b.expert_group(experts, rl, x)
+            walls.append(time.perf_counter_ns() - t0)
+            ph.append((r.phases.h2d_ns, r.phases.kernel_ns, r.phases.d2h_ns))
+        m = np.median(np.array(ph), axis=0) / 1e6
+        return float(np.median(walls)) / 1e6, float(m[0]), float(m[1]), float(m[2])
+
+    keep = (eg.PIPE_BYTES, eg.PIPE_LAUNCHES, eg.PIPE_PIECES)
+    threads0 = pinned.COPY_THREADS
+    eg.PIPE_BYTES = 1 << 62
+    want = b.expert_group(experts, rl, x).out.copy()
+    one = measure()
+    eg.PIPE_BYTES = keep[0]
+    print("| path | launches | pieces | copy threads | call ms | h2d ms | kernel ms | d2h ms | "
+          "call / one-launch kernel | bits |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| one launch | 1 | 1 | {threads0} | {one[0]:.3f} | {one[1]:.3f} | {one[2]:.3f} | "
+          f"{one[3]:.3f} | {one[0] / one[2]:.2f} | - |")  # fmt: skip
+    configs = [(L, P, t) for t in (4, 8) for L in (2, 4, 8) for P in (1, 2, 4)]
+    if (keep[1], keep[2], threads0) not in configs:
+        configs.insert(0, (keep[1], keep[2], threads0))
+    for L, P, t in configs:
+        eg.PIPE_LAUNCHES, eg.PIPE_PIECES = L, P
+        pinned.set_copy_threads(t)
+        same = bool(np.array_equal(b.expert_group(experts, rl, x).out, want))
+        c = measure()
+        print(f"| pipelined | {L} | {P} | {t} | {c[0]:.3f} | {c[1]:.3f} | {c[2]:.3f} | "
+              f"{c[3]:.3f} | {c[0] / one[2]:.2f} | {'same' if same else 'DIFFER'} |")  # fmt: skip
+    eg.PIPE_LAUNCHES, eg.PIPE_PIECES = keep[1], keep[2]
+    pinned.set_copy_threads(threads0)
+    if stages:
+        acc = _stage_timers()
+        b.expert_group(experts, rl, x)
+        acc.clear()
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            b.expert_group(experts, rl, x)
+        wall = (time.perf_counter_ns() - t0) / calls / 1e3
+        print(f"== prefill (pipelined, defaults): steps, us per call (wall {wall:.1f})")
+        for step, ns in sorted(acc.items(), key=lambda kv: -kv[1]):
+            print(f"  {step:34s} {ns / calls / 1e3:8.1f}")
 
 
 def main() -> None:
@@ -83,10 +210,15 @@ def main() -> None:
         action="store_true",
         help="also time the steps of each call (wrapped backend functions, us per call)",
     )
+    p.add_argument("--prefill", action="store_true", help="the prefill group only (docstring)")
     a = p.parse_args()
     from coliworker.server.backends import create_backend
 
     b = create_backend("cupy", devices=(0,))
+    if a.prefill:
+        prefill(b, a.calls if a.calls != 300 else 20, a.stages)
+        b.close()
+        return
     if a.direct:
         from coliworker.kernels import graphs
 
