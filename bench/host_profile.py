@@ -181,17 +181,21 @@ def prefill(b, calls: int, stages: bool) -> None:
               f"{c[3]:.3f} | {c[0] / one[2]:.2f} | {'same' if same else 'DIFFER'} |")  # fmt: skip
     eg.PIPE_LAUNCHES, eg.PIPE_PIECES = keep[1], keep[2]
     pinned.set_copy_threads(threads0)
-    if stages:
-        acc = _stage_timers()
+    if not stages:
+        return
+    acc = _stage_timers()
+    for label, limit in (("one launch", 1 << 62), ("pipelined, defaults", keep[0])):
+        eg.PIPE_BYTES = limit
         b.expert_group(experts, rl, x)
         acc.clear()
         t0 = time.perf_counter_ns()
         for _ in range(calls):
             b.expert_group(experts, rl, x)
         wall = (time.perf_counter_ns() - t0) / calls / 1e3
-        print(f"== prefill (pipelined, defaults): steps, us per call (wall {wall:.1f})")
+        print(f"== prefill ({label}): steps, us per call (wall {wall:.1f})")
         for step, ns in sorted(acc.items(), key=lambda kv: -kv[1]):
             print(f"  {step:34s} {ns / calls / 1e3:8.1f}")
+    eg.PIPE_BYTES = keep[0]
 
 
 def main() -> None:
