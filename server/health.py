@@ -37,7 +37,11 @@ class Health:
     """The standard grpc.health.v1 service for "" (the whole server) and the Worker service.
 
     Starts NOT_SERVING; the server calls ``set_serving()`` once it accepts calls and
-    ``set_not_serving()`` (or ``shutdown()``) when it starts draining.
+    ``set_not_serving()`` (or ``shutdown()``) when it starts draining. ``Check`` is
+    grpcio-health-checking's servicer; ``Watch`` is served here (``_Watches``): that
+    servicer sends a status change to each watcher while holding the lock its close
+    callback takes, and a send waits for gRPC's completion thread, so a change made while a
+    watcher disconnects (a drain with watchers open) deadlocked the stopping worker.
     """
 
     SERVICES = ("", WORKER_SERVICE)
@@ -45,8 +49,10 @@ class Health:
     def __init__(self) -> None:
         self.available = _health is not None
         self._servicer: Any = None
+        self.watches: _Watches | None = None
         if self.available:
             self._servicer = _health.HealthServicer(experimental_non_blocking=True)
+            self.watches = _Watches(self.SERVICES)
             self._set(_health_pb2.HealthCheckResponse.NOT_SERVING)
         else:
             log.warning(
@@ -71,26 +77,96 @@ class Health:
         """NOT_SERVING for every service, now and for any later ``set`` (graceful stop)."""
         if self._servicer is not None:
             self._servicer.enter_graceful_shutdown()
+            assert self.watches is not None
+            self.watches.set(_health_pb2.HealthCheckResponse.NOT_SERVING, final=True)
 
     def _set(self, status: int) -> None:
         for service in self.SERVICES:
             self._servicer.set(service, status)
+        assert self.watches is not None
+        self.watches.set(status)
 
     def interceptor(self, max_watches: int = MAX_WATCHES) -> grpc.ServerInterceptor:
         """Serves ``Health/Watch`` itself, ahead of every other interceptor, to keep it
         non-blocking (a Watch wrapped by another interceptor holds a --workers thread for
         as long as it is open) and to bound open Watch streams to ``max_watches``: beyond
         that a Watch is answered RESOURCE_EXHAUSTED. Put it first in the list."""
-        return _WatchInterceptor(self._servicer, max_watches)
+        return _WatchInterceptor(self.watches, max_watches)
+
+
+class _Watches:
+    """The open Watch streams and the status each service has. A status goes out with no
+    lock of this registry held (a send waits for gRPC's completion thread, which runs the
+    close callbacks that take it); one watcher's sends are serialized by its own lock and
+    each sends the service's latest status, so a watcher never ends on a stale one. A
+    watcher whose stream has ended meanwhile just fails its send."""
+
+    class Watcher:
+        __slots__ = ("last", "lock", "send", "service")
+
+        def __init__(self, service: str, send: Any) -> None:
+            self.service, self.send, self.last = service, send, None
+            self.lock = threading.Lock()
+
+    def __init__(self, services: tuple[str, ...]) -> None:
+        self._lock = threading.Lock()
+        self._status = {s: _health_pb2.HealthCheckResponse.NOT_SERVING for s in services}
+        self._final = False
+        self._watchers: set[_Watches.Watcher] = set()
+
+    def set(self, status: int, final: bool = False) -> None:
+        with self._lock:
+            if self._final:
+                return
+            self._final = final
+            for service in self._status:
+                self._status[service] = status
+            watchers = list(self._watchers)
+        for w in watchers:
+            self._push(w)
+
+    def watch(self, service: str, send: Any, context: grpc.ServicerContext) -> None:
+        """Register ``send`` (gRPC's non-blocking send_response_callback) for ``service``:
+        its status now, and every change until the stream ends."""
+        w = self.Watcher(service, send)
+        with self._lock:
+            self._watchers.add(w)
+
+        def closed() -> None:
+            with self._lock:
+                self._watchers.discard(w)
+
+        if not context.add_callback(closed):
+            closed()  # the call already ended
+            return
+        self._push(w)
+
+    def _push(self, w: _Watches.Watcher) -> None:
+        with w.lock:
+            with self._lock:
+                status = self._status.get(
+                    w.service, _health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+                )
+            if status == w.last:
+                return
+            w.last = status
+            try:
+                w.send(_health_pb2.HealthCheckResponse(status=status))
+            except Exception:  # the stream ended under the send
+                log.debug("health Watch: sending a status failed", exc_info=True)
+
+    def open(self) -> int:
+        with self._lock:
+            return len(self._watchers)
 
 
 class _WatchInterceptor(grpc.ServerInterceptor):
-    def __init__(self, servicer: Any, max_watches: int) -> None:
-        self._servicer, self.max_watches = servicer, max_watches
+    def __init__(self, watches: _Watches | None, max_watches: int) -> None:
+        self._watches, self.max_watches = watches, max_watches
         self.open = 0
         self._lock = threading.Lock()
         self._handler = None
-        if servicer is not None:
+        if watches is not None:
             self._handler = grpc.unary_stream_rpc_method_handler(
                 self._watch,
                 request_deserializer=_health_pb2.HealthCheckRequest.FromString,
@@ -119,7 +195,8 @@ class _WatchInterceptor(grpc.ServerInterceptor):
 
         if not context.add_callback(release):
             release()  # the call already ended
-        return self._servicer.Watch(request, context, send_response_callback)
+        assert self._watches is not None and send_response_callback is not None
+        self._watches.watch(request.service, send_response_callback, context)
 
     _watch.experimental_non_blocking = True  # type: ignore[attr-defined]
 

@@ -144,7 +144,7 @@ def test_idle_session_streams_end_with_deadline_exceeded_and_running_calls_are_n
         with client(srv, "bob") as b, grpc.insecure_channel(srv.address) as ch:
             h = upload(b, t)
             silent = threading.Event()
-            raw = pb_grpc.WorkerStub(ch).Session(_silent(silent), metadata=md("alice"))
+            raw = pb_grpc.WorkerStub(ch).Session(_silent(silent), metadata=md("alice"), timeout=60)
             with pytest.raises(grpc.RpcError) as e:  # any client: the status says why
                 next(raw)
             silent.set()

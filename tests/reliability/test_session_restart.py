@@ -75,7 +75,8 @@ def test_kill_9_with_calls_in_flight_is_invisible_to_the_session(worker, rng, mo
             restart = threading.Thread(target=worker.start)
             restart.start()
             check(pending)  # sent again on a new stream once the worker is back; KV replayed
-            restart.join()
+            restart.join(60)
+            assert not restart.is_alive()
             for _ in range(3):
                 check(layer.step(s))
             assert s.shm == ("shm" in MODES[mode]) and s.doorbell == (mode == "doorbell")
