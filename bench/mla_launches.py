@@ -21,8 +21,8 @@ import numpy as np
 
 from bench.kernels import GLM, make_tensor
 from coliworker.kernels import attention as att
+from coliworker.kernels import graphs
 from coliworker.kernels import reference as ref
-from coliworker.server import backend_cupy
 from coliworker.server.backends import create_backend
 
 SPIN = cupy.RawKernel(
@@ -35,7 +35,13 @@ extern "C" __global__ void coli_spin(long long ns) {
     "coli_spin",
 )
 CONFIGS = [(1, 4096), (8, 4096), (32, 2048)]
-SPLITS = {1: (32, 64, 128, 132, 264), 8: (8, 16, 33, 66), 32: (2, 4, 8, 16)}
+SPLITS = {1: (32, 64, 128, 132), 8: (8, 16, 32), 32: (2, 4, 8)}
+CLUSTERS = (1, 2, 4, 8)
+# In-process variants, where this tree's attention module has the switches: (label, settings).
+VARIANTS = (
+    ("new kernels", dict(ABSORB_W=True, FL_CLUSTER=None)),
+    ("old kernels", dict(ABSORB_W=False, FL_CLUSTER=1)),
+)
 
 
 class Timed:
@@ -52,15 +58,26 @@ class Timed:
         self.log.append((self.name, e0, e1))
 
 
-def instrument(log: list):
-    """Wrap the launch builders the backend calls; returns a function that undoes it."""
-    saved = (att.absorb_launch, att.flash_launch, att.attend_launch, backend_cupy.gemv_launch)
-    absorb, flash, attend, gemv = saved
+def forget_plans(backend) -> None:
+    """Drop the plans (and graphs) of this thread's arenas: the next call builds its launches
+    through the module's launch builders again."""
+    for a in backend._arenas(0):
+        a.plans.clear()
+        a.graphs.clear()
+
+
+def instrument(backend, log: list):
+    """Wrap the launch builders the attention plan calls (graphs off: every launch is played
+    directly, between its events); returns a function that undoes it."""
+    gemv_name = "gemv_launch" if hasattr(att, "gemv_launch") else None
+    saved = (att.absorb_launch, att.flash_launch, att.attend_launch,
+             getattr(att, gemv_name) if gemv_name else None, graphs.ENABLED)  # fmt: skip
+    absorb, flash, attend, gemv, _ = saved
 
     def pair(fn, name):
         def make(*a, **k):
             x, m = fn(*a, **k)
-            return Timed(name, x, log), Timed("merge", m, log)
+            return Timed(name, x, log), (None if m is None else Timed("merge", m, log))
 
         return make
 
@@ -71,13 +88,29 @@ def instrument(log: list):
     att.absorb_launch = lambda *a, **k: Timed("absorb", absorb(*a, **k), log)
     att.flash_launch = pair(flash, "flash")
     att.attend_launch = pair(attend, "attend")
-    backend_cupy.gemv_launch = gemv_make
+    if gemv_name:
+        setattr(att, gemv_name, gemv_make)
+    graphs.ENABLED = False
+    forget_plans(backend)
 
     def restore() -> None:
         att.absorb_launch, att.flash_launch, att.attend_launch = saved[:3]
-        backend_cupy.gemv_launch = saved[3]
+        if gemv_name:
+            setattr(att, gemv_name, saved[3])
+        graphs.ENABLED = saved[4]
+        forget_plans(backend)
 
     return restore
+
+
+def settings(**kw) -> dict:
+    """Set the attention module's switches that exist here; returns the previous values."""
+    old = {}
+    for k, v in kw.items():
+        if hasattr(att, k):
+            old[k] = getattr(att, k)
+            setattr(att, k, v)
+    return old
 
 
 class Decode:
@@ -133,14 +166,22 @@ def breakdown(dec: Decode, log: list, calls: int) -> dict[str, float]:
         for name, e0, e1 in log:
             per.setdefault(name, []).append(1e3 * cupy.cuda.get_elapsed_time(e0, e1))
     d = {n: float(np.median(x)) for n, x in per.items()}
+    d["sum"] = sum(v for n, v in d.items())
     d["phase"] = float(np.median(kp))
     return d
+
+
+def fm(d: dict) -> float:
+    """flash (or attend) + merge us of a breakdown."""
+    return d.get("flash", d.get("attend", 0.0)) + d.get("merge", 0.0)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--seqs", default="1,8,32", help="configs by sequence count (1, 8, 32)")
+    ap.add_argument("--profile", action="store_true", help="ncu: check, --calls steps, no graphs")
     args = ap.parse_args()
     backend = create_backend("cupy", devices=(0,))
     rng = np.random.default_rng(1)
@@ -152,9 +193,27 @@ def main() -> int:
     plain_splits = att.flash_splits
     results, lines = [], []
     log: list = []
+    want = {int(x) for x in args.seqs.split(",")}
     for seqs, t in CONFIGS:
-        steps = 4 * args.calls * (3 + len(SPLITS[seqs]))
-        dec = Decode(backend, rng, weights, placed, seqs, t, steps)
+        if seqs not in want:
+            continue
+        n_bd = 2 + len(VARIANTS) + len(CLUSTERS) + len(SPLITS[seqs])
+        dec = Decode(backend, rng, weights, placed, seqs, t, args.calls * (n_bd + 2) + 16)
+        if args.profile:
+            graphs.ENABLED = False
+            err = dec.rel_err()
+            for _ in range(args.calls):
+                dec.step()
+            for _, kw in VARIANTS:
+                old = settings(**kw)
+                if old:
+                    for _ in range(args.calls):
+                        dec.step()
+                    settings(**old)
+            cupy.cuda.runtime.deviceSynchronize()
+            lines.append(f"S={seqs} T={t} profiled, err {err:.1e}")
+            dec.release()
+            continue
         err = dec.rel_err()
         walls, kerns, h2d, d2h = [], [], [], []
         for _ in range(args.calls):
@@ -164,30 +223,53 @@ def main() -> int:
             kerns.append(res.phases.kernel_ns / 1e3)
             h2d.append(res.phases.h2d_ns / 1e3)
             d2h.append(res.phases.d2h_ns / 1e3)
-        restore = instrument(log)
+        restore = instrument(backend, log)
         launches = breakdown(dec, log, args.calls)
+        variants = {}
+        for label, kw in VARIANTS:
+            old = settings(**kw)
+            if old:
+                forget_plans(backend)
+                variants[label] = breakdown(dec, log, args.calls)
+                settings(**old)
+        by_cluster = {}
+        if hasattr(att, "FL_CLUSTER"):
+            for c in CLUSTERS:
+                old = settings(FL_CLUSTER=c)
+                forget_plans(backend)
+                by_cluster[c] = fm(breakdown(dec, log, args.calls))
+                settings(**old)
         sweep = {}
+        old = settings(FL_CLUSTER=None)  # the sweep with clusters where this tree has them
         for ns in SPLITS[seqs]:
             att.flash_splits = lambda *a, _n=ns: _n
-            d = breakdown(dec, log, args.calls)
-            sweep[ns] = d["flash"] + d["merge"]
+            forget_plans(backend)
+            sweep[ns] = fm(breakdown(dec, log, args.calls))
         att.flash_splits = plain_splits
+        settings(**old)
         restore()
         dec.release()
         row = dict(seqs=seqs, t=t, rel_err=err, call_us=1e6 * float(np.median(walls)),
                    kernel_us=float(np.median(kerns)), h2d_us=float(np.median(h2d)),
                    d2h_us=float(np.median(d2h)), launch_us=launches,
                    nsplit=plain_splits(seqs, g["H"], t, backend._sms[0]),
+                   variants_us=variants, flash_merge_us_by_cluster=by_cluster,
                    flash_merge_us_by_nsplit=sweep)  # fmt: skip
         results.append(row)
         lines.append(
             f"S={seqs:<3} T={t:<5} call {row['call_us']:6.1f} kernel {row['kernel_us']:6.1f} us"
             f" h2d {row['h2d_us']:.1f} d2h {row['d2h_us']:.1f} err {err:.1e} | "
             + " ".join(f"{n} {x:.1f}" for n, x in launches.items())
-            + f" | nsplit {row['nsplit']}; flash+merge by nsplit: "
+            + "".join(
+                f" | {lb}: " + " ".join(f"{n} {x:.1f}" for n, x in d.items())
+                for lb, d in variants.items()
+            )
+            + f" | nsplit {row['nsplit']}; flash+merge by C: "
+            + " ".join(f"{n}:{x:.1f}" for n, x in by_cluster.items())
+            + "; by nsplit: "
             + " ".join(f"{n}:{x:.1f}" for n, x in sweep.items())
         )
-    if args.out is not None:
+    if args.out is not None and not args.profile:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "mla_launches.json").write_text(json.dumps(results, indent=1))
     print("\n".join(lines))

@@ -121,6 +121,185 @@ mla_absorb(float *__restrict__ qfull, const float *__restrict__ q,
                    gridDim.x * gridDim.y * gridDim.z);
 }
 
+// ---- mla_absorb_w: the same qfull, each warp loading whole 512-byte weight rows ----------
+//
+// grid (H, ceil(K / 512), ceil(S / SB)), block 256 (8 warps), dynamic shared 4 * (ABW_QS(Q, SB)
+// + 4 * SB * 512) bytes. FMT 1..4 (fmt 4: gs a multiple of 4, so a quad shares one scale).
+// Block (h, g, z) makes columns [512 g, 512 g + 512) of tokens [SB z, SB z + SB) of head h:
+// quads q0 .. q0 + 3 of the lanes' 16-byte chunks of 512-byte block b of every row (512 g =
+// b * BLK + 128 q0). Warp w walks rows w, w + 8, ... of W_k(h): one coalesced 16-byte load per
+// lane and row, the next ABW_U rows' loads in flight while this batch's FMAs run; lane l keeps
+// the 16 columns 128 j + 4 l + k (j, k < 4) for SB tokens in registers. The 8 warps' sums meet
+// in shared memory in a fixed tree ((w0 + w4) + (w2 + w6)) + ((w1 + w5) + (w3 + w7)).
+// Rope columns and the new cache rows as mla_absorb.
+#define ABW_WARPS 8
+#define ABW_QS(Q, SB) ((((Q) * (SB)) + 3) & ~3)
+
+template <int SB> struct AbwU { static constexpr int value = SB >= 8 ? 4 : (SB >= 4 ? 6 : 12); };
+
+template <int FMT>
+__device__ __forceinline__ void abw_load(const unsigned char *__restrict__ w,
+                                         const float *__restrict__ sc, int o, int d, int Q,
+                                         int ld, int col0, int ngp, int gs, int gs_shift,
+                                         uint4 &c, float (&f)[4]) {
+    if (d < Q) {
+        c = __ldg(reinterpret_cast<const uint4 *>(w + (size_t)d * ld));
+        if (FMT == 4) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                f[j] = __ldg(sc + (size_t)(o + d) * ngp + coli_group(col0 + 128 * j, gs, gs_shift));
+        } else {
+            f[0] = __ldg(sc + o + d);
+        }
+    } else {
+        c = make_uint4(0u, 0u, 0u, 0u);
+        f[0] = f[1] = f[2] = f[3] = 0.f;
+    }
+}
+
+// Quad qq (run time) of a chunk -> 4 floats, offsets removed, unscaled (decode_quad without
+// its register array, which a run-time index would put in local memory).
+template <int FMT>
+__device__ __forceinline__ void abw_decode(const uint4 &c, int qq, float (&v)[4]) {
+    constexpr int PER = FMT == 1 ? 1 : (FMT == 3 ? 4 : 2);  // quads per 32-bit word
+    const int wi = qq / PER;
+    const unsigned x = wi == 0 ? c.x : (wi == 1 ? c.y : (wi == 2 ? c.z : c.w));
+    const unsigned b = x >> ((32 / PER) * (qq - wi * PER));
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        if (FMT == 1) v[k] = coli_magic(((b ^ 0x80808080u) >> (8 * k)) & 0xFFu, 8388608.f + 128.f);
+        else if (FMT == 3) v[k] = coli_magic((b >> (2 * k)) & 0x3u, 8388608.f + 2.f);
+        else v[k] = coli_magic((b >> (4 * k)) & 0xFu, 8388608.f + 8.f);
+    }
+}
+
+template <int FMT, int SB>
+__global__ void __launch_bounds__(ABW_WARPS * 32)
+mla_absorb_w(float *__restrict__ qfull, const float *__restrict__ q,
+             const unsigned char *__restrict__ w, const float *__restrict__ sc,
+             const KvDesc *__restrict__ kv, const float *__restrict__ nlat,
+             const float *__restrict__ nrope, int n_new, int S, int H, int Q, int R, int V,
+             int K, int ld, int ngp, int gs, int gs_shift) {
+    constexpr int QU = Fmt<FMT>::QUADS, BLK = QU * 128, U = AbwU<SB>::value;
+    extern __shared__ float4 abw_sm4[];
+    float *qs = reinterpret_cast<float *>(abw_sm4);  // [Q][SB] q_nope, token fastest
+    float4 *red = abw_sm4 + ABW_QS(Q, SB) / 4;       // [4][SB][4][32] float4 partial sums
+    const int h = blockIdx.x, g = blockIdx.y, s0 = blockIdx.z * SB;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int b = (g * 512) / BLK, q0 = (g * 512 - b * BLK) >> 7;
+    const int col0 = b * BLK + q0 * 128 + 4 * lane;  // this lane's first column (quad j: + 128 j)
+    for (int i = threadIdx.x; i < Q * SB; i += ABW_WARPS * 32) {
+        const int d = i / SB, s = i - d * SB;
+        qs[i] = s0 + s < S ? q[((size_t)(s0 + s) * H + h) * (Q + R) + d] : 0.f;
+    }
+    __syncthreads();
+    const int o = h * (Q + V);
+    const unsigned char *wl = w + (size_t)o * ld + b * COLI_BLOCK_BYTES + lane * 16;
+    float acc[SB][16];
+#pragma unroll
+    for (int s = 0; s < SB; ++s)
+#pragma unroll
+        for (int e = 0; e < 16; ++e) acc[s][e] = 0.f;
+    uint4 cur[U];
+    float fcur[U][4];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+        abw_load<FMT>(wl, sc, o, warp + ABW_WARPS * u, Q, ld, col0, ngp, gs, gs_shift, cur[u],
+                      fcur[u]);
+    for (int d0 = warp; d0 < Q; d0 += ABW_WARPS * U) {
+        uint4 nxt[U];
+        float fnxt[U][4];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            abw_load<FMT>(wl, sc, o, d0 + ABW_WARPS * (U + u), Q, ld, col0, ngp, gs, gs_shift,
+                          nxt[u], fnxt[u]);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int d = d0 + ABW_WARPS * u;
+            if (d < Q) {
+                float qd[SB];
+#pragma unroll
+                for (int s = 0; s < SB; ++s) qd[s] = qs[d * SB + s];
+                if (FMT != 4) {
+#pragma unroll
+                    for (int s = 0; s < SB; ++s) qd[s] *= fcur[u][0];
+                }
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    float v[4];
+                    abw_decode<FMT>(cur[u], q0 + j, v);
+                    if (FMT == 4) {
+#pragma unroll
+                        for (int k = 0; k < 4; ++k) v[k] *= fcur[u][j];
+                    }
+#pragma unroll
+                    for (int s = 0; s < SB; ++s)
+#pragma unroll
+                        for (int k = 0; k < 4; ++k) acc[s][4 * j + k] = fmaf(qd[s], v[k], acc[s][4 * j + k]);
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            cur[u] = nxt[u];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) fcur[u][j] = fnxt[u][j];
+        }
+    }
+#pragma unroll
+    for (int half = 4; half >= 1; half >>= 1) {
+        if (warp >= half && warp < 2 * half) {
+#pragma unroll
+            for (int s = 0; s < SB; ++s)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+                    red[(((warp - half) * SB + s) * 4 + j) * 32 + lane] =
+                        make_float4(acc[s][4 * j], acc[s][4 * j + 1], acc[s][4 * j + 2],
+                                    acc[s][4 * j + 3]);
+        }
+        __syncthreads();
+        if (warp < half) {
+#pragma unroll
+            for (int s = 0; s < SB; ++s)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float4 r = red[((warp * SB + s) * 4 + j) * 32 + lane];
+                    acc[s][4 * j] += r.x;
+                    acc[s][4 * j + 1] += r.y;
+                    acc[s][4 * j + 2] += r.z;
+                    acc[s][4 * j + 3] += r.w;
+                }
+        }
+        __syncthreads();
+    }
+    if (warp == 0) {
+#pragma unroll
+        for (int s = 0; s < SB; ++s) {
+            if (s0 + s >= S) continue;
+            float *out = qfull + ((size_t)(s0 + s) * H + h) * (K + R);
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    const int c = col0 + 128 * j + k;
+                    if (c < K) out[c] = acc[s][4 * j + k];
+                }
+        }
+    }
+    if (blockIdx.y == 0) {
+        for (int i = threadIdx.x; i < SB * R; i += blockDim.x) {
+            const int s = i / R, d = i - s * R;
+            if (s0 + s < S)
+                qfull[((size_t)(s0 + s) * H + h) * (K + R) + K + d] =
+                    q[((size_t)(s0 + s) * H + h) * (Q + R) + Q + d];
+        }
+    }
+    if (n_new > 0)
+        kv_scatter(kv, nlat, nrope, n_new, S, K, R,
+                   blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z),
+                   gridDim.x * gridDim.y * gridDim.z);
+}
+
 #define ATT_WARPS 8
 #define ATT_TT 8
 
@@ -373,13 +552,52 @@ __device__ __forceinline__ void fl_stage(float *dst, int ld, int rows, int W, co
     }
 }
 
+// DSMEM of the cluster's blocks (mla_flash_c): mapa, ld.shared::cluster, barrier.cluster as
+// inline PTX (the instructions cooperative_groups' cluster calls compile to).
+__device__ __forceinline__ unsigned fl_remote(const void *p, unsigned rank) {
+    const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    return remote;
+}
+
+__device__ __forceinline__ float fl_dsmem(const float *p, unsigned rank) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(fl_remote(p, rank)) : "memory");
+    return v;
+}
+
+__device__ __forceinline__ float4 fl_dsmem4(const float *p, unsigned rank) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(fl_remote(p, rank))
+                 : "memory");
+    return v;
+}
+
+__device__ __forceinline__ void fl_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
+                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void fl_cluster_wait_exit() {
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\t"
+                 "barrier.cluster.wait.aligned;" ::: "memory");
+}
+
+// Row stride of the context the blocks of a cluster exchange: 8 mod 32 floats, so the float2
+// stores of a warp's 8 heads hit distinct banks.
+__device__ __forceinline__ int fl_ast(int K) { return ((K + 31) & ~31) + 8; }
+
 // NTC: 8-column n-tiles of the latent per warp (2 * 8 * NTC >= K). QST, KST: row strides of Qs
-// and KVs (>= the padded K + R, >= 16 * NTC, 4 mod 8). Outputs as mla_attend's.
-template <int NTC>
-__global__ void __launch_bounds__(FL_WARPS * 32, 1)
-mla_flash(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc,
-          const float *__restrict__ qfull, const KvDesc *__restrict__ kv, int S, int H, int K,
-          int R, float scale, int nsplit, int QST, int KST) {
+// and KVs (>= the padded K + R, >= 16 * NTC, 4 mod 8). Outputs as mla_attend's (C = 1), or
+// merged over the C slices of a cluster (``mla_flash_c``).
+template <int NTC, int C>
+__device__ __forceinline__ void
+fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc,
+        const float *__restrict__ qfull, const KvDesc *__restrict__ kv, float *__restrict__ cl,
+        int S, int H, int K, int R, float scale, int nsplit, int QST, int KST) {
     extern __shared__ float4 smem4[];
     float *Qs = reinterpret_cast<float *>(smem4);
     float *KVs = Qs + FL_HB * QST;
@@ -512,18 +730,138 @@ mla_flash(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pa
     for (int i = 0; i < 2; ++i) {
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
         l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-        const int h = hb + hg * 16 + gid + 8 * i;
-        if (h >= H) continue;
-        const size_t slot = ((size_t)s * H + h) * nsplit + z;
+    }
+    if (C == 1) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int h = hb + hg * 16 + gid + 8 * i;
+            if (h >= H) continue;
+            const size_t slot = ((size_t)s * H + h) * nsplit + z;
+            if (half == 0 && t4 == 0) {
+                pm[slot] = m[i];
+                pl[slot] = l[i];
+            }
+#pragma unroll
+            for (int j = 0; j < NTC; ++j) {
+                const int c = half * 8 * NTC + 8 * j + 2 * t4;
+                if (c < K) pacc[slot * K + c] = acc[j][2 * i];
+                if (c + 1 < K) pacc[slot * K + c + 1] = acc[j][2 * i + 1];
+            }
+        }
+        return;
+    }
+    // The C slices of this cluster merged in distributed shared memory: each block leaves its
+    // unnormalized context A [64][AST] (in Qs) and its heads' m, l (in Ss); rank r then merges
+    // heads [r * 64 / C, (r + 1) * 64 / C) over the C blocks in rank order, with the weights
+    // e^(m_q - M) of mla_merge, and writes cl (the cluster is the whole T: nsplit == C) or one
+    // partial per cluster for mla_merge (pm, pl, pacc of nsplit / C slices).
+    constexpr int HPR = FL_HB / C;
+    const int AST = fl_ast(K);
+    float *A = Qs, *ML = Ss, *WT = Ss + 2 * FL_HB;  // WT [HPR][C] weights, then M [HPR], L [HPR]
+    __syncthreads();  // every warp is done with Qs, KVs and Ss
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int hl = hg * 16 + gid + 8 * i;
         if (half == 0 && t4 == 0) {
-            pm[slot] = m[i];
-            pl[slot] = l[i];
+            ML[hl] = m[i];
+            ML[FL_HB + hl] = l[i];
         }
 #pragma unroll
         for (int j = 0; j < NTC; ++j) {
             const int c = half * 8 * NTC + 8 * j + 2 * t4;
-            if (c < K) pacc[slot * K + c] = acc[j][2 * i];
-            if (c + 1 < K) pacc[slot * K + c + 1] = acc[j][2 * i + 1];
+            if (c + 1 < K) {
+                *reinterpret_cast<float2 *>(A + hl * AST + c) =
+                    make_float2(acc[j][2 * i], acc[j][2 * i + 1]);
+            } else if (c < K) {
+                A[hl * AST + c] = acc[j][2 * i];
+            }
         }
     }
+    fl_cluster_sync();
+    const unsigned rank = static_cast<unsigned>(z % C);
+    const int nz = nsplit / C, zc = z / C;
+    if (threadIdx.x < HPR) {
+        const int hl = rank * HPR + threadIdx.x;
+        float mq[C], M = -COLI_INF, L = 0.f;
+#pragma unroll
+        for (int q = 0; q < C; ++q) {
+            mq[q] = fl_dsmem(ML + hl, q);
+            M = fmaxf(M, mq[q]);
+        }
+#pragma unroll
+        for (int q = 0; q < C; ++q) {
+            const float e = M != -COLI_INF ? expf(mq[q] - M) : 0.f;  // empty slices: 0
+            WT[threadIdx.x * C + q] = e;
+            L = fmaf(fl_dsmem(ML + FL_HB + hl, q), e, L);
+        }
+        WT[HPR * C + threadIdx.x] = M;
+        WT[HPR * C + HPR + threadIdx.x] = L;
+        const int h = hb + hl;
+        if (nz > 1 && h < H) {
+            const size_t slot = ((size_t)s * H + h) * nz + zc;
+            pm[slot] = M;
+            pl[slot] = L;
+        }
+    }
+    __syncthreads();
+    if ((K & 3) == 0) {
+        const int n4 = K >> 2;
+        for (int i = threadIdx.x; i < HPR * n4; i += FL_WARPS * 32) {
+            const int hr = i / n4, c = (i - hr * n4) * 4, hl = rank * HPR + hr, h = hb + hl;
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int q = 0; q < C; ++q) {
+                const float e = WT[hr * C + q];
+                const float4 a = fl_dsmem4(A + hl * AST + c, q);
+                v.x = fmaf(a.x, e, v.x);
+                v.y = fmaf(a.y, e, v.y);
+                v.z = fmaf(a.z, e, v.z);
+                v.w = fmaf(a.w, e, v.w);
+            }
+            if (h >= H) continue;
+            if (nz == 1) {
+                const float L = WT[HPR * C + HPR + hr], inv = L > 0.f ? 1.f / L : 0.f;
+                *reinterpret_cast<float4 *>(cl + ((size_t)h * S + s) * K + c) =
+                    make_float4(v.x * inv, v.y * inv, v.z * inv, v.w * inv);
+            } else {
+                *reinterpret_cast<float4 *>(pacc + (((size_t)s * H + h) * nz + zc) * K + c) = v;
+            }
+        }
+    } else {
+        for (int i = threadIdx.x; i < HPR * K; i += FL_WARPS * 32) {
+            const int hr = i / K, c = i - hr * K, hl = rank * HPR + hr, h = hb + hl;
+            float v = 0.f;
+#pragma unroll
+            for (int q = 0; q < C; ++q) v = fmaf(fl_dsmem(A + hl * AST + c, q), WT[hr * C + q], v);
+            if (h >= H) continue;
+            if (nz == 1) {
+                const float L = WT[HPR * C + HPR + hr];
+                cl[((size_t)h * S + s) * K + c] = v * (L > 0.f ? 1.f / L : 0.f);
+            } else {
+                pacc[(((size_t)s * H + h) * nz + zc) * K + c] = v;
+            }
+        }
+    }
+    fl_cluster_wait_exit();  // no block leaves while another reads its shared memory
+}
+
+// Slices as ``nsplit`` blocks in x, partials for mla_merge (cl unused).
+template <int NTC>
+__global__ void __launch_bounds__(FL_WARPS * 32, 1)
+mla_flash(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc,
+          const float *__restrict__ qfull, const KvDesc *__restrict__ kv, float *__restrict__ cl,
+          int S, int H, int K, int R, float scale, int nsplit, int QST, int KST) {
+    fl_body<NTC, 1>(pm, pl, pacc, qfull, kv, cl, S, H, K, R, scale, nsplit, QST, KST);
+}
+
+// Clusters of C consecutive slices (nsplit a multiple of C) merged in DSMEM: cl [H, S, K] when
+// nsplit == C (no mla_merge), else pm, pl, pacc of nsplit / C slices. Shared memory as
+// mla_flash's, and at least 64 * fl_ast(K) floats in Qs + KVs for the exchanged context.
+template <int NTC, int C>
+__global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(FL_WARPS * 32, 1)
+mla_flash_c(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc,
+            const float *__restrict__ qfull, const KvDesc *__restrict__ kv,
+            float *__restrict__ cl, int S, int H, int K, int R, float scale, int nsplit, int QST,
+            int KST) {
+    fl_body<NTC, C>(pm, pl, pacc, qfull, kv, cl, S, H, K, R, scale, nsplit, QST, KST);
 }

@@ -34,12 +34,25 @@ ATT_WARPS = 8
 ATT_TT = 8
 # (lanes' share of K + R, heads per warp): registers hold q and the weighted latent.
 NPL_CHOICES = ((2, 2), (4, 2), (8, 2), (18, 2), (36, 1))
+# mla_absorb_w (whole-row weight loads; fmt 2, and fmt 4 with gs a multiple of 4; the kernel
+# takes FMT 1..4, the others are not compiled): tokens per block. ``ABSORB_W`` switches it on
+# (off: mla_absorb for every format). Off by default until it is measured on a GPU: it was
+# written in a session with no device time left (tests run both).
+ABW_SB = (1, 4, 8)
+ABSORB_W = False
+# mla_flash_c: clusters of C T slices merged in distributed shared memory, by NTC (the widths
+# that have them). ``FL_CLUSTER``: 1 (the default, until measured): mla_flash and mla_merge as
+# before; None: the largest C of FL_CLUSTERS[NTC] that divides nsplit; c: that C where it does.
+FL_CLUSTERS = {32: (2, 4, 8), 8: (4,)}
+FL_CLUSTER: int | None = 1
 # Every variant of attention.cu: the file compiles once per device with all of them.
 VARIANTS = (
     tuple(f"mla_absorb<{f}>" for f in range(5))
+    + tuple(f"mla_absorb_w<{f}, {sb}>" for f in (2, 4) for sb in ABW_SB)
     + tuple(f"mla_attend<{n}, {h}>" for n, h in NPL_CHOICES)
     + ("mla_merge",)
     + tuple(f"mla_flash<{n}>" for n in (1, 2, 4, 8, 16, 32))
+    + tuple(f"mla_flash_c<{n}, {c}>" for n, cs in FL_CLUSTERS.items() for c in cs)
 )
 FLASH = True
 FL_TT = 16  # cache rows per tile (attention.cu)
@@ -60,16 +73,26 @@ def absorb_launch(spec: WeightSpec, s: int, heads: int, q_dim: int, rope_dim: in
 
     def make() -> Launch:
         k = spec.in_features
-        fn = get_function("attention.cu", f"mla_absorb<{spec.fmt}>", VARIANTS)
         gs, shift = gs_args(spec.fmt, spec.group_size)
         tail = (np.int32(s), np.int32(heads), np.int32(q_dim), np.int32(rope_dim),
                 np.int32(v_dim), np.int32(k), np.int32(spec.layout.ld),
                 np.int32(max(spec.layout.ngp, 1)), gs, shift)  # fmt: skip
+        if absorb_w_ok(spec):
+            sb = next((b for b in ABW_SB if s <= b), ABW_SB[-1])
+            fn = get_function("attention.cu", f"mla_absorb_w<{spec.fmt}, {sb}>", VARIANTS)
+            smem = 4 * (-(-max(q_dim, 1) * sb // 4) * 4 + 4 * sb * 512)
+            return Launch(fn, (heads, -(-k // 512), -(-s // sb)), (256,), tail, smem)
+        fn = get_function("attention.cu", f"mla_absorb<{spec.fmt}>", VARIANTS)
         smem = 4 * (8 * max(q_dim, 1) + (ABS_P - 1) * 8 * 128)
         return Launch(fn, (heads, -(-k // 128), -(-s // 8)), (128 * ABS_P,), tail, smem)
 
-    key = (dev, "absorb", id(spec), s, heads, q_dim, rope_dim, v_dim)
+    key = (dev, "absorb", id(spec), s, heads, q_dim, rope_dim, v_dim, ABSORB_W)
     return _cached(key, make)  # type: ignore[return-value]
+
+
+def absorb_w_ok(spec: WeightSpec) -> bool:
+    """Whether mla_absorb_w serves this kv_b (and ``ABSORB_W`` is on)."""
+    return ABSORB_W and (spec.fmt == 2 or (spec.fmt == 4 and spec.group_size % 4 == 0))
 
 
 def pick_npl(kr: int) -> tuple[int, int]:
@@ -138,28 +161,53 @@ def flash_ok(k: int, r: int) -> bool:
 
 def flash_splits(s: int, heads: int, t_max: int, n_sm: int) -> int:
     """nsplit of ``flash_launch``: one wave of one-block-per-SM blocks, >= FL_MIN_ROWS rows per
-    slice. Scratch as ``attend_splits``'s."""
+    slice; with clusters on (``FL_CLUSTER`` != 1) rounded down to a multiple of 8 (else 4, 2)
+    for mla_flash_c. Scratch as ``attend_splits``'s."""
     per = s * -(-heads // FL_HB)
-    return max(1, min(max(1, n_sm // per), -(-t_max // FL_MIN_ROWS), 1024))
+    n = max(1, min(max(1, n_sm // per), -(-t_max // FL_MIN_ROWS), 1024))
+    for c in (8, 4, 2) if FL_CLUSTER != 1 else ():
+        if n >= c:
+            return n // c * c
+    return n
+
+
+def flash_cluster(k: int, r: int, nsplit: int) -> int:
+    """C of ``flash_launch``: ``FL_CLUSTER`` where that variant exists and divides nsplit, else
+    the largest of ``FL_CLUSTERS[NTC]`` that divides nsplit, else 1 (mla_flash + mla_merge)."""
+    geo = _flash_geometry(k, r)
+    if geo is None:
+        return 1
+    ntc, qst, kst, _ = geo
+    ast = -(-k // 32) * 32 + 8  # fl_ast: the exchanged context must fit in Qs + KVs
+    if FL_HB * ast > FL_HB * qst + FL_TT * kst:
+        return 1
+    have = FL_CLUSTERS.get(ntc, ())
+    if FL_CLUSTER is not None:
+        return FL_CLUSTER if FL_CLUSTER in have and nsplit % FL_CLUSTER == 0 else 1
+    return max((c for c in have if nsplit % c == 0), default=1)
 
 
 def flash_launch(s: int, heads: int, k: int, r: int, scale: float, nsplit: int
-                 ) -> tuple[Launch, Launch]:  # fmt: skip
-    """(mla_flash, mla_merge), taking the same pointers as ``attend_launch``'s pair."""
+                 ) -> tuple[Launch, Launch | None]:  # fmt: skip
+    """(mla_flash or mla_flash_c, mla_merge or None). The first takes six pointers: the five
+    of ``attend_launch``'s attend, then cl (written by mla_flash_c when its clusters span
+    nsplit: then there is no merge); the merge takes the same four as there."""
     dev = cupy.cuda.runtime.getDevice()
 
-    def make() -> tuple[Launch, Launch]:
+    def make() -> tuple[Launch, Launch | None]:
         geo = _flash_geometry(k, r)
         assert geo is not None  # callers check flash_ok
         ntc, qst, kst, smem = geo
-        fn = get_function("attention.cu", f"mla_flash<{ntc}>", VARIANTS)
+        c = flash_cluster(k, r, nsplit)
+        name = f"mla_flash_c<{ntc}, {c}>" if c > 1 else f"mla_flash<{ntc}>"
+        fn = get_function("attention.cu", name, VARIANTS)
         fn.max_dynamic_shared_size_bytes = max(smem, 160 * 1024)
         att = Launch(fn, (nsplit, s, -(-heads // FL_HB)), (256,),
                      (np.int32(s), np.int32(heads), np.int32(k), np.int32(r), np.float32(scale),
                       np.int32(nsplit), np.int32(qst), np.int32(kst)), smem)  # fmt: skip
-        return att, _merge(s, heads, k, nsplit)
+        return att, (None if c > 1 and nsplit == c else _merge(s, heads, k, nsplit // c))
 
-    key = (dev, "flash", s, heads, k, r, float(scale), nsplit)
+    key = (dev, "flash", s, heads, k, r, float(scale), nsplit, FL_CLUSTER)
     return _cached(key, make)  # type: ignore[return-value,arg-type]
 
 
@@ -223,7 +271,7 @@ def run(
     n_up = sum(len(x) for x in latents)
     a = call.take()
     key = ("attention", id(kv_b), id(o_proj), S, H, q_dim, R, V, scale, n_up, nsplit,
-           caches is None, flash, mm.settings())  # fmt: skip
+           caches is None, flash, mm.settings(), ABSORB_W, FL_CLUSTER)  # fmt: skip
     plan = a.plans.get(key)
     if plan is None:  # _plan sizes the arena first: a reallocated arena forgets its plans
         plan = _plan(call, kv_b, o_proj, S, H, q_dim, R, V, scale, n_up, nsplit, flash)
@@ -264,8 +312,12 @@ def run(
     call.launch(absorb, u64(qfull), u64(base), u64(kv_b.ptrs[0]), u64(kv_b.ptrs[1]),
                 u64(base + d_off), u64(base + l_off), u64(base + r_off),
                 np.int32(scatter))  # fmt: skip
-    call.launch(attend, u64(pm), u64(pl), u64(pacc), u64(qfull), u64(base + d_off))
-    call.launch(merge, u64(cl), u64(pm), u64(pl), u64(pacc))
+    if flash:
+        call.launch(attend, u64(pm), u64(pl), u64(pacc), u64(qfull), u64(base + d_off), u64(cl))
+    else:
+        call.launch(attend, u64(pm), u64(pl), u64(pacc), u64(qfull), u64(base + d_off))
+    if merge is not None:
+        call.launch(merge, u64(cl), u64(pm), u64(pl), u64(pacc))
     if value is not None:
         call.launch(value, u64(base + j_off))
     if proj is not None:

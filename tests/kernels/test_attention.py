@@ -17,9 +17,15 @@ def _mla(rng, b, h, q, r, v, k, d_out, fmt, gs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt,gs", [(0, 0), (2, 0), (3, 0), (4, 5)])
-@pytest.mark.parametrize("s,t", [(1, 1), (3, 40), (4, 300)])
-def test_attention_batch(cupy_backend, rng, fmt, gs, s, t):
+@pytest.mark.parametrize("absorb_w", [False, True], ids=["absorb", "absorb_w"])
+@pytest.mark.parametrize("fmt,gs", [(0, 0), (2, 0), (3, 0), (4, 5), (4, 8)])
+@pytest.mark.parametrize("s,t", [(1, 1), (3, 40), (4, 300), (10, 20)])
+def test_attention_batch(cupy_backend, rng, monkeypatch, absorb_w, fmt, gs, s, t):
+    """mla_absorb and mla_absorb_w (fmt 2 and fmt 4 with gs % 4 == 0; the others keep
+    mla_absorb) against float64, 1 to 10 tokens (mla_absorb_w's SB = 1, 4, 8, two z blocks)."""
+    from coliworker.kernels import attention
+
+    monkeypatch.setattr(attention, "ABSORB_W", absorb_w)
     b = cupy_backend
     h, q, r, v, k = 3, 16, 8, 12, 40
     kv_b, o_proj, dk, do = _mla(rng, b, h, q, r, v, k, 24, fmt, gs)
@@ -68,18 +74,23 @@ def test_attention_ragged_glm52(cupy_backend, rng):
     print(f"GLM-5.2 MLA ragged + o_proj, 1 seq T=4096: kernel {kern / 1e3:.1f} us")
 
 
-@pytest.fixture(params=[True, False], ids=["flash", "fp32"])
-def attention_path(request):
+@pytest.fixture(params=["flash", "fp32", "new"])
+def attention_path(request, monkeypatch):
+    """mla_flash + mla_merge, mla_attend + mla_merge, or the new kernels (mla_absorb_w,
+    mla_flash_c with its clusters chosen as FL_CLUSTER = None chooses them)."""
     from coliworker.kernels import attention
 
-    attention.FLASH = request.param
-    yield request.param
-    attention.FLASH = True
+    monkeypatch.setattr(attention, "FLASH", request.param != "fp32")
+    if request.param == "new":
+        monkeypatch.setattr(attention, "ABSORB_W", True)
+        monkeypatch.setattr(attention, "FL_CLUSTER", None)
+    return request.param
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "h,q,r,v,k", [(3, 16, 8, 12, 40), (70, 5, 3, 4, 9), (64, 192, 64, 256, 512)]
+    "h,q,r,v,k",
+    [(3, 16, 8, 12, 40), (70, 5, 3, 4, 9), (64, 192, 64, 256, 512), (4, 24, 8, 16, 1100)],
 )
 def test_attention_ragged_both_paths(cupy_backend, rng, attention_path, h, q, r, v, k):
     """mla_flash (tensor cores, split tf32) and mla_attend (fp32) against float64: ragged
@@ -102,3 +113,108 @@ def test_attention_ragged_both_paths(cupy_backend, rng, attention_path, h, q, r,
         res = b.attention_ragged(dk, dop, qa, caches, q, r, v, scale)
         ref = reference.attention_ragged(kv_b, op, qa, lats, ropes, q, r, v, scale)
         assert rel_err(res.out, ref) < 1e-5, attention_path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "nsplit,cluster", [(8, None), (4, None), (6, None), (32, 2), (32, 1), (1, None), (132, None)]
+)
+def test_flash_clusters(cupy_backend, rng, monkeypatch, nsplit, cluster):
+    """mla_flash_c at GLM-5.2 widths: clusters of C T slices merged in distributed shared
+    memory, into cl where C == nsplit (no mla_merge), else into partials for mla_merge
+    (nsplit 6: C = 2; 132: C = 4), and mla_flash (C = 1) as before, against float64."""
+    from coliworker.kernels import attention
+
+    monkeypatch.setattr(attention, "flash_splits", lambda *a: nsplit)
+    monkeypatch.setattr(attention, "FL_CLUSTER", cluster)
+    monkeypatch.setattr(attention, "ABSORB_W", True)
+    b = cupy_backend
+    h, q, r, v, k = 64, 192, 64, 256, 512
+    kv_b, _, dk, _ = _mla(rng, b, h, q, r, v, k, 0, 2, 0)
+    caches, lats, ropes = [], [], []
+    for n in (2051, 1, 300):
+        c = b.new_kv(0, k, r)
+        lat = rng.standard_normal((n, k)).astype(np.float32)
+        rope = rng.standard_normal((n, r)).astype(np.float32)
+        c.append(lat, rope)
+        caches.append(c)
+        lats.append(lat)
+        ropes.append(rope)
+    qa = rng.standard_normal((3, h, q + r)).astype(np.float32)
+    scale = 1 / np.sqrt(q + r)
+    res = b.attention_ragged(dk, None, qa, caches, q, r, v, scale)
+    ref = reference.attention_ragged(kv_b, None, qa, lats, ropes, q, r, v, scale)
+    assert rel_err(res.out, ref) < 1e-5
+
+
+@pytest.mark.gpu
+def test_new_kernels_graph_replay(cupy_backend, rng, monkeypatch):
+    """mla_absorb_w and mla_flash_c (clusters into partials, then mla_merge; and into cl) in a
+    captured graph give the bits of their direct launches (test_graphs.py does this for the
+    default kernels)."""
+    from coliworker.kernels import attention
+    from coliworker.kernels import graphs as cupy_graphs
+
+    monkeypatch.setattr(attention, "ABSORB_W", True)
+    monkeypatch.setattr(attention, "FL_CLUSTER", None)
+    b = cupy_backend
+    h, q, r, v, k = 64, 192, 64, 256, 512
+    kv_b, o_proj, dk, do = _mla(rng, b, h, q, r, v, k, 40, 2, 0)
+    scale = 1 / np.sqrt(q + r)
+    for lens in ([700, 3, 1500], [1000] * 32):  # nsplit 40 (C 8, 5 partials); 4 (C 4, cl)
+        caches = []
+        for n in lens:
+            c = b.new_kv(0, k, r)
+            c.append(rng.standard_normal((n, k)).astype(np.float32),
+                     rng.standard_normal((n, r)).astype(np.float32))  # fmt: skip
+            caches.append(c)
+        qa = rng.standard_normal((len(lens), h, q + r)).astype(np.float32)
+        outs = []
+        for on in (True, False):
+            monkeypatch.setattr(cupy_graphs, "ENABLED", on)
+            outs.append([b.attention_ragged(dk, do, qa, caches, q, r, v, scale).out
+                         for _ in range(4)])  # fmt: skip
+        assert sum(e is not None for a in b._arenas(0) for e in a.graphs.execs.values()) > 0
+        for got in outs[0] + outs[1][1:]:
+            assert np.array_equal(got.view(np.uint32), outs[1][0].view(np.uint32))
+        for c in caches:
+            c.release()
+
+
+def test_absorb_w_map(rng):
+    """The columns mla_absorb_w gives each lane (col0 + 128 j + k of column group g) and its
+    decode of a 16-byte chunk (abw_decode: quad qq of word qq / 2, nibble k) read the resident
+    layout as load_elem does (layout.decode_resident), every format it serves; CPU model."""
+    from _kern import make_tensor as mk
+
+    from coliworker.kernels import layout
+
+    for fmt, k_in, gs in ((2, 40, 0), (2, 512, 0), (2, 1100, 0), (4, 1100, 8), (4, 512, 12)):
+        t = mk(rng, fmt, 3, k_in, gs)
+        lay = layout.Layout.of(fmt, k_in, t.group_size)
+        dev = layout.relayout(np, t, t.weights)
+        sc = layout.scales(np, t, t.scales)
+        want = layout.decode_resident(t, dev, sc)
+        rows = dev.reshape(3, lay.ld)
+        blk = lay.block_elems
+        got = np.full_like(want, np.nan)
+        for g in range(-(-k_in // 512)):
+            b, q0 = g * 512 // blk, (g * 512 - (g * 512 // blk) * blk) >> 7
+            for lane in range(32):
+                chunk = rows[:, b * 512 + lane * 16 : b * 512 + lane * 16 + 16]
+                words = chunk.copy().view("<u4")  # [3, 4]
+                col0 = b * blk + q0 * 128 + 4 * lane
+                for j in range(4):
+                    qq = q0 + j
+                    x = words[:, qq // 2] >> np.uint32(16 * (qq % 2))
+                    for kk in range(4):
+                        c = col0 + 128 * j + kk
+                        if c >= k_in:
+                            continue
+                        v = ((x >> np.uint32(4 * kk)) & 15).astype(np.float64) - 8
+                        if fmt == 4:
+                            s = sc.reshape(3, lay.ngp)[:, (col0 + 128 * j) // t.group_size]
+                        else:
+                            s = sc
+                        got[:, c] = v * s
+        assert np.array_equal(got, want), (fmt, k_in, gs)
