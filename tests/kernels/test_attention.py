@@ -3,6 +3,10 @@ reference. GPU only."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 from _kern import REL_TOL, make_tensor, rel_err
@@ -218,3 +222,106 @@ def test_absorb_w_map(rng):
                             s = sc
                         got[:, c] = v * s
         assert np.array_equal(got, want), (fmt, k_in, gs)
+
+
+# A CPU stand-in for the CUDA built-ins mla_absorb and mla_absorb_w use (one block at a time,
+# one std::thread per CUDA thread, std::barrier for __syncthreads): the absorb kernels have no
+# warp-level or asm instructions, so g++ runs their source as it is.
+_SHIM = r"""
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __launch_bounds__(...)
+struct uint4 { unsigned x, y, z, w; };
+struct float4 { float x, y, z, w; };
+struct dim3 { int x, y, z; };
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+thread_local dim3 threadIdx;
+dim3 blockIdx, gridDim, blockDim;
+std::barrier<> *g_bar;
+inline void __syncthreads() { g_bar->arrive_and_wait(); }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+template <class T> inline T __ldg(const T *p) { return *p; }
+inline float __shfl_xor_sync(unsigned, float v, int) { return v; }
+using std::max; using std::min;
+alignas(16) float4 SMEM[60000];
+#include "common.cuh"
+#include "absorb.inc"
+template <class F> void launch(dim3 g, int nt, F f) {
+    gridDim = g; blockDim = {nt, 1, 1};
+    for (int z = 0; z < g.z; ++z) for (int y = 0; y < g.y; ++y) for (int x = 0; x < g.x; ++x) {
+        blockIdx = {x, y, z};
+        std::barrier<> bar(nt); g_bar = &bar;
+        std::vector<std::thread> ts;
+        for (int t = 0; t < nt; ++t) ts.emplace_back([&, t] { threadIdx = {t, 0, 0}; f(); });
+        for (auto &t : ts) t.join();
+    }
+}
+template <int F, int SB> int check(int S, int H, int Q, int R, int V, int K, int gsz) {
+    std::mt19937 rng(S * 7 + K);
+    const int inp = (K + 1023) / 1024 * 1024, ld = inp / 2, O = H * (Q + V);
+    const int ngp = F == 4 ? (inp + gsz - 1) / gsz : 1, gs = F == 4 ? gsz : 4;
+    const int shift = (gs & (gs - 1)) == 0 ? __builtin_ctz(gs) : -1;
+    std::vector<unsigned char> w((size_t)O * ld);
+    for (auto &b : w) b = rng() & 255;
+    std::uniform_real_distribution<float> u(-1, 1);
+    std::vector<float> sc((size_t)O * ngp), q((size_t)S * H * (Q + R));
+    for (auto &x : sc) x = 0.001f + 0.01f * (u(rng) + 1);
+    for (auto &x : q) x = u(rng);
+    std::vector<float> a((size_t)S * H * (K + R), NAN), b = a;
+    launch({H, (K + 511) / 512, (S + SB - 1) / SB}, 256, [&] {
+        mla_absorb_w<F, SB>(a.data(), q.data(), w.data(), sc.data(), nullptr, nullptr, nullptr, 0,
+                            S, H, Q, R, V, K, ld, ngp, gs, shift); });
+    launch({H, (K + 127) / 128, (S + 7) / 8}, 512, [&] {
+        mla_absorb<F>(b.data(), q.data(), w.data(), sc.data(), nullptr, nullptr, nullptr, 0,
+                      S, H, Q, R, V, K, ld, ngp, gs, shift); });
+    double d = 0, m = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+        if (std::isnan(a[i]) || std::isnan(b[i])) return 1;  // an output left unwritten
+        d = std::max(d, (double)std::fabs(a[i] - b[i]));
+        m = std::max(m, (double)std::fabs(b[i]));
+    }
+    printf("fmt %d SB %d S %d K %d: %.2g\n", F, SB, S, K, d / m);
+    return d > 1e-6 * m;
+}
+int main() {
+    return check<2, 1>(1, 2, 192, 64, 256, 512, 0) + check<2, 8>(10, 2, 16, 8, 12, 40, 0)
+         + check<2, 4>(3, 2, 24, 8, 16, 1100, 0) + check<4, 8>(9, 2, 40, 4, 8, 512, 8)
+         + check<4, 4>(4, 2, 20, 4, 8, 1100, 12);
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
+def test_absorb_w_on_cpu(tmp_path):
+    """mla_absorb_w against mla_absorb (the kernel the GPU tests check against float64), their
+    CUDA source run on the CPU through a stand-in for the built-ins they use: every output
+    written, equal to fp32 rounding, at 1 to 10 tokens (SB 1, 4, 8; two z blocks), K 40 to
+    1100 (several column groups, quads 4..7, a second 512-byte block), fmt 2 and fmt 4 (gs 8,
+    12)."""
+    kdir = Path(__file__).resolve().parents[2] / "kernels"
+    src = (kdir / "attention.cu").read_text()
+    part = src[src.index("struct KvDesc") : src.index("#define ATT_WARPS")]
+    part = part.replace("extern __shared__ float4 abw_sm4[];", "float4 *abw_sm4 = SMEM;")
+    part = part.replace("extern __shared__ float qs[];", "float *qs = (float *)SMEM;")
+    (tmp_path / "absorb.inc").write_text(part)
+    (tmp_path / "emu.cpp").write_text(_SHIM)
+    exe = tmp_path / "emu"
+    cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-w", f"-I{kdir}", "-o", str(exe)]
+    cc = subprocess.run([*cmd, str(tmp_path / "emu.cpp")], capture_output=True, text=True)
+    if cc.returncode != 0 and "barrier" in cc.stderr:
+        pytest.skip("g++ without C++20 <barrier>")
+    assert cc.returncode == 0, cc.stderr[-2000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
