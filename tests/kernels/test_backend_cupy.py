@@ -50,9 +50,10 @@ def test_concurrent_threads_pipelined_groups(cupy_backend, rng, monkeypatch):
     ]
     xs = [rng.standard_normal((sum(rows), 4096)).astype(np.float32) for _ in range(4)]
     assert 4 * xs[0].size >= eg.PIPE_BYTES
+    limit = eg.PIPE_BYTES
     monkeypatch.setattr(eg, "PIPE_BYTES", 1 << 62)
     want = [b.expert_group(experts, rows, x).out for x in xs]  # one launch, this thread
-    monkeypatch.setattr(eg, "PIPE_BYTES", 16 << 20)
+    monkeypatch.setattr(eg, "PIPE_BYTES", limit)
     errors: list[str] = []
 
     def work(n: int) -> None:
