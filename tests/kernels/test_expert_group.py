@@ -169,6 +169,7 @@ def pipelined_calls(monkeypatch):
         return real(*args, **kw)
 
     monkeypatch.setattr(eg, "issue_pipelined", spy)
+    monkeypatch.setattr(eg, "PIPELINE", True)  # off by default until run on a GPU
     return seen
 
 
@@ -397,6 +398,7 @@ def test_pipelined_issue_on_simulated_streams(monkeypatch, direct, launches, pie
     monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(cuda=SimpleNamespace(runtime=sim)))
     fake_mm = SimpleNamespace(moe_launch=_sim_kernel(d))
     monkeypatch.setitem(sys.modules, "coliworker.kernels.matmul", fake_mm)
+    monkeypatch.setattr(eg, "PIPELINE", True)
     monkeypatch.setattr(eg, "PIPE_BYTES", 64 << 10)
     monkeypatch.setattr(eg, "PIPE_LAUNCHES", launches)
     monkeypatch.setattr(eg, "PIPE_PIECES", pieces)
