@@ -8,18 +8,22 @@
     ├── of(handles)                   (handle, device, calls, rows) of one owner's live handles
     └── top(n)                        per device, the n largest (calls, rows), any owner
 
-Counts are kept per handle id (a handle belongs to one owner and ids are random 63-bit
-numbers, never reused while live), so reading one owner's counts is a lookup of its live
-handles. Memory is bounded: at most ``limit`` entries; when full, entries of handles that
-are no longer live (a call that finished after its tensor was freed) are pruned, and if
-none are, new handles go uncounted until some are freed (``untracked`` says how many
-calls were missed). An expert group counts one call per expert on each of its gate, up and
-down tensors, with that expert's rows; a routed group the (token, slot) pairs routed to the
-expert, and no call for an expert no token was routed to.
+Recording is one append to a journal (no lock, no counting on the call's thread); the
+journal is folded into the counts under the lock when they are read, or by the recording
+call that finds it ``JOURNAL`` entries long. Counts are kept per handle id (a handle
+belongs to one owner and ids are random 63-bit numbers, never reused while live), so
+reading one owner's counts is a lookup of its live handles. Memory is bounded: at most
+``limit`` entries; when full, entries of handles that are no longer live (a call that
+finished after its tensor was freed) are pruned, and if none are, new handles go uncounted
+until some are freed (``untracked`` says how many calls were missed). An expert group
+counts one call per expert on each of its gate, up and down tensors, with that expert's
+rows; a routed group the (token, slot) pairs routed to the expert, and no call for an
+expert no token was routed to.
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
@@ -30,6 +34,10 @@ import numpy as np
 LIMIT = 1 << 18
 #: Distinct expert lists whose totals wait to be spread over their handles.
 PENDING = 4096
+#: Calls recorded but not yet counted, at most (the call that finds more folds them).
+JOURNAL = 1024
+
+_TENSOR, _EXPERTS, _ROUTED = 0, 1, 2
 
 
 class UsageCounts:
@@ -39,13 +47,16 @@ class UsageCounts:
         self, live: Callable[[], Collection[int]] | None = None, limit: int = LIMIT
     ) -> None:
         self.limit = limit
-        self.untracked = 0  # calls not counted because the table was full
+        self._untracked = 0  # calls not counted because the table was full
         self._live = live  # the ids of the live handles, to prune with when full
         self._lock = threading.Lock()
         self._counts: dict[int, list[int]] = {}  # handle -> [device, calls, rows]
         # expert groups not yet spread over their handles: (expert handle triples) ->
         # [device, calls per expert, rows per expert]; folded into _counts when read
         self._pending: dict[tuple, list] = {}
+        # calls recorded, not yet counted: appends and poplefts of a deque are atomic, so
+        # recording takes no lock and a fold running meanwhile loses nothing
+        self._journal: collections.deque[tuple] = collections.deque()
 
     # -- recording (the compute handlers) --------------------------------------------------
 
@@ -54,7 +65,7 @@ class UsageCounts:
         c = self._counts.get(handle)
         if c is None:
             if len(self._counts) >= self.limit and not self._prune():
-                self.untracked += 1
+                self._untracked += 1
                 return
             c = self._counts[handle] = [device, 0, 0]
         c[1] += calls
@@ -72,37 +83,68 @@ class UsageCounts:
     def tensor(self, device: int, rows: int, *handles: int) -> None:
         """One call (matmul, expert_mlp, attention) that applied ``handles`` to ``rows``
         rows; a handle of 0 (an absent o_proj) is skipped."""
-        with self._lock:
-            for h in handles:
-                if h:
-                    self._add(h, device, rows)
+        self._record((_TENSOR, device, rows, handles))
 
     def experts(self, device: int, experts: tuple, rows: Sequence[int] | np.ndarray) -> None:
         """One expert group: ``experts`` are its (gate, up, down) handle ids, ``rows[c]``
-        the rows of expert c (an expert with 0 rows gets no call). The hot path: added to
-        the group's pending totals, spread over the handles only when read."""
-        n = rows.tolist() if isinstance(rows, np.ndarray) else rows
+        the rows of expert c (an expert with 0 rows gets no call)."""
+        self._record((_EXPERTS, device, experts, rows))
+
+    def routed(self, device: int, experts: tuple, routes: np.ndarray) -> None:
+        """One routed group: expert c gets the (token, slot) pairs whose route is c
+        (``routes``: int32; its bytes are kept until counted, the array may change)."""
+        self._record((_ROUTED, device, experts, routes.tobytes()))
+
+    def _record(self, entry: tuple) -> None:
+        self._journal.append(entry)
+        if len(self._journal) > JOURNAL:
+            with self._lock:
+                self._drain()
+
+    @property
+    def untracked(self) -> int:
+        """Calls not counted because the table was full of live handles."""
         with self._lock:
-            p = self._pending.get(experts)
+            self._drain()
+            return self._untracked
+
+    def _drain(self) -> None:
+        """Count the journal's calls (call with the lock)."""
+        journal = self._journal
+        while journal:
+            try:
+                kind, device, a, b = journal.popleft()
+            except IndexError:  # another thread emptied it meanwhile
+                return
+            if kind == _TENSOR:
+                for h in b:
+                    if h:
+                        self._add(h, device, a)
+                continue
+            if kind == _ROUTED:
+                n = [0] * len(a)
+                for e in np.frombuffer(b, np.int32).tolist():
+                    n[e] += 1
+            else:
+                n = b.tolist() if isinstance(b, np.ndarray) else b
+            p = self._pending.get(a)
             if p is None:
                 if len(self._pending) >= PENDING:
-                    self._fold()
-                p = self._pending[experts] = [device, [0] * len(n), [0] * len(n)]
+                    self._fold_pending()
+                p = self._pending[a] = [device, [0] * len(n), [0] * len(n)]
             calls, totals = p[1], p[2]
             for c, r in enumerate(n):  # plain ints: a decode group has a handful of experts
                 if r:
                     calls[c] += 1
                     totals[c] += r
 
-    def routed(self, device: int, experts: tuple, routes: np.ndarray) -> None:
-        """One routed group: expert c gets the (token, slot) pairs whose route is c."""
-        counts = [0] * len(experts)
-        for e in routes.ravel().tolist():
-            counts[e] += 1
-        self.experts(device, experts, counts)
-
     def _fold(self) -> None:
-        """Spread the pending group totals over their handles (call with the lock)."""
+        """Count the journal and spread the pending group totals over their handles (call
+        with the lock)."""
+        self._drain()
+        self._fold_pending()
+
+    def _fold_pending(self) -> None:
         pending, self._pending = self._pending, {}
         for experts, (device, calls, rows) in pending.items():
             for triple, c, r in zip(experts, calls, rows, strict=True):
@@ -142,7 +184,9 @@ class UsageCounts:
         return {d: heapq.nlargest(n, v) for d, v in by_device.items()}
 
     def __len__(self) -> int:
-        return len(self._counts)
+        with self._lock:
+            self._drain()
+            return len(self._counts)
 
 
 __all__ = ["LIMIT", "UsageCounts"]

@@ -126,3 +126,52 @@ def test_top_metrics_have_rank_labels_only() -> None:
     lines = [ln for ln in text.splitlines() if ln.startswith("coliworker_tensor_top_calls{")]
     assert len(lines) == 20  # 10 ranks x 2 devices, whatever the number of tensors
     assert 'coliworker_tensor_top_rows{device="1",rank="1"} 29.0' in text
+
+
+def test_counts_recorded_on_many_threads_while_read_lose_nothing() -> None:
+    """Recording appends to a journal without a lock; reads and full journals fold it."""
+    import threading
+
+    from coliworker.server import usage as usage_mod
+
+    rng = np.random.default_rng()
+    c = UsageCounts()
+    triples = ((1, 2, 3), (4, 5, 6), (7, 8, 9))
+    routes = [rng.integers(0, 3, size=(int(rng.integers(1, 4)), 2)).astype(np.int32)
+              for _ in range(4)]  # fmt: skip
+    n_calls = 3 * usage_mod.JOURNAL  # past the journal's length: recording folds too
+    per_set = 3 * (n_calls // 4) // 4  # three threads, each cycling over the four sets
+    want_calls, want_rows = [0] * 3, [0] * 3
+    for r in routes:
+        n = np.bincount(r.ravel(), minlength=3)
+        for e in range(3):
+            want_calls[e] += per_set * int(n[e] > 0)
+            want_rows[e] += per_set * int(n[e])
+
+    def record(k: int) -> None:
+        for i in range(n_calls // 4):
+            r = routes[(k + i) % 4].copy()
+            c.routed(0, triples, r)
+            r[:] = -1  # the caller's array changes after recording: counts do not
+            c.tensor(1, 2, 10, 0)
+
+    def read(stop: threading.Event) -> None:
+        while not stop.is_set():
+            c.of([(1, 0)])
+
+    stop = threading.Event()
+    reader = threading.Thread(target=read, args=(stop,))
+    reader.start()
+    threads = [threading.Thread(target=record, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    stop.set()
+    reader.join(60)
+    got = {h: (calls, rows) for h, _, calls, rows in c.of([(h, 0) for h in range(1, 11)])}
+    for e, triple in enumerate(triples):
+        for h in triple:
+            assert got[h] == (want_calls[e], want_rows[e]), (h, e)
+    assert got[10] == (3 * (n_calls // 4), 3 * (n_calls // 4) * 2)
+    assert c.untracked == 0 and len(c) == 10
