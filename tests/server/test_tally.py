@@ -1,0 +1,87 @@
+"""The hot-path tally (``server/tally.py``) exposes exactly what prometheus_client's own
+Counter and Histogram would for the same updates: every sample line, value and bucket."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+
+from coliworker.server.metrics import PHASE_BUCKETS, RPC_BUCKETS
+from coliworker.server.tally import Tally
+
+
+def _pair(buckets):
+    disable_created_metrics()  # as the worker's Metrics does: no *_created series
+    ref, reg = CollectorRegistry(), CollectorRegistry()
+    tally = Tally()
+    reg.register(tally)
+    fams = {
+        "c": (
+            Counter("t_calls", "Calls.", ["device"], registry=ref),
+            tally.counter("t_calls", "Calls.", ["device"]),
+        ),
+        "h": (
+            Histogram(
+                "t_seconds", "Seconds.", ["call", "transport"], buckets=buckets, registry=ref
+            ),
+            tally.histogram("t_seconds", "Seconds.", ["call", "transport"], buckets),
+        ),
+    }
+    return ref, reg, fams
+
+
+def test_the_same_updates_give_the_same_exposition_as_prometheus_client():
+    rng = np.random.default_rng()
+    for buckets in (PHASE_BUCKETS, RPC_BUCKETS):
+        ref, reg, fams = _pair(buckets)
+        assert generate_latest(reg) == generate_latest(ref)  # no series yet: HELP / TYPE only
+        edges = [*buckets, 0.0, -1.0, float("inf"), buckets[0] / 2, buckets[-1] * 3]
+        for _ in range(2000):
+            if rng.random() < 0.3:
+                device = str(rng.integers(0, 3))
+                amount = float(rng.choice([1, 2, 0.5, rng.random() * 100]))
+                for c in fams["c"]:
+                    c.labels(device).inc(amount)
+            else:
+                labels = (str(rng.choice(["expert_group", "attention_ragged"])),
+                          str(rng.choice(["socket", "shm", "grpc"])))  # fmt: skip
+                v = (
+                    float(rng.choice(edges))
+                    if rng.random() < 0.2
+                    else float(10 ** rng.uniform(-6, 1.5))
+                )
+                for h in fams["h"]:
+                    h.labels(*labels).observe(v)
+        assert generate_latest(reg) == generate_latest(ref)
+
+
+def test_updates_from_many_threads_are_all_counted():
+    tally = Tally()
+    reg = CollectorRegistry()
+    reg.register(tally)
+    c = tally.counter("t_calls", "Calls.", ["device"])
+    h = tally.histogram("t_seconds", "Seconds.", ["call"], PHASE_BUCKETS)
+
+    def work() -> None:
+        for i in range(5000):
+            c.labels(str(i % 2)).inc()
+            h.labels("g").observe(1e-4)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert reg.get_sample_value("t_calls_total", {"device": "0"}) == 10000
+    assert reg.get_sample_value("t_calls_total", {"device": "1"}) == 10000
+    assert reg.get_sample_value("t_seconds_count", {"call": "g"}) == 20000
+    assert reg.get_sample_value("t_seconds_bucket", {"call": "g", "le": "5e-05"}) == 0
+    assert reg.get_sample_value("t_seconds_bucket", {"call": "g", "le": "0.0001"}) == 20000
