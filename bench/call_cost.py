@@ -1,7 +1,8 @@
 """The host CPU one decode call costs on each side of the data plane, without a transport.
 
-In one process: a worker servicer (NumPy backend, its compute replaced by a stub that
-returns a preallocated result, so only the host code runs) and the client's request code.
+In one process: a worker servicer (NumPy backend, metrics on as deployed, its compute
+replaced by a stub that returns a preallocated result, so only the host code runs) and the
+client's request code.
 For a routed expert group of 8 experts x 1 row (D=6144) and a ragged attention call (q
 [1, 64, 256], one new KV row) it times, per call:
 
@@ -43,7 +44,8 @@ def run(n: int, profile: bool = False) -> dict:
     from coliworker.wire import calls, frames, staging
     from coliworker.wire.codec import ArrayIO
 
-    srv = build_server(Config(backend="numpy", port=0, metrics_port=None, data_port=None))
+    # metrics on, as a deployed worker has them (its /metrics on a free port)
+    srv = build_server(Config(backend="numpy", port=0, metrics_port=0, data_port=None))
     srv.start()
     rng = np.random.default_rng(0)
     w = WorkerClient(srv.address, progress=False)
