@@ -137,10 +137,13 @@ class SessionStream:
             self.watch.touch()
 
     def running(self) -> bool:
-        """A call is running (on the stream or its doorbell channel): not idle however long
-        it takes."""
+        """A call is running (on the stream or its doorbell channel), or the client is
+        passing its segment: not idle however long it takes."""
         bell = self.doorbell
-        return self.in_flight > 0 or (bell is not None and bell.busy)
+        if self.in_flight > 0 or (bell is not None and bell.busy):
+            return True
+        attach = self.servicer.sessions.attach_socket
+        return attach is not None and attach.waiting(self)
 
     # -- the handler thread ---------------------------------------------------------------
 

@@ -156,6 +156,14 @@ class AttachSocket:
             if ticket is not None:
                 self._pending.pop(ticket, None)
 
+    def waiting(self, stream: Any) -> bool:
+        """``stream`` holds a ticket not yet used nor expired: its client is passing a
+        segment (a Session attaching is not idle, however slow the handshake)."""
+        with self._lock:
+            ticket = self._by_stream.get(id(stream))
+            p = self._pending.get(ticket) if ticket is not None else None
+            return p is not None and p.deadline > time.monotonic()
+
     def pending(self) -> int:
         """Tickets given out and not yet used or void (for tests and diagnostics)."""
         with self._lock:
@@ -238,6 +246,7 @@ class AttachSocket:
                     "invalid", f"shm socket: expected 1 descriptor (SCM_RIGHTS), got {len(fds)}"
                 )
             p = self._take(msg[len(PASS_MAGIC) :])
+            p.stream.touch()  # the handshake is activity: its idle time starts again here
             fd = fds.pop()
             seg = Segment.adopt(fd, p.size)  # closes fd
         finally:

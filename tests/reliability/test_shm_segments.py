@@ -13,6 +13,7 @@ import os
 import socket
 import stat
 import threading
+import time
 
 import grpc
 import numpy as np
@@ -314,3 +315,33 @@ def test_a_stalled_peer_gives_the_attach_socket_back(owners, rng, monkeypatch):
         reader.join(20)
     assert answers and answers[0][0] == grpc.StatusCode.UNAVAILABLE.value[0]
     assert b"timed out" in answers[0]
+
+
+def test_a_slow_segment_handshake_is_not_idle(rng):
+    """--session-idle-timeout: a stream whose client holds a ticket and is still passing its
+    segment is not idle (a loaded client may take longer than the timeout between the two);
+    once attached, the stream's idle time starts again, and it ends when it is truly idle."""
+    timeout = 0.5
+    srv = serve(tokens=token_env(), session_idle_timeout=timeout)
+    a = client(srv, "alice")
+    seg = Segment.create(SIZE)
+    try:
+        with a.session(transport="grpc") as s:
+            t = ticket(s)
+            time.sleep(4 * timeout)  # the handshake's step 3 comes late
+            code, message = shm.pass_fd(t.socket, t.ticket, seg.fd)
+            assert CODE[code] == grpc.StatusCode.OK, message
+            assert srv.servicer.sessions.attached_segments() == [seg.name]
+            w = random_tensor(rng, 0, 64, 32)
+            x = rng.standard_normal((3, 64)).astype(np.float32)
+            h = upload(a, w)
+            assert rel_err(s.matmul_sync(h, x), ref.matmul(w, x)) < TOL
+            deadline = time.monotonic() + 30
+            while srv.servicer.sessions.streams() and time.monotonic() < deadline:
+                time.sleep(0.05)  # nothing more: now it is idle, and ends
+            assert srv.servicer.sessions.streams() == 0
+            assert srv.servicer.sessions.attached_segments() == []
+    finally:
+        seg.close()
+        a.close()
+        srv.stop(grace=None)
