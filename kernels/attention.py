@@ -6,6 +6,10 @@ wrappers of ``attention.cu``: absorbed q, split-T attention with online softmax,
 Two attention kernels: ``mla_flash`` (tensor cores, every head of a block scores each KV tile
 staged once; the default where it fits: K <= 512 and its shared memory) and ``mla_attend``
 (fp32 FMA, any K + R up to ``MAX_KR``). ``FLASH = False`` keeps mla_attend (tests run both).
+Behind switches, off until measured on a GPU (written in a session without device time; the
+tests run them on the GPU, and on the CPU through a stand-in for the CUDA built-ins):
+``mla_absorb_w`` (``ABSORB_W``: whole-row kv_b loads) and ``mla_flash_c`` (``FL_CLUSTER``:
+clusters of T slices merged in distributed shared memory, fewer or no mla_merge partials).
 
 The value projection and o_proj are gemv jobs (``matmul.py``); ``run`` chains every launch of
 a call in its arena (``call``: the backend's call context, ``server/cupy_calls.py``), with the
