@@ -12,6 +12,7 @@ plain decode step as ``bench/kernels.py`` makes it (call wall, kernel phase) is 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import time
 from pathlib import Path
@@ -171,6 +172,41 @@ def breakdown(dec: Decode, log: list, calls: int) -> dict[str, float]:
     return d
 
 
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig (cuda.h)
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("smem", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.c_void_p),
+        ("n_attrs", ctypes.c_uint),
+    ]
+
+
+def max_clusters() -> dict[int, int | str]:
+    """cuOccupancyMaxActiveClusters of mla_flash_c<32, C> at GLM-5.2 widths: clusters of C
+    one-block-per-SM blocks resident at once (S=1 needs 128 / C of them in one wave)."""
+    out: dict[int, int | str] = {}
+    if not hasattr(att, "FL_CLUSTERS"):
+        return out
+    try:
+        fn_occ = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
+    except (OSError, AttributeError) as exc:
+        return {0: f"n/a ({exc})"}
+    geo = att._flash_geometry(GLM["K"], GLM["R"])
+    for c in att.FL_CLUSTERS.get(32, ()):
+        try:
+            fn = att.get_function("attention.cu", f"mla_flash_c<32, {c}>", att.VARIANTS)
+            fn.max_dynamic_shared_size_bytes = max(geo[3], 160 * 1024)
+            cfg = _LaunchConfig((c * 16, 1, 1), (256, 1, 1), geo[3], None, None, 0)
+            n = ctypes.c_int(0)
+            err = fn_occ(ctypes.byref(n), ctypes.c_void_p(fn.kernel.ptr), ctypes.byref(cfg))
+            out[c] = int(n.value) if err == 0 else f"CUDA error {err}"
+        except Exception as exc:  # noqa: BLE001 - a report, not a check
+            out[c] = f"n/a ({exc})"
+    return out
+
+
 def fm(d: dict) -> float:
     """flash (or attend) + merge us of a breakdown."""
     return d.get("flash", d.get("attend", 0.0)) + d.get("merge", 0.0)
@@ -269,6 +305,10 @@ def main() -> int:
             + "; by nsplit: "
             + " ".join(f"{n}:{x:.1f}" for n, x in sweep.items())
         )
+    if not args.profile:
+        occ = max_clusters()
+        lines.append("max active clusters of mla_flash_c<32, C>: " + str(occ))
+        results.append(dict(max_active_clusters=occ))
     if args.out is not None and not args.profile:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "mla_launches.json").write_text(json.dumps(results, indent=1))
