@@ -1,5 +1,5 @@
 /* test_abi: every entry point of libcoliworker_cuda.so against a live worker, each result
- * checked against a float64 reference computed here.
+ * checked against a float64 reference (test_ref.c).
  *
  *   test_abi all        the whole ABI (tests/cclient/test_c_client.py starts the worker
  *                       with --devices 0,1 --max-experts 16 --max-sequences-per-call 4, so
@@ -9,14 +9,19 @@
  *                       line; calls return 0, the library reconnects, and with
  *                       COLIWORKER_RETAIN=1 every result is right again
  *   test_abi multi      two workers in COLIWORKER_ADDRESS: device ids span both
+ *   test_abi idle       a pause past the worker's --data-idle-timeout: the next call is
+ *                       served on a new connection
  *
  * "PAUSE <what>" lines on stdout wait for one line on stdin (the harness looks at the
  * worker meanwhile). Exit status 0 when every check passed; failures are printed.
+ *
+ * This file owns main and the per-entry-point tests (init, test vectors, formats, dedup and
+ * update, MLPs, expert groups, attention, ragged attention, refusals). The connection-level
+ * tests (fault hook, threads, restart, multi, idle) are test_conn.c's; the CHECK harness,
+ * the rng, host tensors, the reference and the shared fixtures are test_ref.c's (test_ref.h).
  */
 #define _GNU_SOURCE
-#include <errno.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -25,207 +30,7 @@
 #include <unistd.h>
 
 #include "coliworker_cuda.h"
-
-static int failures, checks;
-static uint64_t rng_state;
-
-#define CHECK(cond, ...)                                                  \
-    do {                                                                  \
-        checks++;                                                         \
-        if (!(cond)) {                                                    \
-            failures++;                                                   \
-            printf("FAIL %s:%d: ", __FILE__, __LINE__);                   \
-            printf(__VA_ARGS__);                                          \
-            printf("\n");                                                 \
-            fflush(stdout);                                               \
-        }                                                                 \
-    } while (0)
-
-static uint64_t rnd(void) {
-    rng_state ^= rng_state << 13;
-    rng_state ^= rng_state >> 7;
-    rng_state ^= rng_state << 17;
-    return rng_state;
-}
-static double unif(void) { return (double)(rnd() >> 11) / 9007199254740992.0; }
-static float normal(void) {
-    double u = unif() + 1e-12, v = unif();
-    return (float)(sqrt(-2 * log(u)) * cos(6.283185307179586 * v));
-}
-static int irange(int lo, int hi) { return lo + (int)(rnd() % (uint64_t)(hi - lo + 1)); }
-static float *randn(size_t n) {
-    float *a = malloc(n * sizeof *a + 4);
-    for (size_t i = 0; i < n; i++) a[i] = normal();
-    return a;
-}
-
-static void pause_for(const char *what) {
-    char line[64];
-    printf("PAUSE %s\n", what);
-    fflush(stdout);
-    if (!fgets(line, sizeof line, stdin)) exit(3);
-}
-
-/* -- host tensors and the float64 reference ------------------------------------------ */
-
-typedef struct {
-    int fmt, I, O, gs;
-    uint8_t *w;
-    float *s;
-    size_t wb, ns;
-    double *deq; /* [O, I] */
-    ColiCudaTensor *t;
-} Host;
-
-static size_t row_bytes(int fmt, int I) {
-    return fmt == 0 ? 4u * I : fmt == 1 ? (size_t)I : fmt == 3 ? (I + 3u) / 4 : (I + 1u) / 2;
-}
-
-static void dequant(Host *h) {
-    size_t rb = row_bytes(h->fmt, h->I);
-    int ng = h->fmt == 4 ? (h->I + h->gs - 1) / h->gs : 1;
-    for (int o = 0; o < h->O; o++)
-        for (int i = 0; i < h->I; i++) {
-            const uint8_t *q = h->w + (size_t)o * rb;
-            double v;
-            switch (h->fmt) {
-            case 0: { float f; memcpy(&f, q + 4 * i, 4); v = f; break; }
-            case 1: v = (int8_t)q[i] * (double)h->s[o]; break;
-            case 2: v = ((i & 1 ? q[i / 2] >> 4 : q[i / 2] & 15) - 8) * (double)h->s[o]; break;
-            case 3: v = (((q[i / 4] >> (2 * (i % 4))) & 3) - 2) * (double)h->s[o]; break;
-            default:
-                v = ((i & 1 ? q[i / 2] >> 4 : q[i / 2] & 15) - 8) *
-                    (double)h->s[(size_t)o * ng + i / h->gs];
-            }
-            h->deq[(size_t)o * h->I + i] = v;
-        }
-}
-
-static Host make(int fmt, int I, int O, int gs) {
-    Host h = {fmt, I, O, fmt == 4 ? gs : 0, NULL, NULL, 0, 0, NULL, NULL};
-    h.wb = row_bytes(fmt, I) * O;
-    h.ns = fmt == 0 ? 0 : fmt == 4 ? (size_t)O * ((I + gs - 1) / gs) : (size_t)O;
-    h.w = malloc(h.wb + 1);
-    h.s = malloc(h.ns * 4 + 4);
-    if (fmt == 0) {
-        for (size_t i = 0; i < h.wb / 4; i++) ((float *)h.w)[i] = normal() * 0.3f;
-    } else {
-        for (size_t i = 0; i < h.wb; i++) h.w[i] = (uint8_t)rnd();
-    }
-    for (size_t i = 0; i < h.ns; i++) h.s[i] = (float)(0.01 + 0.05 * unif());
-    h.deq = malloc((size_t)O * I * sizeof(double));
-    dequant(&h);
-    return h;
-}
-
-static int upload(Host *h, int device) {
-    return h->fmt == 4
-               ? coli_cuda_tensor_upload_g(&h->t, h->w, h->s, h->fmt, h->I, h->O, device, h->gs)
-               : coli_cuda_tensor_upload(&h->t, h->w, h->s, h->fmt, h->I, h->O, device);
-}
-
-static void drop(Host *h) {
-    coli_cuda_tensor_free(h->t);
-    h->t = NULL;
-    free(h->w); free(h->s); free(h->deq);
-    h->w = NULL; h->s = NULL; h->deq = NULL;
-}
-
-/* y[S, O] = x[S, I] W^T */
-static void ref_matmul(const Host *h, const double *x, double *y, int S) {
-    for (int s = 0; s < S; s++)
-        for (int o = 0; o < h->O; o++) {
-            double a = 0;
-            for (int i = 0; i < h->I; i++) a += x[(size_t)s * h->I + i] * h->deq[(size_t)o * h->I + i];
-            y[(size_t)s * h->O + o] = a;
-        }
-}
-
-static double *to_double(const float *x, size_t n) {
-    double *d = malloc(n * sizeof *d + 8);
-    for (size_t i = 0; i < n; i++) d[i] = x[i];
-    return d;
-}
-
-static void ref_mlp(const Host *g, const Host *u, const Host *d, const float *x, double *y, int S) {
-    int D = g->I, I = g->O;
-    double *xd = to_double(x, (size_t)S * D), *a = malloc((size_t)S * I * 8), *b = malloc((size_t)S * I * 8);
-    ref_matmul(g, xd, a, S);
-    ref_matmul(u, xd, b, S);
-    for (size_t i = 0; i < (size_t)S * I; i++) a[i] = a[i] / (1 + exp(-a[i])) * b[i];
-    ref_matmul(d, a, y, S);
-    free(xd); free(a); free(b);
-}
-
-static double rel_err(const float *y, const double *ref, size_t n) {
-    double num = 0, den = 1e-30;
-    for (size_t i = 0; i < n; i++) {
-        double e = fabs((double)y[i] - ref[i]);
-        if (!(e <= num)) num = e; /* NaN counts */
-        if (fabs(ref[i]) > den) den = fabs(ref[i]);
-    }
-    return num / den;
-}
-
-#define TOL 2e-5
-#define CLOSE(what, y, ref, n)                                                      \
-    do {                                                                            \
-        double e_ = rel_err((y), (ref), (n));                                       \
-        CHECK(e_ < TOL, "%s: relative error %.3g (tolerance %.1g)", what, e_, TOL); \
-    } while (0)
-
-/* MLA absorbed attention: query row s of heads [H, Q+R] sees rows [0, n[s]) of its cache. */
-static void ref_attention(const Host *kvb, const Host *proj, const float *q, const float *const *lat,
-                          const float *const *rope, const int *n, int S, int H, int Q, int R,
-                          int V, int K, float scale, double *out) {
-    double *ctx = calloc((size_t)H * V, sizeof *ctx);
-    double *qa = malloc(K * sizeof *qa), *cl = malloc(K * sizeof *cl);
-    for (int s = 0; s < S; s++) {
-        int T = n[s];
-        double *p = malloc(T * sizeof *p);
-        for (int h = 0; h < H; h++) {
-            const float *qs = q + ((size_t)s * H + h) * (Q + R);
-            const double *W = kvb->deq + (size_t)h * (Q + V) * K;
-            for (int k = 0; k < K; k++) {
-                double a = 0;
-                for (int d = 0; d < Q; d++) a += qs[d] * W[(size_t)d * K + k];
-                qa[k] = a;
-            }
-            double mx = -1e300, sum = 0;
-            for (int t = 0; t < T; t++) {
-                double a = 0;
-                for (int k = 0; k < K; k++) a += qa[k] * lat[s][(size_t)t * K + k];
-                for (int d = 0; d < R; d++) a += qs[Q + d] * rope[s][(size_t)t * R + d];
-                p[t] = a * scale;
-                if (p[t] > mx) mx = p[t];
-            }
-            for (int t = 0; t < T; t++) sum += p[t] = exp(p[t] - mx);
-            for (int k = 0; k < K; k++) {
-                double a = 0;
-                for (int t = 0; t < T; t++) a += p[t] / sum * lat[s][(size_t)t * K + k];
-                cl[k] = a;
-            }
-            for (int v = 0; v < V; v++) {
-                double a = 0;
-                for (int k = 0; k < K; k++) a += cl[k] * W[(size_t)(Q + v) * K + k];
-                ctx[(size_t)h * V + v] = a;
-            }
-        }
-        free(p);
-        if (proj) {
-            for (int o = 0; o < proj->O; o++) {
-                double a = 0;
-                for (int j = 0; j < H * V; j++) a += ctx[j] * proj->deq[(size_t)o * H * V + j];
-                out[(size_t)s * proj->O + o] = a;
-            }
-        } else {
-            memcpy(out + (size_t)s * H * V, ctx, (size_t)H * V * sizeof *ctx);
-        }
-    }
-    free(ctx); free(qa); free(cl);
-}
-
-static void stats(int device, size_t *count, size_t *bytes) { coli_cuda_stats(device, count, bytes); }
+#include "test_ref.h"
 
 /* -- init, queries, test vectors ----------------------------------------------------- */
 
@@ -339,26 +144,6 @@ static void test_dedup_update(void) {
 
 /* -- experts --------------------------------------------------------------------------- */
 
-typedef struct {
-    Host g, u, d;
-} Expert;
-
-static Expert expert(int D, int I, int k, int dev) {
-    Expert e;
-    int f[3] = {(k + 2) % 5, (k + 4) % 5, k % 5}; /* every format in every role */
-    e.g = make(f[0], D, I, 5);
-    e.u = make(f[1], D, I, 8);
-    e.d = make(f[2], I, D, 7);
-    CHECK(upload(&e.g, dev) && upload(&e.u, dev) && upload(&e.d, dev), "expert upload");
-    return e;
-}
-
-static void drop_expert(Expert *e) {
-    drop(&e->g);
-    drop(&e->u);
-    drop(&e->d);
-}
-
 static void test_mlp(void) {
     int D = 24, I = 17, S = 3;
     Expert e = expert(D, I, 1, 1);
@@ -379,35 +164,6 @@ static void test_mlp(void) {
     drop(&g); drop(&u); drop(&d);
     drop_expert(&e);
     free(x);
-}
-
-typedef struct {
-    int n, D, I, total, rows[64];
-    Expert e[64];
-    ColiCudaTensor *gs[64], *us[64], *ds[64];
-    float *x;
-    double *ref;
-} Group;
-
-static void group_make(Group *G, int n, int D, int I, int dev, int max_rows) {
-    G->n = n; G->D = D; G->I = I; G->total = 0;
-    for (int c = 0; c < n; c++) {
-        G->e[c] = expert(D, I, c, dev);
-        G->gs[c] = G->e[c].g.t; G->us[c] = G->e[c].u.t; G->ds[c] = G->e[c].d.t;
-        G->rows[c] = irange(1, max_rows);
-        G->total += G->rows[c];
-    }
-    G->x = randn((size_t)G->total * D);
-    G->ref = malloc((size_t)G->total * D * 8);
-    for (int c = 0, off = 0; c < n; off += G->rows[c++])
-        ref_mlp(&G->e[c].g, &G->e[c].u, &G->e[c].d, G->x + (size_t)off * D,
-                G->ref + (size_t)off * D, G->rows[c]);
-}
-
-static void group_drop(Group *G) {
-    for (int c = 0; c < G->n; c++) drop_expert(&G->e[c]);
-    free(G->x);
-    free(G->ref);
 }
 
 static void test_groups(void) {
@@ -438,7 +194,8 @@ static void test_groups(void) {
             CHECK(coli_cuda_expert_group_take(dev) == NULL, "take with nothing issued");
             CHECK(coli_cuda_expert_group_issue(G.gs, G.us, G.ds, G.rows, n, G.x), "issue 1");
             CHECK(coli_cuda_expert_group_issue(G.gs, G.us, G.ds, G.rows, n, x2), "issue 2");
-            const float *a = coli_cuda_expert_group_take(dev), *b = coli_cuda_expert_group_take(dev);
+            const float *a = coli_cuda_expert_group_take(dev),
+                        *b = coli_cuda_expert_group_take(dev);
             size_t nb = (size_t)G.total * G.D * 4;
             CHECK(a && !memcmp(a, y, nb), "take 1 is bit-identical to expert_group");
             CHECK(b && !memcmp(b, y2, nb), "take 2 is bit-identical to expert_group");
@@ -472,9 +229,6 @@ static void test_groups(void) {
 
 /* -- attention ------------------------------------------------------------------------- */
 
-enum { H = 3, Qd = 8, Rd = 4, Vd = 6, Kd = 16, Dout = 10 };
-static const float SCALE = 0.288675f; /* 1/sqrt(Q+R) */
-
 static void test_attention(void) {
     Host kvb = make(2, Kd, H * (Qd + Vd), 0), proj = make(4, H * Vd, Dout, 5);
     CHECK(upload(&kvb, 1) && upload(&proj, 1), "attention tensors");
@@ -489,16 +243,16 @@ static void test_attention(void) {
           "attention_absorb");
     ref_attention(&kvb, NULL, q, L, Rp, n1, 1, H, Qd, Rd, Vd, Kd, SCALE, ref);
     CLOSE("attention_absorb", out, ref, H * Vd);
-    CHECK(coli_cuda_attention_absorb_batch(kvb.t, out, q, lat, rope, S, H, Qd, Rd, Vd, Kd, T, SCALE),
-          "attention_absorb_batch");
+    CHECK(coli_cuda_attention_absorb_batch(kvb.t, out, q, lat, rope, S, H, Qd, Rd, Vd, Kd, T,
+                                           SCALE), "attention_absorb_batch");
     ref_attention(&kvb, NULL, q, L, Rp, nb, S, H, Qd, Rd, Vd, Kd, SCALE, ref);
     CLOSE("attention_absorb_batch (causal)", out, ref, (size_t)S * H * Vd);
     CHECK(coli_cuda_attention_project_batch(kvb.t, proj.t, out, q, lat, rope, S, H, Qd, Rd, Vd,
                                             Kd, T, SCALE), "attention_project_batch");
     ref_attention(&kvb, &proj, q, L, Rp, nb, S, H, Qd, Rd, Vd, Kd, SCALE, ref);
     CLOSE("attention_project_batch", out, ref, (size_t)S * Dout);
-    CHECK(!coli_cuda_attention_absorb_batch(kvb.t, out, q, lat, rope, S, H, Qd, Rd, Vd, Kd, 2, SCALE),
-          "T < S must fail");
+    CHECK(!coli_cuda_attention_absorb_batch(kvb.t, out, q, lat, rope, S, H, Qd, Rd, Vd, Kd, 2,
+                                            SCALE), "T < S must fail");
     CHECK(!coli_cuda_attention_absorb(kvb.t, out, q, lat, rope, H + 1, Qd, Rd, Vd, Kd, T, SCALE),
           "a kv_b of another head count must fail");
     CHECK(!coli_cuda_attention_project_batch(kvb.t, kvb.t, out, q, lat, rope, S, H, Qd, Rd, Vd, Kd,
@@ -508,36 +262,6 @@ static void test_attention(void) {
     drop(&kvb);
     drop(&proj);
     free(lat); free(rope); free(q);
-}
-
-typedef struct {
-    float *lat, *rope;
-    int len, cap;
-} Seq;
-
-static void seq_init(Seq *s, int cap, int len) {
-    s->lat = randn((size_t)cap * Kd);
-    s->rope = randn((size_t)cap * Rd);
-    s->cap = cap;
-    s->len = len;
-}
-
-/* one ragged step over seqs[0..S) with keys; checks against the reference */
-static int ragged_step(Host *kvb, Host *proj, Seq *seqs, const void **keys, int S, int T,
-                       const char *what) {
-    const float *L[16], *Rp[16];
-    int n[16];
-    for (int s = 0; s < S; s++) { L[s] = seqs[s].lat; Rp[s] = seqs[s].rope; n[s] = seqs[s].len; }
-    float *q = randn((size_t)S * H * (Qd + Rd)), *out = malloc((size_t)S * Dout * 4);
-    double *ref = malloc((size_t)S * Dout * 8);
-    int ok = coli_cuda_attention_project_ragged(kvb->t, proj->t, out, q, keys, L, Rp, n, S, H, Qd,
-                                                Rd, Vd, Kd, T, SCALE);
-    if (ok) {
-        ref_attention(kvb, proj, q, L, Rp, n, S, H, Qd, Rd, Vd, Kd, SCALE, ref);
-        CLOSE(what, out, ref, (size_t)S * Dout);
-    }
-    free(q); free(out); free(ref);
-    return ok;
 }
 
 static void test_ragged(void) {
@@ -610,7 +334,7 @@ static void test_ragged(void) {
     drop(&proj);
 }
 
-/* -- refusals, the fault hook, threads -------------------------------------------------- */
+/* -- refusals --------------------------------------------------------------------------- */
 
 static void test_refusals(void) {
     size_t n0, b0, n1, b1;
@@ -636,7 +360,8 @@ static void test_refusals(void) {
     CHECK(coli_cuda_tensor_bytes(NULL) == 0 && coli_cuda_tensor_device(NULL) == -1, "NULL queries");
     coli_cuda_tensor_free(NULL);
     stats(-1, &n1, &b1);
-    CHECK(n1 == n0 && b1 == b0, "refusals left residency alone: %zu/%zu -> %zu/%zu", n0, b0, n1, b1);
+    CHECK(n1 == n0 && b1 == b0, "refusals left residency alone: %zu/%zu -> %zu/%zu", n0, b0, n1,
+          b1);
     /* the device-pointer family is not offered */
     CHECK(!coli_cuda_pipe_scratch(0, 0, 64) && !coli_cuda_pipe_alloc(0, 64) &&
               !coli_cuda_pipe_upload(0, y, x, 4) && !coli_cuda_pipe_sync(0) &&
@@ -644,220 +369,6 @@ static void test_refusals(void) {
               !coli_cuda_attention_absorb_kvdev(NULL, y, x, x, x, 1, 1, 1, 1, 1, 1, 1),
           "device-pointer calls return 0 / NULL");
     coli_cuda_pipe_free(0, NULL);
-}
-
-static void test_fault_hook(void) {
-    Host h = make(2, 16, 4, 0);
-    float x[16], y[4];
-    for (int i = 0; i < 16; i++) x[i] = normal();
-    CHECK(upload(&h, 0), "upload");
-    setenv("COLI_GPU_FAIL_AFTER", "3", 1);
-    int ok = 0;
-    for (int i = 0; i < 3; i++) ok += coli_cuda_matmul(&h.t, y, x, NULL, NULL, 2, 1, 16, 4, 0);
-    CHECK(ok == 3, "COLI_GPU_FAIL_AFTER=3: 3 calls pass, got %d", ok);
-    CHECK(!coli_cuda_matmul(&h.t, y, x, NULL, NULL, 2, 1, 16, 4, 0), "the 4th call fails");
-    Host u = make(1, 8, 3, 0);
-    CHECK(upload(&u, 1), "uploads are not gated");
-    setenv("COLI_GPU_FAIL_AFTER", "0", 1);
-    CHECK(!coli_cuda_matmul(&h.t, y, x, NULL, NULL, 2, 1, 16, 4, 0), "FAIL_AFTER=0 fails all");
-    unsetenv("COLI_GPU_FAIL_AFTER");
-    CHECK(coli_cuda_matmul(&h.t, y, x, NULL, NULL, 2, 1, 16, 4, 0), "unset: calls pass again");
-    drop(&h);
-    drop(&u);
-}
-
-typedef struct {
-    Group *G;
-    Host *m;
-    int ok, bad;
-} Job;
-
-static void *worker_thread(void *arg) {
-    Job *j = arg;
-    Group *G = j->G;
-    float *y = malloc((size_t)G->total * G->D * 4);
-    float x[24], ym[8];
-    double xd[24], ref[8];
-    for (int i = 0; i < 24; i++) xd[i] = x[i] = (float)i / 7 - 1;
-    ref_matmul(j->m, xd, ref, 1);
-    for (int it = 0; it < 25; it++) {
-        if (coli_cuda_expert_group(G->gs, G->us, G->ds, G->rows, G->n, y, G->x) &&
-            rel_err(y, G->ref, (size_t)G->total * G->D) < TOL)
-            j->ok++;
-        else
-            j->bad++;
-        if (coli_cuda_matmul(&j->m->t, ym, x, NULL, NULL, j->m->fmt, 1, 24, 8, 0) &&
-            rel_err(ym, ref, 8) < TOL)
-            j->ok++;
-        else
-            j->bad++;
-    }
-    free(y);
-    return NULL;
-}
-
-static void test_threads(void) {
-    Group G;
-    group_make(&G, 8, 20, 12, 1, 3);
-    Host m = make(4, 24, 8, 6);
-    CHECK(upload(&m, 0), "upload");
-    pthread_t th[4];
-    Job jobs[4];
-    for (int i = 0; i < 4; i++) {
-        jobs[i] = (Job){&G, &m, 0, 0};
-        pthread_create(&th[i], NULL, worker_thread, &jobs[i]);
-    }
-    for (int i = 0; i < 4; i++) {
-        pthread_join(th[i], NULL);
-        CHECK(jobs[i].bad == 0 && jobs[i].ok == 50, "thread %d: %d right, %d wrong", i,
-              jobs[i].ok, jobs[i].bad);
-    }
-    drop(&m);
-    group_drop(&G);
-}
-
-/* -- restart ---------------------------------------------------------------------------- */
-
-static int until_ok(int (*fn)(void *), void *arg, double seconds) {
-    struct timespec t0, t;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    for (;;) {
-        if (fn(arg)) return 1;
-        clock_gettime(CLOCK_MONOTONIC, &t);
-        if ((double)(t.tv_sec - t0.tv_sec) + (t.tv_nsec - t0.tv_nsec) * 1e-9 > seconds) return 0;
-        usleep(20000);
-    }
-}
-
-static Host *g_probe;
-static int probe_upload(void *arg) {
-    (void)arg;
-    Host *p = g_probe;
-    coli_cuda_tensor_free(p->t);
-    p->t = NULL;
-    return upload(p, 0);
-}
-
-static int probe_group(void *arg) {
-    Group *G = arg;
-    float *y = malloc((size_t)G->total * G->D * 4);
-    int ok = coli_cuda_expert_group(G->gs, G->us, G->ds, G->rows, G->n, y, G->x);
-    free(y);
-    return ok;
-}
-
-static void test_restart(void) {
-    int devs[2] = {0, 1};
-    int retain = getenv("COLIWORKER_RETAIN") && atoi(getenv("COLIWORKER_RETAIN"));
-    CHECK(coli_cuda_init(devs, 2), "init");
-    Group G;
-    group_make(&G, 4, 20, 12, 1, 2);
-    Host m = make(2, 24, 8, 0), probe = make(0, 4, 2, 0);
-    Host kvb = make(2, Kd, H * (Qd + Vd), 0), proj = make(2, H * Vd, Dout, 0);
-    CHECK(upload(&m, 0) && upload(&kvb, 0) && upload(&proj, 0), "uploads");
-    float *y = malloc((size_t)G.total * G.D * 4), x[24], ym[8];
-    double xd[24], ref[8];
-    for (int i = 0; i < 24; i++) xd[i] = x[i] = normal();
-    ref_matmul(&m, xd, ref, 1);
-    CHECK(coli_cuda_expert_group(G.gs, G.us, G.ds, G.rows, G.n, y, G.x), "group before");
-    Seq sq;
-    seq_init(&sq, 32, 6);
-    const void *key = &sq;
-    CHECK(ragged_step(&kvb, &proj, &sq, &key, 1, 32, "ragged before"), "ragged before");
-    CHECK(coli_cuda_expert_group_issue(G.gs, G.us, G.ds, G.rows, G.n, G.x), "issue before");
-    uint64_t c0, c1;
-    coli_cuda_group_stats(&c0, NULL, NULL, NULL, NULL, NULL);
-    pause_for("restart");
-    const float *early = coli_cuda_expert_group_take(1); /* answered before the kill, or not */
-    CHECK(!early || rel_err(early, G.ref, (size_t)G.total * G.D) < TOL,
-          "a take across the restart: the result it had, or none");
-    CHECK(!coli_cuda_matmul(&m.t, ym, x, NULL, NULL, 2, 1, 24, 8, 0), "the first call returns 0");
-    g_probe = &probe;
-    CHECK(until_ok(probe_upload, NULL, 30), "the library reconnects");
-    if (retain) {
-        CHECK(until_ok(probe_group, &G, 30), "retained experts compute again");
-        CHECK(coli_cuda_expert_group(G.gs, G.us, G.ds, G.rows, G.n, y, G.x), "group after");
-        CLOSE("expert_group after restart", y, G.ref, (size_t)G.total * G.D);
-        CHECK(coli_cuda_matmul(&m.t, ym, x, NULL, NULL, 2, 1, 24, 8, 0), "matmul after");
-        CLOSE("matmul after restart", ym, ref, 8);
-    } else {
-        CHECK(!probe_group(&G), "without COLIWORKER_RETAIN the old handles are gone");
-        CHECK(coli_cuda_matmul(&m.t, ym, x, m.w, m.s, 2, 1, 24, 8, 0),
-              "matmul with the weights at hand uploads them again");
-        CLOSE("matmul after restart", ym, ref, 8);
-        for (int c = 0; c < G.n; c++)
-            CHECK(upload(&G.e[c].g, 1) && upload(&G.e[c].u, 1) && upload(&G.e[c].d, 1),
-                  "the engine's upload puts a lost tensor back");
-        CHECK(upload(&kvb, 0) && upload(&proj, 0), "attention tensors back");
-        CHECK(coli_cuda_expert_group(G.gs, G.us, G.ds, G.rows, G.n, y, G.x), "group after");
-        CLOSE("expert_group after re-upload", y, G.ref, (size_t)G.total * G.D);
-    }
-    sq.len++;
-    CHECK(ragged_step(&kvb, &proj, &sq, &key, 1, 32, "ragged after restart"), "ragged after");
-    CHECK(coli_cuda_expert_group_issue(G.gs, G.us, G.ds, G.rows, G.n, G.x), "issue after");
-    const float *t = coli_cuda_expert_group_take(1);
-    CHECK(t && rel_err(t, G.ref, (size_t)G.total * G.D) < TOL, "take after restart");
-    coli_cuda_group_stats(&c1, NULL, NULL, NULL, NULL, NULL);
-    CHECK(c1 >= c0, "group_stats do not go back across a restart: %llu -> %llu",
-          (unsigned long long)c0, (unsigned long long)c1);
-    free(y);
-    free(sq.lat);
-    free(sq.rope);
-    drop(&m); drop(&probe); drop(&kvb); drop(&proj);
-    group_drop(&G);
-    pause_for("freed");
-    coli_cuda_shutdown();
-}
-
-/* -- several workers ---------------------------------------------------------------------- */
-
-static void test_multi(void) {
-    int devs[3] = {2, 0, 1};
-    CHECK(coli_cuda_init(devs, 3), "init over two workers");
-    CHECK(coli_cuda_device_count() == 3 && coli_cuda_device_at(0) == 2, "device list");
-    Host a = make(4, 30, 5, 4), b = make(1, 30, 5, 0);
-    size_t n0, b0, n2, b2;
-    stats(0, &n0, &b0);
-    CHECK(upload(&a, 2) && upload(&b, 0), "uploads to both workers");
-    stats(2, &n2, &b2);
-    CHECK(n2 == 1 && b2 == a.wb + a.ns * 4, "device 2 is the second worker's: %zu/%zu", n2, b2);
-    float x[60], y[10];
-    double xd[60], ref[10];
-    for (int i = 0; i < 60; i++) xd[i] = x[i] = normal();
-    CHECK(coli_cuda_matmul(&a.t, y, x, NULL, NULL, 4, 2, 30, 5, 2), "matmul on worker 2");
-    ref_matmul(&a, xd, ref, 2);
-    CLOSE("matmul on the second worker", y, ref, 10);
-    CHECK(coli_cuda_matmul(&b.t, y, x, NULL, NULL, 1, 2, 30, 5, 0), "matmul on worker 1");
-    ref_matmul(&b, xd, ref, 2);
-    CLOSE("matmul on the first worker", y, ref, 10);
-    CHECK(!coli_cuda_expert_mlp(a.t, b.t, a.t, y, x, 1), "tensors of two workers must fail");
-    drop(&a);
-    drop(&b);
-    coli_cuda_shutdown();
-    CHECK(coli_cuda_device_count() == 0, "shutdown");
-}
-
-/* The worker closes data-plane connections idle for --data-idle-timeout (the harness starts
- * it with 1 s): after a longer pause the library finds its pooled connections closed and
- * dials new ones, so the call is served, not refused. */
-static void test_idle(void) {
-    int devs[1] = {0};
-    CHECK(coli_cuda_init(devs, 1), "init");
-    Host a = make(2, 30, 5, 0);
-    CHECK(upload(&a, 0), "upload");
-    float x[60], y[10];
-    double xd[60], ref[10];
-    for (int i = 0; i < 60; i++) xd[i] = x[i] = normal();
-    CHECK(coli_cuda_matmul(&a.t, y, x, NULL, NULL, 2, 2, 30, 5, 0), "matmul before the pause");
-    ref_matmul(&a, xd, ref, 2);
-    CLOSE("matmul before the pause", y, ref, 10);
-    struct timespec t = {2, 500000000L};
-    while (nanosleep(&t, &t) && errno == EINTR) {}
-    CHECK(coli_cuda_matmul(&a.t, y, x, NULL, NULL, 2, 2, 30, 5, 0),
-          "matmul after the worker closed the idle connections");
-    CLOSE("matmul after the pause", y, ref, 10);
-    drop(&a);
-    coli_cuda_shutdown();
 }
 
 int main(int argc, char **argv) {
