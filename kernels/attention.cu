@@ -44,6 +44,28 @@ __device__ __forceinline__ void kv_scatter(const KvDesc *__restrict__ kv,
     }
 }
 
+// What both absorb kernels do besides the product: the rope columns of qfull for tokens
+// s0 .. s0 + ns - 1 of head h (the blocks of column group 0), and the call's new cache rows
+// (``kv_scatter``, spread over every block of the grid).
+__device__ __forceinline__ void absorb_tail(float *__restrict__ qfull, const float *__restrict__ q,
+                                            const KvDesc *__restrict__ kv,
+                                            const float *__restrict__ nlat,
+                                            const float *__restrict__ nrope, int n_new, int S,
+                                            int H, int Q, int R, int K, int h, int s0, int ns) {
+    if (blockIdx.y == 0) {
+        for (int i = threadIdx.x; i < ns * R; i += blockDim.x) {
+            const int s = i / R, d = i - s * R;
+            if (s0 + s < S)
+                qfull[((size_t)(s0 + s) * H + h) * (K + R) + K + d] =
+                    q[((size_t)(s0 + s) * H + h) * (Q + R) + Q + d];
+        }
+    }
+    if (n_new > 0)
+        kv_scatter(kv, nlat, nrope, n_new, S, K, R,
+                   blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z),
+                   gridDim.x * gridDim.y * gridDim.z);
+}
+
 // grid (H, ceil(K / 128), ceil(S / 8)), block 128 * ABS_P; dynamic shared 4 * (8 * Q +
 // (ABS_P - 1) * 8 * 128) bytes. q float32 [S, H, Q + R]; qfull float32 [S, H, K + R];
 // w = kv_b [H * (Q + V), K] resident. Thread (k, p) walks column k down part p of the Q rows of
@@ -107,18 +129,7 @@ mla_absorb(float *__restrict__ qfull, const float *__restrict__ q,
             if (s0 + s < S) qfull[((size_t)(s0 + s) * H + h) * (K + R) + k] = v;
         }
     }
-    if (blockIdx.y == 0) {
-        for (int i = threadIdx.x; i < 8 * R; i += blockDim.x) {
-            const int s = i / R, d = i - s * R;
-            if (s0 + s < S)
-                qfull[((size_t)(s0 + s) * H + h) * (K + R) + K + d] =
-                    q[((size_t)(s0 + s) * H + h) * (Q + R) + Q + d];
-        }
-    }
-    if (n_new > 0)
-        kv_scatter(kv, nlat, nrope, n_new, S, K, R,
-                   blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z),
-                   gridDim.x * gridDim.y * gridDim.z);
+    absorb_tail(qfull, q, kv, nlat, nrope, n_new, S, H, Q, R, K, h, s0, 8);
 }
 
 // ---- mla_absorb_w: the same qfull, each warp loading whole 512-byte weight rows ----------
@@ -286,18 +297,7 @@ mla_absorb_w(float *__restrict__ qfull, const float *__restrict__ q,
                 }
         }
     }
-    if (blockIdx.y == 0) {
-        for (int i = threadIdx.x; i < SB * R; i += blockDim.x) {
-            const int s = i / R, d = i - s * R;
-            if (s0 + s < S)
-                qfull[((size_t)(s0 + s) * H + h) * (K + R) + K + d] =
-                    q[((size_t)(s0 + s) * H + h) * (Q + R) + Q + d];
-        }
-    }
-    if (n_new > 0)
-        kv_scatter(kv, nlat, nrope, n_new, S, K, R,
-                   blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z),
-                   gridDim.x * gridDim.y * gridDim.z);
+    absorb_tail(qfull, q, kv, nlat, nrope, n_new, S, H, Q, R, K, h, s0, SB);
 }
 
 #define ATT_WARPS 8
