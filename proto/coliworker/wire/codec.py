@@ -162,7 +162,7 @@ def decode(
             f"{field}.data: expected {expected} bytes ({list(shape)} x {np_dtype.itemsize}), "
             f"got {len(data)}"
         )
-    raw = np.ndarray(shape, np_dtype, data)  # frombuffer + reshape in one call
+    raw = np.frombuffer(data, dtype=np_dtype).reshape(shape)
     if dtype == pb.DTYPE_FLOAT16:
         return raw.astype(np.float32)
     if dtype == pb.DTYPE_BFLOAT16:
