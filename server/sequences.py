@@ -20,10 +20,9 @@ FAILED_PRECONDITION (never a silent wrong answer) and can resend from ``start = 
 from __future__ import annotations
 
 import collections
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,6 +38,34 @@ from coliworker.server.quota import Quota
 from coliworker.server.store import Budget, Handle
 
 Key = tuple[str, int, int]  # (owner, kv_b handle id, sequence id)
+
+
+class _Ordered:
+    """``SequenceStore.ordered``'s context: a plain class, the hot path of every ragged call
+    (a generator-based context manager costs about twice as much)."""
+
+    __slots__ = ("_store", "_key", "_turn")
+
+    def __init__(self, store: SequenceStore, key: tuple[str, int]) -> None:
+        self._store, self._key = store, key
+
+    def __enter__(self) -> None:
+        store = self._store
+        with store.lock:
+            turn = store._turns.get(self._key)
+            if turn is None:
+                turn = store._turns[self._key] = _Turn()
+            turn.users += 1
+        self._turn = turn
+        turn.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        turn, store = self._turn, self._store
+        turn.lock.release()
+        with store.lock:
+            turn.users -= 1
+            if not turn.users:
+                del store._turns[self._key]
 
 
 @dataclass(frozen=True)
@@ -97,27 +124,12 @@ class SequenceStore:
         self._evicted: collections.OrderedDict[Key, None] = collections.OrderedDict()
         self._turns: dict[tuple[str, int], _Turn] = {}
 
-    @contextlib.contextmanager
-    def ordered(self, kv_b: Handle | _KvB) -> Iterator[None]:
-        """The turn of (owner, kv_b) for the body: ragged calls on one kv_b of one owner run
-        one at a time (each rolls back or appends its caches), others side by side. Hold it
-        around ``prepare`` and the attention that reads the caches, and around
+    def ordered(self, kv_b: Handle | _KvB) -> _Ordered:
+        """The turn of (owner, kv_b) for the body of a ``with``: ragged calls on one kv_b of
+        one owner run one at a time (each rolls back or appends its caches), others side by
+        side. Hold it around ``prepare`` and the attention that reads the caches, and around
         ``drop_handle`` (a kv_b freed while a call on it runs waits for it)."""
-        key = (kv_b.owner, kv_b.id)
-        with self.lock:
-            turn = self._turns.get(key)
-            if turn is None:
-                turn = self._turns[key] = _Turn()
-            turn.users += 1
-        turn.lock.acquire()
-        try:
-            yield
-        finally:
-            turn.lock.release()
-            with self.lock:
-                turn.users -= 1
-                if not turn.users:
-                    del self._turns[key]
+        return _Ordered(self, (kv_b.owner, kv_b.id))
 
     def prepare(self, kv_b: Handle, rows: Sequence[RowsIn], k: int, r: int) -> list[KVCache]:
         """Roll back each sequence to its ``start`` and make room for its rows; returns the
@@ -198,6 +210,7 @@ class SequenceStore:
         charged, their rows untouched)."""
         owner, device = kv_b.owner, kv_b.spec.device
         caches: list[KVCache] = []
+        known: list[bool] = []  # the backend said this cache needs no more bytes
         need = 0
         for (_, _s, seq, total), new in zip(plan, fresh, strict=True):
             cache = seq.cache if seq is not None else new
@@ -205,7 +218,9 @@ class SequenceStore:
             caches.append(cache)
             grow = getattr(cache, "growth", None)
             # Exact growth when the backend says it; else the least the rows can take.
-            need += grow(total) if grow else max(0, 4 * total * (k + r) - cache.nbytes)
+            g = grow(total) if grow else max(0, 4 * total * (k + r) - cache.nbytes)
+            known.append(grow is not None and g == 0)
+            need += g
         self.quota.check(owner, need, "attention_ragged")
         protected = {key for key, _, _, _ in plan}
         if need and not self.budget.limit:
@@ -222,8 +237,8 @@ class SequenceStore:
                 owner, device, kv_b, protected
             ):
                 pass
-        for (_, s, _, total), cache in zip(plan, caches, strict=True):
-            if total > cache.length:
+        for (_, s, _, total), cache, room in zip(plan, caches, known, strict=True):
+            if total > cache.length and not room:  # with room, reserve adds nothing
                 self._grow(cache, total - cache.length, owner, device, kv_b, protected, s)
         return caches
 
