@@ -395,7 +395,7 @@ def test_interceptor_counts_a_cancelled_stream(served) -> None:
     assert next(call) == b"a"
     call.cancel()
     gate.set()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # the handler's end, however loaded the machine
     while time.monotonic() < deadline:
         if value(m, "grpc_server_in_flight_requests", grpc_method="Session") == 0:
             break
