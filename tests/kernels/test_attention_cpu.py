@@ -1,0 +1,431 @@
+"""attention.cu's kernels on the CPU, no GPU needed (CI runs them): a model of
+``mla_absorb_w``'s lane/column map over the resident layout, and the CUDA source of the
+absorb kernels (g++ through a stand-in for the built-ins they use) and of the flash and
+merge kernels (one fiber per CUDA thread, the inline PTX emulated) against each other and
+the float64 reference. The GPU tests of the same kernels: ``test_attention.py``."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _kern import make_tensor
+
+from coliworker.kernels import layout
+
+
+def test_absorb_w_map(rng):
+    """The columns mla_absorb_w gives each lane (col0 + 128 j + k of column group g) and its
+    decode of a 16-byte chunk (abw_decode: quad qq of word qq / 2, nibble k) read the resident
+    layout as load_elem does (layout.decode_resident), every format it serves; CPU model."""
+    for fmt, k_in, gs in ((2, 40, 0), (2, 512, 0), (2, 1100, 0), (4, 1100, 8), (4, 512, 12)):
+        t = make_tensor(rng, fmt, 3, k_in, gs)
+        lay = layout.Layout.of(fmt, k_in, t.group_size)
+        dev = layout.relayout(np, t, t.weights)
+        sc = layout.scales(np, t, t.scales)
+        want = layout.decode_resident(t, dev, sc)
+        rows = dev.reshape(3, lay.ld)
+        blk = lay.block_elems
+        got = np.full_like(want, np.nan)
+        for g in range(-(-k_in // 512)):
+            b, q0 = g * 512 // blk, (g * 512 - (g * 512 // blk) * blk) >> 7
+            for lane in range(32):
+                chunk = rows[:, b * 512 + lane * 16 : b * 512 + lane * 16 + 16]
+                words = chunk.copy().view("<u4")  # [3, 4]
+                col0 = b * blk + q0 * 128 + 4 * lane
+                for j in range(4):
+                    qq = q0 + j
+                    x = words[:, qq // 2] >> np.uint32(16 * (qq % 2))
+                    for kk in range(4):
+                        c = col0 + 128 * j + kk
+                        if c >= k_in:
+                            continue
+                        v = ((x >> np.uint32(4 * kk)) & 15).astype(np.float64) - 8
+                        if fmt == 4:
+                            s = sc.reshape(3, lay.ngp)[:, (col0 + 128 * j) // t.group_size]
+                        else:
+                            s = sc
+                        got[:, c] = v * s
+        assert np.array_equal(got, want), (fmt, k_in, gs)
+
+
+# A CPU stand-in for the CUDA built-ins mla_absorb and mla_absorb_w use (one block at a time,
+# one std::thread per CUDA thread, std::barrier for __syncthreads): the absorb kernels have no
+# warp-level or asm instructions, so g++ runs their source as it is.
+_SHIM = r"""
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __launch_bounds__(...)
+struct uint4 { unsigned x, y, z, w; };
+struct float4 { float x, y, z, w; };
+struct dim3 { int x, y, z; };
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+thread_local dim3 threadIdx;
+dim3 blockIdx, gridDim, blockDim;
+std::barrier<> *g_bar;
+inline void __syncthreads() { g_bar->arrive_and_wait(); }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+template <class T> inline T __ldg(const T *p) { return *p; }
+inline float __shfl_xor_sync(unsigned, float v, int) { return v; }
+using std::max; using std::min;
+alignas(16) float4 SMEM[60000];
+#include "common.cuh"
+#include "absorb.inc"
+template <class F> void launch(dim3 g, int nt, F f) {
+    gridDim = g; blockDim = {nt, 1, 1};
+    for (int z = 0; z < g.z; ++z) for (int y = 0; y < g.y; ++y) for (int x = 0; x < g.x; ++x) {
+        blockIdx = {x, y, z};
+        std::barrier<> bar(nt); g_bar = &bar;
+        std::vector<std::thread> ts;
+        for (int t = 0; t < nt; ++t) ts.emplace_back([&, t] { threadIdx = {t, 0, 0}; f(); });
+        for (auto &t : ts) t.join();
+    }
+}
+template <int F, int SB> int check(int S, int H, int Q, int R, int V, int K, int gsz) {
+    std::mt19937 rng(S * 7 + K);
+    const int inp = (K + 1023) / 1024 * 1024, ld = inp / 2, O = H * (Q + V);
+    const int ngp = F == 4 ? (inp + gsz - 1) / gsz : 1, gs = F == 4 ? gsz : 4;
+    const int shift = (gs & (gs - 1)) == 0 ? __builtin_ctz(gs) : -1;
+    std::vector<unsigned char> w((size_t)O * ld);
+    for (auto &b : w) b = rng() & 255;
+    std::uniform_real_distribution<float> u(-1, 1);
+    std::vector<float> sc((size_t)O * ngp), q((size_t)S * H * (Q + R));
+    for (auto &x : sc) x = 0.001f + 0.01f * (u(rng) + 1);
+    for (auto &x : q) x = u(rng);
+    std::vector<float> a((size_t)S * H * (K + R), NAN), b = a;
+    launch({H, (K + 511) / 512, (S + SB - 1) / SB}, 256, [&] {
+        mla_absorb_w<F, SB>(a.data(), q.data(), w.data(), sc.data(), nullptr, nullptr, nullptr, 0,
+                            S, H, Q, R, V, K, ld, ngp, gs, shift); });
+    launch({H, (K + 127) / 128, (S + 7) / 8}, 512, [&] {
+        mla_absorb<F>(b.data(), q.data(), w.data(), sc.data(), nullptr, nullptr, nullptr, 0,
+                      S, H, Q, R, V, K, ld, ngp, gs, shift); });
+    double d = 0, m = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+        if (std::isnan(a[i]) || std::isnan(b[i])) return 1;  // an output left unwritten
+        d = std::max(d, (double)std::fabs(a[i] - b[i]));
+        m = std::max(m, (double)std::fabs(b[i]));
+    }
+    printf("fmt %d SB %d S %d K %d: %.2g\n", F, SB, S, K, d / m);
+    return d > 1e-6 * m;
+}
+int main() {
+    return check<2, 1>(1, 2, 192, 64, 256, 512, 0) + check<2, 8>(10, 2, 16, 8, 12, 40, 0)
+         + check<2, 4>(3, 2, 24, 8, 16, 1100, 0) + check<4, 8>(9, 2, 40, 4, 8, 512, 8)
+         + check<4, 4>(4, 2, 20, 4, 8, 1100, 12);
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
+def test_absorb_w_on_cpu(tmp_path):
+    """mla_absorb_w against mla_absorb (the kernel the GPU tests check against float64), their
+    CUDA source run on the CPU through a stand-in for the built-ins they use: every output
+    written, equal to fp32 rounding, at 1 to 10 tokens (SB 1, 4, 8; two z blocks), K 40 to
+    1100 (several column groups, quads 4..7, a second 512-byte block), fmt 2 and fmt 4 (gs 8,
+    12)."""
+    kdir = Path(__file__).resolve().parents[2] / "kernels"
+    src = (kdir / "attention.cu").read_text()
+    part = src[src.index("struct KvDesc") : src.index("#define ATT_WARPS")]
+    part = part.replace("extern __shared__ float4 abw_sm4[];", "float4 *abw_sm4 = SMEM;")
+    part = part.replace("extern __shared__ float qs[];", "float *qs = (float *)SMEM;")
+    (tmp_path / "absorb.inc").write_text(part)
+    (tmp_path / "emu.cpp").write_text(_SHIM)
+    exe = tmp_path / "emu"
+    cmd = ["g++", "-std=c++20", "-O1", "-pthread", "-w", f"-I{kdir}", "-o", str(exe)]
+    cc = subprocess.run([*cmd, str(tmp_path / "emu.cpp")], capture_output=True, text=True)
+    if cc.returncode != 0 and "barrier" in cc.stderr:
+        pytest.skip("g++ without C++20 <barrier>")
+    assert cc.returncode == 0, cc.stderr[-2000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+# mla_flash, mla_flash_c and mla_merge on the CPU: one fiber (ucontext) per CUDA thread, run in
+# turn until each reaches a barrier (__syncthreads, a warp's, the cluster's); the inline-PTX
+# helpers are replaced: mma.m16n8k8 tf32 by the fragment layout of the PTX manual (operands cut
+# to tf32, the sum in float64), a warp shuffle by an exchange at a warp barrier, cp.async by a
+# copy (zero fill for n = 0), DSMEM reads by the same offset in the rank's block.
+_FLASH_SHIM = r"""
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstddef>
+#include <cstring>
+#include <random>
+#include <vector>
+#include <functional>
+#include <ucontext.h>
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+#define __launch_bounds__(...)
+#define __cluster_dims__(...)
+struct uint4 { unsigned x, y, z, w; };
+struct float4 { float x, y, z, w; };
+struct float2 { float x, y; };
+struct dim3 { int x, y, z; };
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline float2 make_float2(float a, float b) { return {a, b}; }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+using std::max; using std::min;
+dim3 gridDim, blockDim;
+struct Bar {
+    int need, arrived = 0;
+    unsigned gen = 0;
+    explicit Bar(int n) : need(n) {}
+    void arrive_and_wait();
+};
+struct Blk { Bar *bar; float4 *smem; };
+struct Warp { Bar *bar; unsigned u[32][8]; float f[32]; };
+struct Fiber {
+    Bar *wb = nullptr;  // the barrier it waits at, and that barrier's generation then
+    unsigned wg = 0;
+    ucontext_t ctx;
+    std::vector<char> stack;
+    bool done = false;
+    dim3 tid, bid;
+    Blk *blk;
+    Warp *warp;
+    std::function<void()> fn;
+};
+Fiber *cur;
+ucontext_t sched_ctx;
+inline void yield_() { swapcontext(&cur->ctx, &sched_ctx); }
+void Bar::arrive_and_wait() {
+    const unsigned g = gen;
+    if (++arrived == need) { arrived = 0; ++gen; return; }
+    cur->wb = this; cur->wg = g;
+    while (gen == g) yield_();
+    cur->wb = nullptr;
+}
+#define threadIdx (cur->tid)
+#define blockIdx (cur->bid)
+#define tl_blk (cur->blk)
+#define tl_warp (cur->warp)
+Blk *g_blocks;
+Bar *g_cbar;
+static void tramp() { cur->fn(); cur->done = true; swapcontext(&cur->ctx, &sched_ctx); }
+inline float4 *cur_smem() { return tl_blk->smem; }
+inline void __syncthreads() { tl_blk->bar->arrive_and_wait(); }
+inline float __shfl_xor_sync(unsigned, float v, int o) {
+    const int lane = threadIdx.x & 31;
+    tl_warp->f[lane] = v;
+    tl_warp->bar->arrive_and_wait();
+    const float r = tl_warp->f[lane ^ o];
+    tl_warp->bar->arrive_and_wait();
+    return r;
+}
+inline double tf32(unsigned u) { return (double)__uint_as_float(u & 0xffffe000u); }
+inline void fl_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
+                   unsigned b0, unsigned b1) {
+    const int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
+    Warp *w = tl_warp;
+    unsigned *u = w->u[lane];
+    u[0] = a0; u[1] = a1; u[2] = a2; u[3] = a3; u[4] = b0; u[5] = b1;
+    w->bar->arrive_and_wait();
+    auto A = [&](int r, int k) {
+        return tf32(w->u[(r & 7) * 4 + (k & 3)][(r >> 3) + 2 * (k >> 2)]);
+    };
+    auto B = [&](int k, int n) { return tf32(w->u[n * 4 + (k & 3)][4 + (k >> 2)]); };
+    float o[4];
+    for (int e = 0; e < 4; ++e) {
+        const int r = gid + 8 * (e >> 1), c = 2 * t + (e & 1);
+        double acc = 0;
+        for (int k = 0; k < 8; ++k) acc += A(r, k) * B(k, c);
+        o[e] = (float)(acc + d[e]);
+    }
+    w->bar->arrive_and_wait();
+    for (int e = 0; e < 4; ++e) d[e] = o[e];
+}
+inline void fl_cpn(float *dst, const float *src, int n, int b) {
+    if (n) std::memcpy(dst, src, b);
+    else std::memset(dst, 0, b);
+}
+inline void fl_cp4(float *dst, const float *src, int n) { fl_cpn(dst, src, n, 4); }
+inline void fl_cp16(float *dst, const float *src, int n) { fl_cpn(dst, src, n, 16); }
+inline float fl_dsmem(const float *p, unsigned rank) {
+    const ptrdiff_t off = p - (const float *)tl_blk->smem;
+    return ((const float *)g_blocks[rank].smem)[off];
+}
+inline float4 fl_dsmem4(const float *p, unsigned rank) {
+    const ptrdiff_t off = p - (const float *)tl_blk->smem;
+    float4 v; std::memcpy(&v, (const float *)g_blocks[rank].smem + off, 16); return v;
+}
+inline void fl_cluster_sync() { g_cbar->arrive_and_wait(); }
+inline void fl_cluster_wait_exit() { g_cbar->arrive_and_wait(); }
+#include "common.cuh"
+#include "flash.inc"
+
+template <class F> void launch(dim3 g, int C, int nt, F f) {
+    gridDim = g; blockDim = {nt, 1, 1};
+    for (int z = 0; z < g.z; ++z)
+    for (int y = 0; y < g.y; ++y)
+    for (int x0 = 0; x0 < g.x; x0 += C) {
+        std::vector<std::vector<float4>> mem(C, std::vector<float4>(16384 + 64));
+        std::vector<Blk> blocks(C);
+        std::vector<Warp> warps(C * (nt / 32));
+        std::vector<Bar> bars;
+        bars.reserve(C + C * (nt / 32));
+        for (int r = 0; r < C; ++r) {
+            bars.emplace_back(nt);
+            blocks[r] = {&bars.back(), mem[r].data()};
+        }
+        for (auto &w : warps) { bars.emplace_back(32); w.bar = &bars.back(); }
+        Bar cbar(C * nt);
+        g_blocks = blocks.data(); g_cbar = &cbar;
+        std::vector<Fiber> fs(C * nt);
+        for (int r = 0; r < C; ++r)
+            for (int t = 0; t < nt; ++t) {
+                Fiber &fb = fs[r * nt + t];
+                fb.stack.resize(96 * 1024);
+                fb.tid = {t, 0, 0}; fb.bid = {x0 + r, y, z};
+                fb.blk = &blocks[r]; fb.warp = &warps[r * (nt / 32) + t / 32];
+                fb.fn = f;
+                getcontext(&fb.ctx);
+                fb.ctx.uc_stack.ss_sp = fb.stack.data();
+                fb.ctx.uc_stack.ss_size = fb.stack.size();
+                fb.ctx.uc_link = nullptr;
+                makecontext(&fb.ctx, tramp, 0);
+            }
+        for (bool alive = true; alive;) {
+            alive = false;
+            for (auto &fb : fs) {
+                if (fb.done) continue;
+                if (fb.wb && fb.wb->gen == fb.wg) { alive = true; continue; }
+                cur = &fb;
+                swapcontext(&sched_ctx, &fb.ctx);
+                alive |= !fb.done;
+            }
+        }
+    }
+}
+
+int run(int H, std::vector<int> lens, int nsplit, int C) {
+    const int K = 512, R = 64, KR = K + R, S = (int)lens.size();
+    const int QST = 580, KST = 580, nhb = (H + 63) / 64;
+    const float scale = 1.f / std::sqrt(256.f);
+    std::mt19937 rng(nsplit * 31 + C + H);
+    std::normal_distribution<float> nd;
+    std::vector<float> qf((size_t)S * H * KR);
+    for (auto &x : qf) x = nd(rng);
+    std::vector<std::vector<float>> lat(S), rop(S);
+    std::vector<KvDesc> kv(S);
+    for (int s = 0; s < S; ++s) {
+        lat[s].resize((size_t)lens[s] * K); rop[s].resize((size_t)lens[s] * R);
+        for (auto &x : lat[s]) x = 3 * nd(rng);
+        for (auto &x : rop[s]) x = nd(rng);
+        kv[s] = {(unsigned long long)lat[s].data(), (unsigned long long)rop[s].data(), lens[s], 0};
+    }
+    std::vector<float> pm((size_t)S * H * nsplit, NAN), pl = pm;
+    std::vector<float> pacc((size_t)S * H * nsplit * K, NAN);
+    std::vector<float> cl((size_t)H * S * K, NAN);
+    auto args = [&](auto kern) {
+        return [&, kern] {
+            kern(pm.data(), pl.data(), pacc.data(), qf.data(), kv.data(), cl.data(), S, H, K, R,
+                 scale, nsplit, QST, KST);
+        };
+    };
+    if (C == 1) launch({nsplit, S, nhb}, 1, 256, args(mla_flash<32>));
+    else if (C == 2) launch({nsplit, S, nhb}, 2, 256, args(mla_flash_c<32, 2>));
+    else if (C == 4) launch({nsplit, S, nhb}, 4, 256, args(mla_flash_c<32, 4>));
+    else launch({nsplit, S, nhb}, 8, 256, args(mla_flash_c<32, 8>));
+    const int nz = nsplit / C;
+    if (!(C > 1 && nz == 1))
+        launch({H, S, K / 128}, 1, 128,
+               [&] { mla_merge(cl.data(), pm.data(), pl.data(), pacc.data(), S, H, K, nz); });
+    double md = 0, mx = 0; long nan = 0;
+    for (int s = 0; s < S; ++s)
+        for (int h = 0; h < H; ++h) {
+            const int T = lens[s];
+            std::vector<double> sc(T), o(K, 0.0);
+            double m = -1e300, l = 0;
+            for (int t = 0; t < T; ++t) {
+                double v = 0;
+                const float *qr = &qf[((size_t)s * H + h) * KR];
+                for (int c = 0; c < K; ++c) v += (double)qr[c] * lat[s][(size_t)t * K + c];
+                for (int c = 0; c < R; ++c) v += (double)qr[K + c] * rop[s][(size_t)t * R + c];
+                sc[t] = v * scale; m = std::max(m, sc[t]);
+            }
+            for (int t = 0; t < T; ++t) { sc[t] = std::exp(sc[t] - m); l += sc[t]; }
+            for (int t = 0; t < T; ++t)
+                for (int c = 0; c < K; ++c) o[c] += sc[t] * lat[s][(size_t)t * K + c];
+            for (int c = 0; c < K; ++c) {
+                const float g = cl[((size_t)h * S + s) * K + c];
+                if (std::isnan(g)) { ++nan; continue; }
+                md = std::max(md, std::fabs(g - o[c] / l)); mx = std::max(mx, std::fabs(o[c] / l));
+            }
+        }
+    printf("H %d S %d nsplit %d C %d: rel err %.2g, unwritten %ld\n", H, S, nsplit, C, md / mx,
+           nan);
+    return nan > 0 || md > 1e-5 * mx;
+}
+
+int main() {
+    // clusters into cl (an empty sequence beside), partials + mla_merge over two head blocks
+    // (heads beyond H), C = 4 and C = 8 (slices without rows)
+    return run(64, {40, 1}, 2, 2) + run(70, {70}, 4, 2) + run(64, {50}, 4, 4) +
+           run(64, {33, 1}, 8, 8);
+}
+"""
+_FL_ASM = ("fl_mma", "fl_cp4", "fl_cp16", "fl_remote", "fl_dsmem", "fl_dsmem4", "fl_cluster_sync",
+           "fl_cluster_wait_exit")  # fmt: skip
+
+
+def _flash_source(src: str) -> str:
+    """KvDesc, mla_merge and the flash kernels of attention.cu, without their inline PTX."""
+    kv = src[src.index("struct KvDesc") : src.index("// The call's new cache rows")]
+    part = src[src.index("// grid (H, S, ceil(K / 128)), block 128") :]
+    for name in _FL_ASM:
+        m = re.search(r"__device__ __forceinline__ [\w ]+ " + name + r"\(", part)
+        assert m, name
+        depth, k = 0, part.index("{", m.start())
+        while True:
+            depth += {"{": 1, "}": -1}.get(part[k], 0)
+            if depth == 0:
+                break
+            k += 1
+        part = part[: m.start()] + part[k + 1 :]
+    part = re.sub(r"asm volatile\((?:[^;]|;(?!\s*\n))*?\);", ";", part, flags=re.S)
+    assert "asm" not in part
+    part = part.replace("extern __shared__ float4 smem4[];", "float4 *smem4 = cur_smem();")
+    part = part.replace("extern __shared__ float wz[];", "float *wz = (float *)cur_smem();")
+    return kv + part.replace(
+        "__shared__ float red[2][4];",
+        "float (&red)[2][4] = *(float (*)[2][4])((float *)cur_smem() + 60000);",
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
+def test_flash_clusters_on_cpu(tmp_path):
+    """mla_flash_c (C = 2, 4, 8: into cl, and into partials for mla_merge; two head blocks,
+    heads beyond H, slices without rows) against float64 at GLM-5.2 widths (K 512, R 64), their
+    CUDA source run on the CPU (``_FLASH_SHIM``): every output written, within 1e-5 (~1e-6)."""
+    kdir = Path(__file__).resolve().parents[2] / "kernels"
+    (tmp_path / "flash.inc").write_text(_flash_source((kdir / "attention.cu").read_text()))
+    (tmp_path / "emu.cpp").write_text(_FLASH_SHIM)
+    exe = tmp_path / "emu"
+    cmd = ["g++", "-std=c++20", "-O2", "-w", f"-I{kdir}", "-o", str(exe)]
+    cc = subprocess.run([*cmd, str(tmp_path / "emu.cpp")], capture_output=True, text=True)
+    assert cc.returncode == 0, cc.stderr[-2000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout + run.stderr
