@@ -13,6 +13,15 @@ from _kern import REL_TOL, make_tensor, rel_err
 from coliworker.kernels import reference
 
 
+def in_threads(work, n: int) -> None:
+    """``work(0) .. work(n - 1)``, each on its own thread, all at once; back when all are done."""
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+
+
 @pytest.mark.gpu
 def test_concurrent_threads(cupy_backend, rng):
     b = cupy_backend
@@ -28,11 +37,7 @@ def test_concurrent_threads(cupy_backend, rng):
             if rel_err(out, refs[n]) >= REL_TOL:
                 errors.append(f"thread {n}")
 
-    threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    in_threads(work, 8)
     assert not errors
 
 
@@ -63,11 +68,7 @@ def test_concurrent_threads_pipelined_groups(cupy_backend, rng, monkeypatch):
             if not np.array_equal(out.view(np.uint32), want[(n + k) % 4].view(np.uint32)):
                 errors.append(f"thread {n} call {k}")
 
-    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    in_threads(work, 4)
     assert not errors
 
 
