@@ -16,6 +16,26 @@ def _mla(rng, b, h, q, r, v, k, d_out, fmt, gs):
     return kv_b, o_proj, b.place(kv_b, 0), (b.place(o_proj, 0) if o_proj else None)
 
 
+def _ragged_caches(b, rng, lens, k, r, lat_scale=1.0, halves=False):
+    """A KV cache on device 0 per length in ``lens``, holding fresh random rows (appended in
+    two halves with ``halves``: the cache grows twice, copying on the second growth); returns
+    (caches, latents, ropes)."""
+    caches, lats, ropes = [], [], []
+    for n in lens:
+        c = b.new_kv(0, k, r)
+        lat = (rng.standard_normal((n, k)) * lat_scale).astype(np.float32)
+        rope = rng.standard_normal((n, r)).astype(np.float32)
+        if halves:
+            c.append(lat[: n // 2], rope[: n // 2])
+            c.append(lat[n // 2 :], rope[n // 2 :])
+        else:
+            c.append(lat, rope)
+        caches.append(c)
+        lats.append(lat)
+        ropes.append(rope)
+    return caches, lats, ropes
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("absorb_w", [False, True], ids=["absorb", "absorb_w"])
 @pytest.mark.parametrize("fmt,gs", [(0, 0), (2, 0), (3, 0), (4, 5), (4, 8)])
@@ -45,17 +65,7 @@ def test_attention_ragged_glm52(cupy_backend, rng):
     b = cupy_backend
     h, q, r, v, k = 64, 192, 64, 256, 512
     kv_b, o_proj, dk, do = _mla(rng, b, h, q, r, v, k, 6144, 2, 0)
-    lens = [4096, 7, 1000]
-    caches, lats, ropes = [], [], []
-    for n in lens:
-        c = b.new_kv(0, k, r)
-        lat = rng.standard_normal((n, k)).astype(np.float32)
-        rope = rng.standard_normal((n, r)).astype(np.float32)
-        c.append(lat[: n // 2], rope[: n // 2])  # grows twice: copy on grow
-        c.append(lat[n // 2 :], rope[n // 2 :])
-        caches.append(c)
-        lats.append(lat)
-        ropes.append(rope)
+    caches, lats, ropes = _ragged_caches(b, rng, [4096, 7, 1000], k, r, halves=True)
     qa = rng.standard_normal((3, h, q + r)).astype(np.float32)
     scale = 1 / np.sqrt(q + r)
     res = b.attention_ragged(dk, do, qa, caches, q, r, v, scale)
@@ -98,15 +108,7 @@ def test_attention_ragged_both_paths(cupy_backend, rng, attention_path, h, q, r,
     b = cupy_backend
     kv_b, o_proj, dk, do = _mla(rng, b, h, q, r, v, k, 40, 2, 0)
     lens = [1, 15, 700, 2051]
-    caches, lats, ropes = [], [], []
-    for n in lens:
-        c = b.new_kv(0, k, r)
-        lat = (rng.standard_normal((n, k)) * 3).astype(np.float32)
-        rope = rng.standard_normal((n, r)).astype(np.float32)
-        c.append(lat, rope)
-        caches.append(c)
-        lats.append(lat)
-        ropes.append(rope)
+    caches, lats, ropes = _ragged_caches(b, rng, lens, k, r, lat_scale=3)
     qa = rng.standard_normal((len(lens), h, q + r)).astype(np.float32)
     scale = 1 / np.sqrt(q + r)
     for op, dop in ((None, None), (o_proj, do)):
@@ -131,15 +133,7 @@ def test_flash_clusters(cupy_backend, rng, monkeypatch, nsplit, cluster):
     b = cupy_backend
     h, q, r, v, k = 64, 192, 64, 256, 512
     kv_b, _, dk, _ = _mla(rng, b, h, q, r, v, k, 0, 2, 0)
-    caches, lats, ropes = [], [], []
-    for n in (2051, 1, 300):
-        c = b.new_kv(0, k, r)
-        lat = rng.standard_normal((n, k)).astype(np.float32)
-        rope = rng.standard_normal((n, r)).astype(np.float32)
-        c.append(lat, rope)
-        caches.append(c)
-        lats.append(lat)
-        ropes.append(rope)
+    caches, lats, ropes = _ragged_caches(b, rng, (2051, 1, 300), k, r)
     qa = rng.standard_normal((3, h, q + r)).astype(np.float32)
     scale = 1 / np.sqrt(q + r)
     res = b.attention_ragged(dk, None, qa, caches, q, r, v, scale)
@@ -162,12 +156,7 @@ def test_new_kernels_graph_replay(cupy_backend, rng, monkeypatch):
     kv_b, o_proj, dk, do = _mla(rng, b, h, q, r, v, k, 40, 2, 0)
     scale = 1 / np.sqrt(q + r)
     for lens in ([700, 3, 1500], [1000] * 32):  # nsplit 40 (C 8, 5 partials); 4 (C 4, cl)
-        caches = []
-        for n in lens:
-            c = b.new_kv(0, k, r)
-            c.append(rng.standard_normal((n, k)).astype(np.float32),
-                     rng.standard_normal((n, r)).astype(np.float32))  # fmt: skip
-            caches.append(c)
+        caches, _, _ = _ragged_caches(b, rng, lens, k, r)
         qa = rng.standard_normal((len(lens), h, q + r)).astype(np.float32)
         outs = []
         for on in (True, False):
