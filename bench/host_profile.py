@@ -158,12 +158,12 @@ def prefill(b, calls: int, stages: bool) -> None:
         m = np.median(np.array(ph), axis=0) / 1e6
         return float(np.median(walls)) / 1e6, float(m[0]), float(m[1]), float(m[2])
 
-    keep = (eg.PIPE_BYTES, eg.PIPE_LAUNCHES, eg.PIPE_PIECES)
+    keep = (eg.PIPE_BYTES, eg.PIPE_LAUNCHES, eg.PIPE_PIECES, eg.PIPELINE)
     threads0 = pinned.COPY_THREADS
-    eg.PIPE_BYTES = 1 << 62
+    eg.PIPELINE = False
     want = b.expert_group(experts, rl, x).out.copy()
     one = measure()
-    eg.PIPE_BYTES = keep[0]
+    eg.PIPELINE = True
     print("| path | launches | pieces | copy threads | call ms | h2d ms | kernel ms | d2h ms | "
           "call / one-launch kernel | bits |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -182,10 +182,11 @@ def prefill(b, calls: int, stages: bool) -> None:
     eg.PIPE_LAUNCHES, eg.PIPE_PIECES = keep[1], keep[2]
     pinned.set_copy_threads(threads0)
     if not stages:
+        eg.PIPELINE = keep[3]
         return
     acc = _stage_timers()
-    for label, limit in (("one launch", 1 << 62), ("pipelined, defaults", keep[0])):
-        eg.PIPE_BYTES = limit
+    for label, on in (("one launch", False), ("pipelined, defaults", True)):
+        eg.PIPELINE = on
         b.expert_group(experts, rl, x)
         acc.clear()
         t0 = time.perf_counter_ns()
@@ -195,7 +196,7 @@ def prefill(b, calls: int, stages: bool) -> None:
         print(f"== prefill ({label}): steps, us per call (wall {wall:.1f})")
         for step, ns in sorted(acc.items(), key=lambda kv: -kv[1]):
             print(f"  {step:34s} {ns / calls / 1e3:8.1f}")
-    eg.PIPE_BYTES = keep[0]
+    eg.PIPELINE = keep[3]
 
 
 def main() -> None:

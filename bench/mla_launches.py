@@ -12,7 +12,6 @@ plain decode step as ``bench/kernels.py`` makes it (call wall, kernel phase) is 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import time
 from pathlib import Path
@@ -172,36 +171,15 @@ def breakdown(dec: Decode, log: list, calls: int) -> dict[str, float]:
     return d
 
 
-class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig (cuda.h)
-    _fields_ = [
-        ("grid", ctypes.c_uint * 3),
-        ("block", ctypes.c_uint * 3),
-        ("smem", ctypes.c_uint),
-        ("stream", ctypes.c_void_p),
-        ("attrs", ctypes.c_void_p),
-        ("n_attrs", ctypes.c_uint),
-    ]
-
-
 def max_clusters() -> dict[int, int | str]:
     """cuOccupancyMaxActiveClusters of mla_flash_c<32, C> at GLM-5.2 widths: clusters of C
     one-block-per-SM blocks resident at once (S=1 needs 128 / C of them in one wave)."""
     out: dict[int, int | str] = {}
     if not hasattr(att, "FL_CLUSTERS"):
         return out
-    try:
-        fn_occ = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
-    except (OSError, AttributeError) as exc:
-        return {0: f"n/a ({exc})"}
-    geo = att._flash_geometry(GLM["K"], GLM["R"])
     for c in att.FL_CLUSTERS.get(32, ()):
         try:
-            fn = att.get_function("attention.cu", f"mla_flash_c<32, {c}>", att.VARIANTS)
-            fn.max_dynamic_shared_size_bytes = max(geo[3], 160 * 1024)
-            cfg = _LaunchConfig((c * 16, 1, 1), (256, 1, 1), geo[3], None, None, 0)
-            n = ctypes.c_int(0)
-            err = fn_occ(ctypes.byref(n), ctypes.c_void_p(fn.kernel.ptr), ctypes.byref(cfg))
-            out[c] = int(n.value) if err == 0 else f"CUDA error {err}"
+            out[c] = att._max_clusters(GLM["K"], GLM["R"], c)
         except Exception as exc:  # noqa: BLE001 - a report, not a check
             out[c] = f"n/a ({exc})"
     return out
@@ -288,7 +266,7 @@ def main() -> int:
         row = dict(seqs=seqs, t=t, rel_err=err, call_us=1e6 * float(np.median(walls)),
                    kernel_us=float(np.median(kerns)), h2d_us=float(np.median(h2d)),
                    d2h_us=float(np.median(d2h)), launch_us=launches,
-                   nsplit=plain_splits(seqs, g["H"], t, backend._sms[0]),
+                   nsplit=plain_splits(seqs, g["H"], t, backend._sms[0], g["K"], g["R"]),
                    variants_us=variants, flash_merge_us_by_cluster=by_cluster,
                    flash_merge_us_by_nsplit=sweep)  # fmt: skip
         results.append(row)

@@ -6,10 +6,12 @@ wrappers of ``attention.cu``: absorbed q, split-T attention with online softmax,
 Two attention kernels: ``mla_flash`` (tensor cores, every head of a block scores each KV tile
 staged once; the default where it fits: K <= 512 and its shared memory) and ``mla_attend``
 (fp32 FMA, any K + R up to ``MAX_KR``). ``FLASH = False`` keeps mla_attend (tests run both).
-Behind switches, off until measured on a GPU (written in a session without device time; the
-tests run them on the GPU, and on the CPU through a stand-in for the CUDA built-ins):
-``mla_absorb_w`` (``ABSORB_W``: whole-row kv_b loads) and ``mla_flash_c`` (``FL_CLUSTER``:
-clusters of T slices merged in distributed shared memory, fewer or no mla_merge partials).
+``mla_absorb_w`` (``ABSORB_W``: whole-row kv_b loads) serves kv_b in fmt 2 and fmt 4 (gs % 4 ==
+0), ``mla_absorb`` any format; ``mla_flash_c`` (``FL_CLUSTER``: clusters of T slices merged in
+distributed shared memory, fewer or no mla_merge partials) serves the widths where its clusters
+fit in one wave (``cluster_choice``). Both are measured against the kernels they replace in
+``bench/results/mla-launches-2026-12-01.md``; the tests run both ways on the GPU, and on the
+CPU through a stand-in for the CUDA built-ins.
 
 The value projection and o_proj are gemv jobs (``matmul.py``); ``run`` chains every launch of
 a call in its arena (``call``: the backend's call context, ``server/cupy_calls.py``), with the
@@ -20,7 +22,7 @@ per shape (``launch.Launch``) and take device pointers.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import cupy
@@ -29,6 +31,7 @@ import numpy as np
 from coliworker.kernels import matmul as mm
 from coliworker.kernels._module import get_function
 from coliworker.kernels.expert_group import PLANS_PER_ARENA
+from coliworker.kernels.launch import max_active_clusters
 from coliworker.kernels.matmul import Launch, WeightSpec, _cached, gemv_launch, gs_args
 from coliworker.kernels.pinned import align, stack_into
 from coliworker.kernels.records import GEMV_JOB, KV_DESC
@@ -39,16 +42,18 @@ ATT_TT = 8
 # (lanes' share of K + R, heads per warp): registers hold q and the weighted latent.
 NPL_CHOICES = ((2, 2), (4, 2), (8, 2), (18, 2), (36, 1))
 # mla_absorb_w (whole-row weight loads; fmt 2, and fmt 4 with gs a multiple of 4; the kernel
-# takes FMT 1..4, the others are not compiled): tokens per block. ``ABSORB_W`` switches it on
-# (off: mla_absorb for every format). Off by default until it is measured on a GPU: it was
-# written in a session with no device time left (tests run both).
+# takes FMT 1..4, the others are not compiled): tokens per block. ``ABSORB_W`` off: mla_absorb
+# for every format (tests run both).
 ABW_SB = (1, 4, 8)
-ABSORB_W = False
+ABSORB_W = True
 # mla_flash_c: clusters of C T slices merged in distributed shared memory, by NTC (the widths
-# that have them). ``FL_CLUSTER``: 1 (the default, until measured): mla_flash and mla_merge as
-# before; None: the largest C of FL_CLUSTERS[NTC] that divides nsplit; c: that C where it does.
+# that have them). ``FL_CLUSTER``: None (the default): C and nsplit from ``cluster_choice``;
+# 1: mla_flash and mla_merge only; c: that C wherever it divides nsplit.
 FL_CLUSTERS = {32: (2, 4, 8), 8: (4,)}
-FL_CLUSTER: int | None = 1
+FL_CLUSTER: int | None = None
+#: The share of the one-block-per-SM nsplit that ``cluster_choice`` may give up so that a
+#: launch's clusters fit in one wave.
+FL_WAVE_LOSS = 0.1
 # Every variant of attention.cu: the file compiles once per device with all of them.
 VARIANTS = (
     tuple(f"mla_absorb<{f}>" for f in range(5))
@@ -163,32 +168,75 @@ def flash_ok(k: int, r: int) -> bool:
     return FLASH and _flash_geometry(k, r) is not None
 
 
-def flash_splits(s: int, heads: int, t_max: int, n_sm: int) -> int:
+def flash_splits(s: int, heads: int, t_max: int, n_sm: int, k: int, r: int) -> int:
     """nsplit of ``flash_launch``: one wave of one-block-per-SM blocks, >= FL_MIN_ROWS rows per
-    slice; with clusters on (``FL_CLUSTER`` != 1) rounded down to a multiple of 8 (else 4, 2)
-    for mla_flash_c. Scratch as ``attend_splits``'s."""
+    slice; with clusters (``FL_CLUSTER`` != 1) the nsplit of ``cluster_choice`` (None), or
+    rounded down to a multiple of the forced C. Scratch as ``attend_splits``'s."""
     per = s * -(-heads // FL_HB)
     n = max(1, min(max(1, n_sm // per), -(-t_max // FL_MIN_ROWS), 1024))
-    for c in (8, 4, 2) if FL_CLUSTER != 1 else ():
-        if n >= c:
-            return n // c * c
+    have = _cluster_sizes(k, r)
+    if FL_CLUSTER is None:
+        return cluster_choice(per, n, have, functools.partial(_max_clusters, k, r))[1]
+    if FL_CLUSTER in have and n >= FL_CLUSTER:
+        return n // FL_CLUSTER * FL_CLUSTER
     return n
 
 
-def flash_cluster(k: int, r: int, nsplit: int) -> int:
-    """C of ``flash_launch``: ``FL_CLUSTER`` where that variant exists and divides nsplit, else
-    the largest of ``FL_CLUSTERS[NTC]`` that divides nsplit, else 1 (mla_flash + mla_merge)."""
+def cluster_choice(per: int, nsplit: int, sizes: Sequence[int],
+                   max_clusters: Callable[[int], int]) -> tuple[int, int]:  # fmt: skip
+    """(C, nsplit) of mla_flash_c for ``per`` blocks per T slice (sequences x head blocks) and
+    the one-wave ``nsplit``: the largest C of ``sizes`` whose ``per * nsplit' / C`` clusters
+    are all resident at once (``max_clusters(C)``, the driver's count) with nsplit' a multiple
+    of C no more than ``FL_WAVE_LOSS`` below nsplit; else (1, nsplit), mla_flash and
+    mla_merge. A second wave of clusters costs a whole slice's time again: measured on the
+    H200 at GLM-5.2 widths, 8 sequences' 128 blocks in clusters of 8 (15 resident) took 1.8x
+    the unclustered time, in clusters of 2 (66 resident) 0.95x."""
+    for c in sorted(sizes, reverse=True):
+        n = min(nsplit, max_clusters(c) * c // per) // c * c
+        if n >= c and n >= (1 - FL_WAVE_LOSS) * nsplit:
+            return c, n
+    return 1, nsplit
+
+
+def flash_cluster(k: int, r: int, nsplit: int, s: int, heads: int) -> int:
+    """C of ``flash_launch``: with ``FL_CLUSTER`` None, ``cluster_choice``'s C where its
+    nsplit is this one; a forced C where that variant exists and divides nsplit; else 1
+    (mla_flash + mla_merge)."""
+    have = _cluster_sizes(k, r)
+    if FL_CLUSTER is None:
+        per = s * -(-heads // FL_HB)
+        c, n = cluster_choice(per, nsplit, have, functools.partial(_max_clusters, k, r))
+        return c if n == nsplit else 1
+    return FL_CLUSTER if FL_CLUSTER in have and nsplit % FL_CLUSTER == 0 else 1
+
+
+def _cluster_sizes(k: int, r: int) -> tuple[int, ...]:
+    """The C of mla_flash_c at these widths (none where mla_flash does not serve them or the
+    exchanged context does not fit in its Q and KV buffers)."""
     geo = _flash_geometry(k, r)
     if geo is None:
-        return 1
+        return ()
     ntc, qst, kst, _ = geo
     ast = -(-k // 32) * 32 + 8  # fl_ast: the exchanged context must fit in Qs + KVs
     if FL_HB * ast > FL_HB * qst + FL_TT * kst:
-        return 1
-    have = FL_CLUSTERS.get(ntc, ())
-    if FL_CLUSTER is not None:
-        return FL_CLUSTER if FL_CLUSTER in have and nsplit % FL_CLUSTER == 0 else 1
-    return max((c for c in have if nsplit % c == 0), default=1)
+        return ()
+    return FL_CLUSTERS.get(ntc, ())
+
+
+_resident: dict[tuple, int] = {}
+
+
+def _max_clusters(k: int, r: int, c: int) -> int:
+    """Clusters of C mla_flash_c blocks at these widths resident at once on this device
+    (asked of the driver once per device and widths)."""
+    key = (cupy.cuda.runtime.getDevice(), k, r, c)
+    n = _resident.get(key)
+    if n is None:
+        ntc, _, _, smem = _flash_geometry(k, r)  # type: ignore[misc]
+        fn = get_function("attention.cu", f"mla_flash_c<{ntc}, {c}>", VARIANTS)
+        fn.max_dynamic_shared_size_bytes = max(smem, 160 * 1024)
+        n = _resident[key] = max_active_clusters(fn, c, 256, smem)
+    return n
 
 
 def flash_launch(s: int, heads: int, k: int, r: int, scale: float, nsplit: int
@@ -202,7 +250,7 @@ def flash_launch(s: int, heads: int, k: int, r: int, scale: float, nsplit: int
         geo = _flash_geometry(k, r)
         assert geo is not None  # callers check flash_ok
         ntc, qst, kst, smem = geo
-        c = flash_cluster(k, r, nsplit)
+        c = flash_cluster(k, r, nsplit, s, heads)
         name = f"mla_flash_c<{ntc}, {c}>" if c > 1 else f"mla_flash<{ntc}>"
         fn = get_function("attention.cu", name, VARIANTS)
         fn.max_dynamic_shared_size_bytes = max(smem, 160 * 1024)
@@ -269,7 +317,7 @@ def run(
     K, R, V = kv_b.in_features, rope_dim, v_dim
     flash = flash_ok(K, R)
     if flash:
-        nsplit = flash_splits(S, H, t_max, n_sm)
+        nsplit = flash_splits(S, H, t_max, n_sm, K, R)
     else:
         nsplit = attend_splits(S, H, K, R, t_max, n_sm)
     n_up = sum(len(x) for x in latents)

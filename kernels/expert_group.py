@@ -11,11 +11,11 @@ launch for a model's usual group. Any other expert (gate and up of different for
 sizes, say) runs unfused and still exact: gate and up as separate gemv jobs, silu times up
 elementwise, then down as a gemv job.
 
-With ``PIPELINE`` on (off by default until its GPU tests have run), prefill-sized groups (x
-of at least ``PIPE_BYTES``, every expert in the one fused launch) are pipelined
-(``issue_pipelined``): the experts are cut into ``PIPE_LAUNCHES`` runs of about equal rows,
-each run's rows go up in ``PIPE_PIECES`` pieces on the arena's up stream, each as soon as
-the copy threads have put it into pinned memory (``kernels/pinned.py``), each run's launch
+With ``PIPELINE`` on (the default; ``COLIWORKER_PREFILL_PIPELINE=0`` turns it off),
+prefill-sized groups (x of at least ``PIPE_BYTES``, every expert in the one fused launch) are
+pipelined (``issue_pipelined``): the experts are cut into ``PIPE_LAUNCHES`` runs of about
+equal rows, each run's rows go up in ``PIPE_PIECES`` pieces on the arena's up stream, each as
+soon as the copy threads have put it into pinned memory (``kernels/pinned.py``), each run's launch
 waits for its last piece, and its outputs go down on the arena's down stream as soon as it
 ends; the copies in, the copies up, the kernels and the copies down of different runs
 overlap. Each run's launch is the whole group's launch (same kernel, tile sizes and grid
@@ -360,10 +360,9 @@ def prepare(
 #: rows, KBs) stay far below and keep the graph path. Below this the copies are short enough
 #: that the launches and events of a pipeline cost more than the overlap wins.
 PIPE_BYTES = 16 << 20
-#: The pipelined path is off until the GPU tests that compare it with the one launch to the
-#: bit (tests/kernels/test_expert_group.py, test_backend_cupy.py) have run on a GPU:
-#: COLIWORKER_PREFILL_PIPELINE=1 turns it on (those tests do, for themselves).
-PIPELINE = os.environ.get("COLIWORKER_PREFILL_PIPELINE", "0") == "1"
+#: The pipelined path (the same bits as the one launch: tests/kernels/test_expert_group.py,
+#: test_backend_cupy.py); COLIWORKER_PREFILL_PIPELINE=0 keeps the one launch for every group.
+PIPELINE = os.environ.get("COLIWORKER_PREFILL_PIPELINE", "1") != "0"
 #: Kernel launches of a pipelined group: its experts cut into this many runs of about equal
 #: rows (at most one per expert). Only the last run's kernels and copy down are not hidden
 #: behind the copies in; more runs make that tail shorter but each launch ends in a partly

@@ -4,7 +4,8 @@ A CuPy ``RawKernel`` call converts and packs every argument on each launch (~6 u
 for the 20-argument expert kernels). A ``Launch`` is built once per shape (``cached``): its
 constant arguments are packed once, and a call writes only the leading device pointers into the
 block and launches on the current stream. Where the driver entry point is missing, it falls
-back to the CuPy call.
+back to the CuPy call. ``max_active_clusters`` asks the driver how many thread-block clusters
+of a kernel are resident at once (attention's cluster choice keeps a launch to one wave).
 """
 
 from __future__ import annotations
@@ -109,3 +110,29 @@ def cached(key: tuple, make: Callable[[], T]) -> T:
         _launches.clear()
     ln = _launches[key] = make()
     return ln
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig (cuda.h)
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("smem", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.c_void_p),
+        ("n_attrs", ctypes.c_uint),
+    ]
+
+
+def max_active_clusters(fn: cupy.RawKernel, cluster: int, block: int, smem: int) -> int:
+    """cuOccupancyMaxActiveClusters: how many clusters of ``cluster`` blocks of ``fn`` (compiled
+    with ``__cluster_dims__``, its dynamic shared memory limit already set) fit on the device
+    at once with ``block`` threads and ``smem`` bytes each; 0 where the driver cannot say
+    (then callers launch no clusters)."""
+    try:
+        occ = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
+    except (OSError, AttributeError):  # pragma: no cover - depends on the driver
+        return 0
+    cfg = _LaunchConfig((cluster, 1, 1), (block, 1, 1), smem, None, None, 0)
+    n = ctypes.c_int(0)
+    err = occ(ctypes.byref(n), ctypes.c_void_p(fn.kernel.ptr), ctypes.byref(cfg))
+    return int(n.value) if err == 0 else 0

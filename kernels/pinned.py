@@ -10,6 +10,7 @@ arena up to 256 bytes. The copy threads are one pool per process, ``COPY_THREADS
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,8 +26,12 @@ def align(n: int) -> int:
 
 # Inputs of at least this many bytes are copied into the pinned buffer by several threads.
 SPLIT_COPY_BYTES = 8 << 20
-#: Threads of the copy pool (a large copy is cut in this many slices).
-COPY_THREADS = 4
+#: Threads of the copy pool (a large copy is cut in this many slices): half the CPUs, 2 to 8.
+#: On the 16-core H200 host one thread copies 48 MiB into pinned memory at 5 GB/s, 4 at 30,
+#: 8 at 46 and 12 at 40 (``bench/host_profile.py --prefill``); COLIWORKER_COPY_THREADS sets it.
+COPY_THREADS = int(os.environ.get("COLIWORKER_COPY_THREADS", 0)) or min(
+    8, max(2, (os.cpu_count() or 4) // 2)
+)
 _copy_pool: ThreadPoolExecutor | None = None
 _copy_pool_lock = threading.Lock()
 

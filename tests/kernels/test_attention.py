@@ -119,12 +119,15 @@ def test_attention_ragged_both_paths(cupy_backend, rng, attention_path, h, q, r,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "nsplit,cluster", [(8, None), (4, None), (6, None), (32, 2), (32, 1), (1, None), (132, None)]
+    "nsplit,cluster",
+    [(8, None), (4, None), (6, None), (32, 2), (32, 1), (1, None), (132, None), (132, 4), (16, 8)],
 )
 def test_flash_clusters(cupy_backend, rng, monkeypatch, nsplit, cluster):
     """mla_flash_c at GLM-5.2 widths: clusters of C T slices merged in distributed shared
     memory, into cl where C == nsplit (no mla_merge), else into partials for mla_merge
-    (nsplit 6: C = 2; 132: C = 4), and mla_flash (C = 1) as before, against float64."""
+    (nsplit 6 as chosen: C = 2; 132 forced to C = 4; 16 to C = 8), and mla_flash (C = 1: 132
+    as chosen, 3 x 132 blocks are more than one wave of clusters) as before, against
+    float64."""
     from coliworker.kernels import attention
 
     monkeypatch.setattr(attention, "flash_splits", lambda *a: nsplit)

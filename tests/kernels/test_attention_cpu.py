@@ -2,7 +2,8 @@
 ``mla_absorb_w``'s lane/column map over the resident layout, and the CUDA source of the
 absorb kernels (g++ through a stand-in for the built-ins they use) and of the flash and
 merge kernels (one fiber per CUDA thread, the inline PTX emulated) against each other and
-the float64 reference. The GPU tests of the same kernels: ``test_attention.py``."""
+the float64 reference; and the host's choice of flash clusters. The GPU tests of the same
+kernels: ``test_attention.py``."""
 
 from __future__ import annotations
 
@@ -429,3 +430,44 @@ def test_flash_clusters_on_cpu(tmp_path):
     assert cc.returncode == 0, cc.stderr[-2000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.fixture
+def attention_host(monkeypatch):
+    """kernels/attention.py's pure host functions where CuPy is absent (a stand-in module
+    for the import; the modules imported through it are dropped afterwards)."""
+    import sys
+    import types
+
+    before = set(sys.modules)
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+    from coliworker.kernels import attention
+
+    yield attention
+    for name in set(sys.modules) - before:
+        if name.startswith("coliworker.kernels"):
+            del sys.modules[name]
+
+
+def test_cluster_choice_keeps_one_wave(attention_host, rng):
+    """cluster_choice against a search of every (C, nsplit'): the largest C whose clusters
+    all fit at once with nsplit' a multiple of C within FL_WAVE_LOSS of nsplit, then the
+    largest such nsplit'; else (1, nsplit). The H200's resident counts at GLM-5.2 widths
+    (66, 30, 15 for C = 2, 4, 8) give C = 8 on 120 slices at one sequence, C = 2 at 8 and 32."""
+    att = attention_host
+    h200 = {2: 66, 4: 30, 8: 15}.get
+    assert att.cluster_choice(1, 128, (2, 4, 8), h200) == (8, 120)
+    assert att.cluster_choice(8, 16, (2, 4, 8), h200) == (2, 16)
+    assert att.cluster_choice(32, 4, (2, 4, 8), h200) == (2, 4)
+    assert att.cluster_choice(1, 128, (2, 4, 8), lambda c: 0) == (1, 128)
+    for _ in range(400):
+        per, nsplit = int(rng.integers(1, 40)), int(rng.integers(1, 200))
+        sizes = tuple(sorted({int(c) for c in rng.choice([2, 4, 8], int(rng.integers(0, 4)))}))
+        resident = {c: int(rng.integers(0, 80)) for c in (2, 4, 8)}
+        fits = [(c, n) for c in sizes for n in range(c, nsplit + 1, c)
+                if per * n <= resident[c] * c and n >= (1 - att.FL_WAVE_LOSS) * nsplit]  # fmt: skip
+        want = max(fits) if fits else (1, nsplit)
+        assert att.cluster_choice(per, nsplit, sizes, resident.get) == want, (per, nsplit)

@@ -55,7 +55,7 @@ def test_concurrent_threads_pipelined_groups(cupy_backend, rng, monkeypatch):
     ]
     xs = [rng.standard_normal((sum(rows), 4096)).astype(np.float32) for _ in range(4)]
     assert 4 * xs[0].size >= eg.PIPE_BYTES
-    monkeypatch.setattr(eg, "PIPELINE", True)  # off by default until run on a GPU
+    monkeypatch.setattr(eg, "PIPELINE", True)  # whatever COLIWORKER_PREFILL_PIPELINE says
     limit = eg.PIPE_BYTES
     monkeypatch.setattr(eg, "PIPE_BYTES", 1 << 62)
     want = [b.expert_group(experts, rows, x).out for x in xs]  # one launch, this thread

@@ -169,7 +169,7 @@ def pipelined_calls(monkeypatch):
         return real(*args, **kw)
 
     monkeypatch.setattr(eg, "issue_pipelined", spy)
-    monkeypatch.setattr(eg, "PIPELINE", True)  # off by default until run on a GPU
+    monkeypatch.setattr(eg, "PIPELINE", True)  # whatever COLIWORKER_PREFILL_PIPELINE says
     return seen
 
 
