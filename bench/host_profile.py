@@ -196,11 +196,14 @@ def prefill(b, calls: int, stages: bool) -> None:
     eg.PIPE_LAUNCHES, eg.PIPE_PIECES = keep[1], keep[2]
     pinned.set_copy_threads(threads0)
     xs, seg = _in_segment(b, x)  # the shared-memory path: x in a session's registered segment
-    same = bool(np.array_equal(b.expert_group(experts, rl, xs).out, want))
-    c = measure(xs)
-    print(f"| pipelined, x in a registered segment | {keep[1]} | {keep[2]} | - | {c[0]:.3f} | "
-          f"{c[1]:.3f} | {c[2]:.3f} | {c[3]:.3f} | {c[0] / one[2]:.2f} | "
-          f"{'same' if same else 'DIFFER'} |")  # fmt: skip
+    for L, P in [(keep[1], keep[2])] + [(L, P) for L in (2, 4, 8) for P in (1, 2)]:
+        eg.PIPE_LAUNCHES, eg.PIPE_PIECES = L, P
+        same = bool(np.array_equal(b.expert_group(experts, rl, xs).out, want))
+        c = measure(xs)
+        print(f"| pipelined, x in a registered segment | {L} | {P} | - | {c[0]:.3f} | "
+              f"{c[1]:.3f} | {c[2]:.3f} | {c[3]:.3f} | {c[0] / one[2]:.2f} | "
+              f"{'same' if same else 'DIFFER'} |")  # fmt: skip
+    eg.PIPE_LAUNCHES, eg.PIPE_PIECES = keep[1], keep[2]
     del xs
     seg.close()
     if not stages:

@@ -174,12 +174,26 @@ def flash_splits(s: int, heads: int, t_max: int, n_sm: int, k: int, r: int) -> i
     rounded down to a multiple of the forced C. Scratch as ``attend_splits``'s."""
     per = s * -(-heads // FL_HB)
     n = max(1, min(max(1, n_sm // per), -(-t_max // FL_MIN_ROWS), 1024))
-    have = _cluster_sizes(k, r)
-    if FL_CLUSTER is None:
-        return cluster_choice(per, n, have, functools.partial(_max_clusters, k, r))[1]
-    if FL_CLUSTER in have and n >= FL_CLUSTER:
-        return n // FL_CLUSTER * FL_CLUSTER
-    return n
+    key = (per, n, k, r, n_sm, FL_CLUSTER)
+    got = _splits.get(key)
+    if got is None:
+        have = _cluster_sizes(k, r)
+        if FL_CLUSTER is None:
+            got = cluster_choice(per, n, have, functools.partial(_max_clusters, k, r))[1]
+        elif FL_CLUSTER in have and n >= FL_CLUSTER:
+            got = n // FL_CLUSTER * FL_CLUSTER
+        else:
+            got = n
+        if len(_splits) > 4096:
+            _splits.clear()
+        _splits[key] = got
+    return got
+
+
+# flash_splits' answers by (blocks per slice, one-wave nsplit, K, R, SMs, FL_CLUSTER): asked on
+# every call. Keyed by SM count, not device: devices of one SM count are taken to hold as many
+# clusters (a wrong guess costs a second wave of clusters, never a wrong result).
+_splits: dict[tuple, int] = {}
 
 
 def cluster_choice(per: int, nsplit: int, sizes: Sequence[int],
