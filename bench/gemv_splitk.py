@@ -63,6 +63,10 @@ SHAPES = [
     ("value proj 64 x [256x512] S=4 int4", 2, 0, 4, 512, 256, 64),
     ("dense S=4 6144x6144 gs=64", 4, 64, 4, 6144, 6144, 1),
     ("dense S=1 6144x6144 gs=128", 4, 128, 1, 6144, 6144, 1),
+    # 8 rows (MLA of 8 sequences): SB = 8 split-K tiles; "off" is gemv_pf there.
+    ("o_proj S=8 16384->6144 int4", 2, 0, 8, 16384, 6144, 1),
+    ("value proj 64 x [256x512] S=8 int4", 2, 0, 8, 512, 256, 64),
+    ("dense S=8 6144x6144 gs=64", 4, 64, 8, 6144, 6144, 1),
 ]
 
 

@@ -14,7 +14,7 @@
 // 3s, 3s+1, 3s+2: 24 significant bits over bf16's full exponent range, so no per-row scaling.
 // Every product (4-bit integer x 8-bit mantissa) is exact and the tensor core sums in fp32; the
 // three columns are added in fp32 at the end. Up to 2 activation rows fit one n=8 tile; SB = 4
-// uses two (NT = 2). Per-row scales (fmt 2) multiply the final sums; grouped scales (fmt 4)
+// uses two (NT = 2), SB = 8 (split-K gemv only) three. Per-row scales (fmt 2) multiply the final sums; grouped scales (fmt 4)
 // multiply each mma's 16-k partial, which lies in one group because gs % 16 == 0.
 //
 // Fragment mapping. The order of k inside one mma is free as long as A and B agree. Lane

@@ -60,6 +60,10 @@ VARIANTS = tuple(_gemv_name(f, sb) for f in range(5) for sb in SB_CHOICES) + tup
 # (tests run both paths); launches are cached per setting.
 TENSOR_CORES = True
 TC_MAX_ROWS = 4
+# Split-K gemv jobs (gemv_tc_k / gemv_tc_sk, SPLIT_K on) take up to GEMV_TC_MAX_ROWS rows
+# (SB = 8 past TC_MAX_ROWS: 24 columns, three n=8 tiles), where gemv_pf pads each job to
+# PF_SROWS rows: o_proj of 8 sequences at GLM-5.2 widths ran at 12% of the DRAM bandwidth there.
+GEMV_TC_MAX_ROWS = 8
 TC_RG = 2  # 16-row groups per block tile (gemv_tc.cu)
 TC_STAGE_BUDGET = 48 * 1024  # bytes of staged bf16 activations per block; more K tiles beyond
 # Split-K (gemv_tc_k / gemv_tc_sk in gemv_tc.cu): a row tile is computed by a cluster of C
@@ -89,20 +93,29 @@ def settings() -> tuple:
 TC_VARIANTS = (
     tuple(f"{k}<{f}, {sb}>" for k in ("gemv_tc", "moe_tc", "gemv_tc_k", "moe_tc_f")
           for f in (2, 4) for sb in (1, 4))
-    + tuple(f"gemv_tc_sk<{f}, {sb}, {c}>" for f in (2, 4) for sb in (1, 4) for c in SK_CLUSTERS[1:])
+    + tuple(f"gemv_tc_k<{f}, 8>" for f in (2, 4))
+    + tuple(f"gemv_tc_sk<{f}, {sb}, {c}>" for f in (2, 4) for sb in (1, 4, 8)
+            for c in SK_CLUSTERS[1:])
 )  # fmt: skip
 
 
-def tc_eligible(spec: WeightSpec, max_rows: int) -> bool:
-    """Whether the tensor-core path serves this weight spec at ``max_rows`` rows per job."""
-    if not TENSOR_CORES or max_rows > TC_MAX_ROWS:
+def tc_eligible(spec: WeightSpec, max_rows: int, most: int = TC_MAX_ROWS) -> bool:
+    """Whether the tensor-core path serves this weight spec at ``max_rows`` rows per job
+    (``most``: the path's row limit; the split-K gemv's is GEMV_TC_MAX_ROWS)."""
+    if not TENSOR_CORES or max_rows > most:
         return False
     return spec.fmt == 2 or (spec.fmt == 4 and spec.group_size % 16 == 0)
 
 
+def tc_sb(max_rows: int) -> int:
+    """Activation rows per block (SB) of a tensor-core launch: 1, 4, or 8 past TC_MAX_ROWS
+    (split-K gemv only)."""
+    return 1 if max_rows == 1 else 4 if max_rows <= TC_MAX_ROWS else 8
+
+
 def _tc_geometry(max_rows: int, in_padded: int) -> tuple[int, int, int]:
     """(SB, kt, dynamic shared bytes) of a tensor-core launch."""
-    sb = 1 if max_rows == 1 else 4
+    sb = tc_sb(max_rows)
     nt = (3 * sb + 7) // 8
     kt = max(1024, TC_STAGE_BUDGET // (6 * sb) // 1024 * 1024)
     kt = min(kt, in_padded)
@@ -113,7 +126,7 @@ def _tc_geometry(max_rows: int, in_padded: int) -> tuple[int, int, int]:
 def _sk_geometry(max_rows: int, in_padded: int, c: int) -> tuple[int, int, int]:
     """(SB, kts, dynamic shared bytes) of a split-K launch of cluster size ``c``: kts is the
     most 128-element steps staged at once, the rank's share of K in equal tiles."""
-    sb = 1 if max_rows == 1 else 4
+    sb = tc_sb(max_rows)
     nt = (3 * sb + 7) // 8
     share = -(-(in_padded // 128) // c)  # steps of the largest rank
     most = max(1, TC_STAGE_BUDGET // (6 * sb * 128))
@@ -140,7 +153,7 @@ def _sk_choice(
             raise ValueError(f"SPLIT_K_FORCE={SPLIT_K_FORCE}: not one of {SK_CLUSTERS}")
         return SPLIT_K_FORCE
     steps = spec.layout.in_padded // 128
-    sb = 1 if max_rows == 1 else 4
+    sb = tc_sb(max_rows)
     base = -(-max_out // (TC_RG * 16)) * n_jobs * -(-max_rows // sb)
     best = (0, 0)
     for c in SK_CLUSTERS:
@@ -154,7 +167,7 @@ def _sk_choice(
 
 def _gemv_sk(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: int) -> Launch:
     """gemv_launch's launch on the split-K tensor-core path (same jobs, same pointer)."""
-    sb = 1 if max_rows == 1 else 4
+    sb = tc_sb(max_rows)
 
     def per_sm(c: int, smem: int) -> int:
         name = _sk_name(spec.fmt, sb, c)
@@ -182,9 +195,10 @@ PF_VARIANTS = tuple(f"gemv_pf<{f}, {ks}>" for f in (2, 4) for ks in PF_ROWS) + t
 )
 
 
-def prefill_eligible(spec: WeightSpec, max_rows: int) -> bool:
-    """Whether the tensor-core prefill path serves this weight spec at ``max_rows`` rows."""
-    if not TENSOR_CORES or max_rows <= TC_MAX_ROWS:
+def prefill_eligible(spec: WeightSpec, max_rows: int, fewest: int = TC_MAX_ROWS + 1) -> bool:
+    """Whether the tensor-core prefill path serves this weight spec at ``max_rows`` rows
+    (``fewest``: where it starts; the gemv's is past GEMV_TC_MAX_ROWS with split-K on)."""
+    if not TENSOR_CORES or max_rows < fewest:
         return False
     return spec.fmt == 2 or (spec.fmt == 4 and spec.group_size % 16 == 0)
 
@@ -254,9 +268,10 @@ def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int) -> L
 
     def make() -> Launch:
         lay = spec.layout
-        if prefill_eligible(spec, max_rows):
+        most = GEMV_TC_MAX_ROWS if SPLIT_K else TC_MAX_ROWS
+        if prefill_eligible(spec, max_rows, most + 1):
             return _gemv_pf(spec, n_jobs, max_rows, max_out, _sm_count(dev))
-        if tc_eligible(spec, max_rows) and SPLIT_K:
+        if tc_eligible(spec, max_rows, most) and SPLIT_K:
             return _gemv_sk(spec, n_jobs, max_rows, max_out, _sm_count(dev))
         if tc_eligible(spec, max_rows):
             sb, kt, smem = _tc_geometry(max_rows, lay.in_padded)

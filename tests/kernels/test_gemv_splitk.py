@@ -115,9 +115,10 @@ def check_all_paths(jobs: Jobs, tol: float = TC_TOL) -> dict[str, list[np.ndarra
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64), (4, 128)])
-@pytest.mark.parametrize("s", [1, 2, 3, 4])
+@pytest.mark.parametrize("s", [1, 2, 3, 4, 5, 8])
 def test_split_k_dense_glm_width(rng, fmt, gs, s):
-    # The bench's dense shape, 6144 x 6144: 48 steps of K, split 2, 4 and 8 ways.
+    # The bench's dense shape, 6144 x 6144: 48 steps of K, split 2, 4 and 8 ways; 5 and 8 rows
+    # are SB = 8 tiles (with split-K off they are gemv_pf's).
     t = make_tensor(rng, fmt, 6144, 6144, gs)
     x = rng.standard_normal((s, 6144)).astype(np.float32)
     got = check_all_paths(Jobs(t, [6144], [x]))
@@ -137,6 +138,8 @@ def test_split_k_dense_glm_width(rng, fmt, gs, s):
         (4, 6144 + 40, 2100),  # 24 steps: shares of 3 start inside a block; K ends in rank 5
         (1, 300, 20000),  # 160 steps: several staged tiles per rank at C = 1 and 2
         (2, 97, 9000),  # SB = 4 tiles of 16 steps: 72 steps over 1, 2, 4, 8 ranks
+        (7, 97, 9000),  # SB = 8 tiles of 8 steps, one row short of the tile
+        (6, 6144 + 40, 2100),  # SB = 8 with K ending inside a rank
     ],
 )
 def test_split_k_odd_sizes(rng, fmt, gs, s, o, i):
@@ -157,7 +160,7 @@ def test_split_k_wide_range_activations(rng, fmt, gs, s):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64)])
-@pytest.mark.parametrize("s", [1, 4])
+@pytest.mark.parametrize("s", [1, 4, 8])
 def test_split_k_value_projection(rng, fmt, gs, s):
     # GLM-5.2's value projection: 64 heads, each [256 x 512] of kv_b, one job per head.
     t = make_tensor(rng, fmt, 64 * 256, 512, gs)
@@ -171,10 +174,10 @@ def test_split_k_ragged_jobs(rng, fmt, gs):
     # Jobs below the launch's maximum rows and outputs: their surplus tiles (whole clusters)
     # leave before any barrier; the rest must still meet.
     outs = [256, 31, 200, 5, 129, 64]  # each >= 5 outputs: a max over one can be ~0
-    rows = [4, 1, 3, 2, 4, 1]
-    t = make_tensor(rng, fmt, sum(outs), 3000, gs)
-    xs = [rng.standard_normal((r, 3000)).astype(np.float32) for r in rows]
-    check_all_paths(Jobs(t, outs, xs))
+    for rows in ([4, 1, 3, 2, 4, 1], [8, 1, 6, 2, 5, 3]):  # SB = 4, then SB = 8 tiles
+        t = make_tensor(rng, fmt, sum(outs), 3000, gs)
+        xs = [rng.standard_normal((r, 3000)).astype(np.float32) for r in rows]
+        check_all_paths(Jobs(t, outs, xs))
 
 
 @pytest.mark.gpu
