@@ -60,10 +60,13 @@ VARIANTS = tuple(_gemv_name(f, sb) for f in range(5) for sb in SB_CHOICES) + tup
 # (tests run both paths); launches are cached per setting.
 TENSOR_CORES = True
 TC_MAX_ROWS = 4
-# Split-K gemv jobs (gemv_tc_k / gemv_tc_sk, SPLIT_K on) take up to GEMV_TC_MAX_ROWS rows
-# (SB = 8 past TC_MAX_ROWS: 24 columns, three n=8 tiles), where gemv_pf pads each job to
-# PF_SROWS rows: o_proj of 8 sequences at GLM-5.2 widths ran at 12% of the DRAM bandwidth there.
+# Split-K gemv jobs (gemv_tc_k / gemv_tc_sk, SPLIT_K on) of at least SB8_MIN_K padded inputs
+# take up to GEMV_TC_MAX_ROWS rows (SB = 8 past TC_MAX_ROWS: 24 columns, three n=8 tiles),
+# where gemv_pf pads each job to PF_SROWS rows. Measured on the H200 at 8 rows
+# (bench/gemv_splitk.py): o_proj 16384 -> 6144 101 -> 72 us, dense 6144^2 gs=64 62 -> 59 us,
+# but the value projection (64 jobs of K = 512) 14 -> 21 us: short jobs keep gemv_pf.
 GEMV_TC_MAX_ROWS = 8
+SB8_MIN_K = 4096
 TC_RG = 2  # 16-row groups per block tile (gemv_tc.cu)
 TC_STAGE_BUDGET = 48 * 1024  # bytes of staged bf16 activations per block; more K tiles beyond
 # Split-K (gemv_tc_k / gemv_tc_sk in gemv_tc.cu): a row tile is computed by a cluster of C
@@ -268,7 +271,7 @@ def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int) -> L
 
     def make() -> Launch:
         lay = spec.layout
-        most = GEMV_TC_MAX_ROWS if SPLIT_K else TC_MAX_ROWS
+        most = GEMV_TC_MAX_ROWS if SPLIT_K and lay.in_padded >= SB8_MIN_K else TC_MAX_ROWS
         if prefill_eligible(spec, max_rows, most + 1):
             return _gemv_pf(spec, n_jobs, max_rows, max_out, _sm_count(dev))
         if tc_eligible(spec, max_rows, most) and SPLIT_K:
