@@ -26,34 +26,32 @@ MAX_WATCHES = 64
 _WATCH = f"/{HEALTH_SERVICE}/Watch"
 
 try:
-    from grpc_health.v1 import health as _health
     from grpc_health.v1 import health_pb2 as _health_pb2
     from grpc_health.v1 import health_pb2_grpc as _health_pb2_grpc
 except ImportError:  # pragma: no cover - only where the dependency was left out by hand
-    _health = None
+    _health_pb2 = None
 
 
 class Health:
     """The standard grpc.health.v1 service for "" (the whole server) and the Worker service.
 
     Starts NOT_SERVING; the server calls ``set_serving()`` once it accepts calls and
-    ``set_not_serving()`` (or ``shutdown()``) when it starts draining. ``Check`` is
-    grpcio-health-checking's servicer; ``Watch`` is served here (``_Watches``): that
-    servicer sends a status change to each watcher while holding the lock its close
-    callback takes, and a send waits for gRPC's completion thread, so a change made while a
-    watcher disconnects (a drain with watchers open) deadlocked the stopping worker.
+    ``set_not_serving()`` (or ``shutdown()``) when it starts draining. One registry
+    (``_Watches``) holds each service's status and the open Watch streams; ``Check``, ``List``
+    and ``Watch`` all answer from it. grpcio-health-checking gives the messages and the
+    service stub only: its own servicer sends a status change to each watcher while holding
+    the lock its close callback takes, and a send waits for gRPC's completion thread, so a
+    change made while a watcher disconnected (a drain with watchers open) deadlocked the
+    stopping worker.
     """
 
     SERVICES = ("", WORKER_SERVICE)
 
     def __init__(self) -> None:
-        self.available = _health is not None
-        self._servicer: Any = None
+        self.available = _health_pb2 is not None
         self.watches: _Watches | None = None
         if self.available:
-            self._servicer = _health.HealthServicer(experimental_non_blocking=True)
             self.watches = _Watches(self.SERVICES)
-            self._set(_health_pb2.HealthCheckResponse.NOT_SERVING)
         else:
             log.warning(
                 "grpcio-health-checking is not installed: the grpc.health.v1 service is off "
@@ -62,29 +60,21 @@ class Health:
 
     def attach(self, server: grpc.Server) -> None:
         """Add the health service to ``server`` (before ``server.start()``)."""
-        if self._servicer is not None:
-            _health_pb2_grpc.add_HealthServicer_to_server(self._servicer, server)
+        if self.watches is not None:
+            _health_pb2_grpc.add_HealthServicer_to_server(_servicer(self.watches), server)
 
     def set_serving(self) -> None:
-        if self._servicer is not None:
-            self._set(_health_pb2.HealthCheckResponse.SERVING)
+        if self.watches is not None:
+            self.watches.set(_health_pb2.HealthCheckResponse.SERVING)
 
     def set_not_serving(self) -> None:
-        if self._servicer is not None:
-            self._set(_health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.watches is not None:
+            self.watches.set(_health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def shutdown(self) -> None:
         """NOT_SERVING for every service, now and for any later ``set`` (graceful stop)."""
-        if self._servicer is not None:
-            self._servicer.enter_graceful_shutdown()
-            assert self.watches is not None
+        if self.watches is not None:
             self.watches.set(_health_pb2.HealthCheckResponse.NOT_SERVING, final=True)
-
-    def _set(self, status: int) -> None:
-        for service in self.SERVICES:
-            self._servicer.set(service, status)
-        assert self.watches is not None
-        self.watches.set(status)
 
     def interceptor(self, max_watches: int = MAX_WATCHES) -> grpc.ServerInterceptor:
         """Serves ``Health/Watch`` itself, ahead of every other interceptor, to keep it
@@ -94,12 +84,41 @@ class Health:
         return _WatchInterceptor(self.watches, max_watches)
 
 
+def _servicer(watches: _Watches) -> Any:
+    """grpc.health.v1.Health answered from ``watches`` (Watch too, where the interceptor is
+    not in front of it)."""
+
+    class Servicer(_health_pb2_grpc.HealthServicer):
+        def Check(self, request: Any, context: grpc.ServicerContext) -> Any:
+            status = watches.status(request.service)
+            if status is None:
+                context.set_code(grpc.StatusCode.NOT_FOUND)
+                context.set_details(f"Check: no service {request.service!r} on this worker")
+                return _health_pb2.HealthCheckResponse()
+            return _health_pb2.HealthCheckResponse(status=status)
+
+        def List(self, request: Any, context: grpc.ServicerContext) -> Any:
+            statuses = {s: _health_pb2.HealthCheckResponse(status=v)
+                        for s, v in watches.statuses().items()}  # fmt: skip
+            return _health_pb2.HealthListResponse(statuses=statuses)
+
+        def Watch(self, request: Any, context: grpc.ServicerContext, send_response_callback=None):
+            if send_response_callback is None:  # pragma: no cover - a gRPC without callbacks
+                context.abort(grpc.StatusCode.UNIMPLEMENTED, "Watch: needs a non-blocking server")
+            watches.watch(request.service, send_response_callback, context)
+
+    Servicer.Watch.experimental_non_blocking = True  # type: ignore[attr-defined]
+    if not hasattr(_health_pb2, "HealthListResponse"):  # pragma: no cover - older releases
+        del Servicer.List
+    return Servicer()
+
+
 class _Watches:
-    """The open Watch streams and the status each service has. A status goes out with no
-    lock of this registry held (a send waits for gRPC's completion thread, which runs the
-    close callbacks that take it); one watcher's sends are serialized by its own lock and
-    each sends the service's latest status, so a watcher never ends on a stale one. A
-    watcher whose stream has ended meanwhile just fails its send."""
+    """Each service's status and the open Watch streams. A status goes out with no lock of
+    this registry held (a send waits for gRPC's completion thread, which runs the close
+    callbacks that take it); one watcher's sends are serialized by its own lock and each
+    sends the service's latest status, so a watcher never ends on a stale one. A watcher
+    whose stream has ended meanwhile just fails its send."""
 
     class Watcher:
         __slots__ = ("last", "lock", "send", "service")
@@ -113,6 +132,14 @@ class _Watches:
         self._status = {s: _health_pb2.HealthCheckResponse.NOT_SERVING for s in services}
         self._final = False
         self._watchers: set[_Watches.Watcher] = set()
+
+    def status(self, service: str) -> int | None:
+        with self._lock:
+            return self._status.get(service)
+
+    def statuses(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._status)
 
     def set(self, status: int, final: bool = False) -> None:
         with self._lock:
@@ -213,7 +240,7 @@ def enable_reflection(server: grpc.Server) -> bool:
     from coliworker.v1 import worker_pb2
 
     names = [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name]
-    if _health is not None:
+    if _health_pb2 is not None:
         names.append(_health_pb2.DESCRIPTOR.services_by_name["Health"].full_name)
     return reflection.enable_reflection(server, names)
 

@@ -119,7 +119,7 @@ def test_reflection_lists_and_describes_services(served, version) -> None:
 
 
 def test_without_the_packages_everything_is_a_no_op(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(health_mod, "_health", None)
+    monkeypatch.setattr(health_mod, "_health_pb2", None)
     monkeypatch.setattr(reflection_mod, "_reflection", None)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
     h = Health()

@@ -1,7 +1,7 @@
-"""The grpc.health.v1 Watch stream (``server/health.py``): every watcher sees each status
-change, and a change made while watchers disconnect never waits on a lock their close
-callbacks take (grpcio-health-checking's own Watch did: a worker stopping with open
-watches hung in ``set_not_serving``)."""
+"""The grpc.health.v1 service (``server/health.py``): every watcher sees each status change,
+a change made while watchers disconnect never waits on a lock their close callbacks take
+(grpcio-health-checking's own Watch did: a worker stopping with open watches hung in
+``set_not_serving``), and Check, List and Watch answer from the one status registry."""
 
 from __future__ import annotations
 
@@ -103,3 +103,34 @@ def test_stop_with_watchers_disconnecting_completes_and_the_others_see_not_servi
             except grpc.RpcError:  # the server went before this watcher read its last status
                 continue
             assert status[:2] == b"\x08\x02"  # NOT_SERVING
+
+
+def test_check_list_and_watch_answer_from_one_registry():
+    """Over gRPC: Check and List follow every change Watch sees (one store of statuses); an
+    unknown service is NOT_FOUND to Check and SERVICE_UNKNOWN to Watch."""
+    from grpc_health.v1 import health_pb2_grpc
+
+    srv = build_server(
+        Config(host="127.0.0.1", port=0, backend="numpy", metrics_port=None, data_port=None)
+    ).start()
+    try:
+        with grpc.insecure_channel(srv.address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            req = grpc_health.HealthCheckRequest
+            stream = stub.Watch(req(service=WORKER_SERVICE), timeout=60)
+            assert next(stream).status == SERVING
+            for service in ("", WORKER_SERVICE):
+                assert stub.Check(req(service=service), timeout=10).status == SERVING
+            listed = stub.List(grpc_health.HealthListRequest(), timeout=10).statuses
+            want = {"": SERVING, WORKER_SERVICE: SERVING}
+            assert {k: v.status for k, v in listed.items()} == want
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Check(req(service="other"), timeout=10)
+            assert err.value.code() == grpc.StatusCode.NOT_FOUND
+            assert next(stub.Watch(req(service="other"), timeout=60)).status == UNKNOWN
+            srv.health.set_not_serving()
+            assert next(stream).status == NOT_SERVING
+            assert stub.Check(req(service=WORKER_SERVICE), timeout=10).status == NOT_SERVING
+            stream.cancel()
+    finally:
+        srv.stop(grace=None)
