@@ -3,38 +3,21 @@
 Each source file becomes one ``cupy.RawModule`` per device holding every template variant the
 wrappers use (``name_expressions``), so a process pays one NVRTC compile per file (CuPy also
 keeps the binary in its on-disk cache across processes). ``#include "x.cuh"`` lines are
-inlined here so that CuPy's cache key, the source text, changes whenever a header does.
+inlined (``sources.source``) so that CuPy's cache key, the source text, changes whenever a
+header does.
 """
 
 from __future__ import annotations
 
-import re
 import threading
-from pathlib import Path
 
 import cupy
 
-KERNEL_DIR = Path(__file__).resolve().parent
-_INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.MULTILINE)
+from coliworker.kernels.sources import source
 
 _lock = threading.Lock()
 _modules: dict[tuple[int, str], cupy.RawModule] = {}
 _functions: dict[tuple[int, str, str], cupy.RawKernel] = {}
-
-
-def source(name: str) -> str:
-    """The text of ``kernels/<name>`` with its local includes inlined (once each)."""
-    seen: set[str] = set()
-
-    def expand(fname: str) -> str:
-        if fname in seen:
-            return ""
-        seen.add(fname)
-        text = (KERNEL_DIR / fname).read_text()
-        text = text.replace("#pragma once", "")
-        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
-
-    return expand(name)
 
 
 def get_function(file: str, name: str, variants: tuple[str, ...], shared_bytes: int = 0):

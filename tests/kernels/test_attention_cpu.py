@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from _kern import make_tensor
 
-from coliworker.kernels import layout
+from coliworker.kernels import layout, sources
 
 
 def test_absorb_w_map(rng):
@@ -141,7 +141,7 @@ def test_absorb_w_on_cpu(tmp_path):
     1100 (several column groups, quads 4..7, a second 512-byte block), fmt 2 and fmt 4 (gs 8,
     12)."""
     kdir = Path(__file__).resolve().parents[2] / "kernels"
-    src = (kdir / "attention.cu").read_text()
+    src = sources.source("attention.cu")
     part = src[src.index("struct KvDesc") : src.index("#define ATT_WARPS")]
     part = part.replace("extern __shared__ float4 abw_sm4[];", "float4 *abw_sm4 = SMEM;")
     part = part.replace("extern __shared__ float qs[];", "float *qs = (float *)SMEM;")
@@ -392,7 +392,8 @@ _FL_ASM = ("fl_mma", "fl_cp4", "fl_cp16", "fl_remote", "fl_dsmem", "fl_dsmem4", 
 
 
 def _flash_source(src: str) -> str:
-    """KvDesc, mla_merge and the flash kernels of attention.cu, without their inline PTX."""
+    """KvDesc, mla_merge and the flash kernels of attention.cu (attention_flash.cuh inlined, as
+    compiled), without their inline PTX."""
     kv = src[src.index("struct KvDesc") : src.index("// The call's new cache rows")]
     part = src[src.index("// grid (H, S, ceil(K / 128)), block 128") :]
     for name in _FL_ASM:
@@ -422,7 +423,7 @@ def test_flash_clusters_on_cpu(tmp_path):
     heads beyond H, slices without rows) against float64 at GLM-5.2 widths (K 512, R 64), their
     CUDA source run on the CPU (``_FLASH_SHIM``): every output written, within 1e-5 (~1e-6)."""
     kdir = Path(__file__).resolve().parents[2] / "kernels"
-    (tmp_path / "flash.inc").write_text(_flash_source((kdir / "attention.cu").read_text()))
+    (tmp_path / "flash.inc").write_text(_flash_source(sources.source("attention.cu")))
     (tmp_path / "emu.cpp").write_text(_FLASH_SHIM)
     exe = tmp_path / "emu"
     cmd = ["g++", "-std=c++20", "-O2", "-w", f"-I{kdir}", "-o", str(exe)]
