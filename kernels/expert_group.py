@@ -1,7 +1,7 @@
 """The expert-group ops' host side (``expert_group``, ``expert_group_issue``,
 ``expert_group_routed``): the plan of a group's launches, its job tables packed straight into
 the call's pinned buffer, its arena layout and its launches (kernels: ``moe``/``moe_tc``/
-``moe_pf`` and ``gemv`` in gemv.cu, gemv_tc.cu, prefill_tc.cu; ``route_gather`` /
+``moe_pf`` and ``gemv`` in gemv.cu, gemv_tc.cu (+ its .cuh), prefill_tc.cu; ``route_gather`` /
 ``route_combine`` in route.cu; reference: ``reference.expert_group``; tests:
 ``tests/kernels/test_expert_group.py``).
 

@@ -69,7 +69,7 @@ GEMV_TC_MAX_ROWS = 8
 SB8_MIN_K = 4096
 TC_RG = 2  # 16-row groups per block tile (gemv_tc.cu)
 TC_STAGE_BUDGET = 48 * 1024  # bytes of staged bf16 activations per block; more K tiles beyond
-# Split-K (gemv_tc_k / gemv_tc_sk in gemv_tc.cu): a row tile is computed by a cluster of C
+# Split-K (gemv_tc_k / gemv_tc_sk in gemv_tc_splitk.cuh): a row tile is computed by a cluster of C
 # blocks, each over 1/C of K, their sums meeting in distributed shared memory in a fixed order.
 # ``SPLIT_K`` switches it off (gemv_tc as before; tests run both paths); ``SPLIT_K_FORCE``
 # fixes C (tests and bench/gemv_splitk.py); launches are cached per setting.
@@ -77,7 +77,7 @@ SPLIT_K = True
 SPLIT_K_FORCE: int | None = None
 SK_CLUSTERS = (1, 2, 4, 8)  # C = 1: gemv_tc_k (no cluster); 2..8: gemv_tc_sk<FMT, SB, C>
 SK_BLOCK_COST = 16  # a block's fixed cost (launch, staging, reductions) in 64-byte weight steps
-# moe_tc_f (gemv_tc.cu): moe_tc with its loads issued ahead (the next tile's ticket and first
+# moe_tc_f (moe_tc_fast.cuh): moe_tc with its loads issued ahead (the next tile's ticket and first
 # round, a tile's first batch before its wait and staging, an L2 window of TC_PFD rounds) and
 # 3 blocks per SM at one row, fmt 4's scales staged in shared memory: the same tiles and
 # summation order, the same bits as moe_tc.
@@ -378,7 +378,7 @@ def _moe_tc(
     _, kt_b, smem_b = _tc_geometry(max_rows, dn.layout.in_padded)
     kt, smem = (kt_a, smem_a) if kt_a >= kt_b else (kt_b, smem_b)
     fast = MOE_TC_FAST
-    if fast and gu.fmt == 4:  # moe_tc_f stages a tile's scales (tc_ssc_floats in gemv_tc.cu)
+    if fast and gu.fmt == 4:  # moe_tc_f stages a tile's scales (tc_ssc_floats, moe_tc_fast.cuh)
         ngp_a, ngp_b = max(gu.layout.ngp, 1), max(dn.layout.ngp, 1)
         nsc = max(2 * TC_RG * 16 * (ngp_a | 1), TC_RG * 16 * (ngp_b | 1))
         smem_f = smem + 4 * (-(-nsc // 4) * 4)

@@ -1,5 +1,5 @@
-"""Split-K of the tensor-core decode GEMV (gemv_tc_k / gemv_tc_sk in gemv_tc.cu) against gemv_tc
-and the float64 reference, driven through ``gemv_launch`` with job tables built here.
+"""Split-K of the tensor-core decode GEMV (gemv_tc_k / gemv_tc_sk, gemv_tc_splitk.cuh) against
+gemv_tc and the float64 reference, driven through ``gemv_launch`` with job tables built here.
 
 Every case runs the same jobs with ``matmul.SPLIT_K`` off (gemv_tc), on (the host's choice of
 cluster size) and forced to each cluster size C in ``SK_CLUSTERS``: results within ``TC_TOL``

@@ -1,4 +1,4 @@
-"""moe_tc_f (gemv_tc.cu: the decode expert group with its loads issued ahead) against moe_tc
+"""moe_tc_f (moe_tc_fast.cuh: the decode expert group with its loads issued ahead) against moe_tc
 and the float64 reference, driven through ``moe_launch`` with job tables built here, and
 through the backend (CUDA graphs on and off).
 
