@@ -357,9 +357,18 @@ class Metrics:
         """One hot-path call: ``call`` is its kind ("expert_group"), ``transport`` grpc
         (Session stream), socket (data plane) or shm (doorbell). A non-OK code also counts
         as a compute error."""
-        name = _code_name(code)
-        self._child(self.session_requests, call, name, transport).inc()
-        self._child(self.session_seconds, call, transport).observe(seconds)
+        key = ("session", call, code, transport)
+        hit = self._children.get(key)
+        if hit is None:  # once per (call, status, transport): its two series and its name
+            name = _code_name(code)
+            hit = self._children[key] = (
+                self._child(self.session_requests, call, name, transport),
+                self._child(self.session_seconds, call, transport),
+                name,
+            )
+        requests, secs, name = hit
+        requests.inc()
+        secs.observe(seconds)
         if name != "OK":
             self.compute_errors.labels(name).inc()
 
