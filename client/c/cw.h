@@ -4,7 +4,8 @@
  *   sha256.c            content hashes of uploads (SHA-256, no OpenSSL)
  *   pb.c                the proto3 subset the data plane's messages need
  *   conn.c              one data-plane connection: socket / TLS, frames, HELLO
- *   workers.c           configuration, devices, connection pools, reconnects, stats
+ *   workers.c           configuration, init, connection pools, reconnects
+ *   devices.c           Info, device count / ids / memory, stats
  *   tensors.c           upload / update / free, host copies (COLIWORKER_RETAIN)
  *   compute.c           matmul, expert MLP / group / issue / take, attention
  *   ragged.c            ragged attention: engine keys -> worker sequence ids
@@ -192,6 +193,15 @@ void cw_mark_down(cw_worker *w);
 uint64_t cw_epoch_now(const cw_worker *w);
 uint64_t cw_new_epoch(void);
 void cw_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* -- devices.c ----------------------------------------------------------------------- */
+typedef struct {
+    int id;
+    uint64_t total, free, limit;
+} cw_dev_info;
+/* Info over c: the worker's devices (Info order) into devs, and its limits into w (when
+ * not NULL). */
+int cw_info(cw_conn *c, cw_worker *w, cw_dev_info *devs, int *ndev);
 
 /* -- tensors.c ----------------------------------------------------------------------- */
 struct cw_seqtab;
