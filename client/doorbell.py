@@ -104,6 +104,10 @@ class Channel:
         self._fds_closed = False
         self.spin_ns = spin_us * 1000
         self.worker_spin_us = worker_spin_us
+        #: Called (no lock held) when the worker's end is found closed, before the channel
+        #: fails: its owner may fail it first with the reason (the session waits, bounded,
+        #: for its stream's last status: an idle timeout, a drain), which then wins.
+        self.on_closed: Callable[[], None] | None = None
 
     # -- setting up -------------------------------------------------------------------------
 
@@ -195,7 +199,7 @@ class Channel:
             try:
                 os.write(self._req, bytes((slot,)))
             except OSError as exc:  # EPIPE: the worker's end is closed
-                self.fail(errors.Unavailable(f"doorbell: the worker closed the channel ({exc})"))
+                self._closed_by_worker(f"doorbell: the worker closed the channel ({exc})")
                 return
             self._next = (slot + 1) % self.slots
 
@@ -226,7 +230,7 @@ class Channel:
             except BlockingIOError:
                 return True
         if not data:  # end of file: the worker's end is closed
-            self.fail(errors.Unavailable("doorbell: the worker closed the channel"))
+            self._closed_by_worker("doorbell: the worker closed the channel")
             return True
         for slot in data:
             with self._lock:
@@ -264,6 +268,13 @@ class Channel:
         return None
 
     # -- failure and close ------------------------------------------------------------------
+
+    def _closed_by_worker(self, message: str) -> None:
+        """The worker closed its end: fail with its reason where the owner has it, else
+        with ``message``."""
+        if self.on_closed is not None and self._broken is None:
+            self.on_closed()
+        self.fail(errors.Unavailable(message))
 
     def fail(self, err: errors.WorkerError) -> None:
         """Fail every pending call (and later submits) with ``err``; wake a waiter."""

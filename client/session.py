@@ -213,7 +213,18 @@ class Session(SessionCalls):
             ch.close(0)
             self._alloc.free(off, size)
             raise
+        ch.on_closed = self._await_stream_end
         self._bell = ch
+
+    #: How long a doorbell call that finds the worker's end closed waits for the stream's last
+    #: status, whose reason (an idle timeout, a drain) it then reports.
+    STREAM_END_WAIT = 2.0
+
+    def _await_stream_end(self) -> None:
+        """The worker closed the doorbell: it ends the stream too, with the reason. Wait
+        (bounded) for the reader to see that end; the reader then fails the channel with it."""
+        if threading.current_thread() is not self._reader:
+            self._reader.join(self.STREAM_END_WAIT)
 
     @property
     def transport(self) -> str:

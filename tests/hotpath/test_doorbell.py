@@ -268,3 +268,33 @@ def test_worker_stop_fails_pending_call_with_unavailable(rng):
     s.close()
     w.close()
     assert wait_for(lambda: not _ours(os.getpid()))
+
+
+def test_a_call_on_a_doorbell_the_worker_closed_reports_the_streams_reason(rng, monkeypatch):
+    """An idle session ends: the worker closes the doorbell and ends the stream with the
+    reason. A call that finds the doorbell closed before the client has read the stream's
+    end (held back here) still reports that reason, not a bare broken pipe: the channel
+    waits, bounded, for the stream."""
+    from coliworker.client import errors
+    from coliworker.client import session as session_mod
+
+    real = errors.from_rpc_error
+
+    def late(exc):  # the reader sees the stream's end only after the call below is made
+        time.sleep(0.5)
+        return real(exc)
+
+    srv = build_server(
+        Config(backend="numpy", port=0, metrics_port=None, session_idle_timeout=0.5)
+    ).start()
+    w = WorkerClient(srv.address, timeout=10)
+    try:
+        monkeypatch.setattr(session_mod.errors, "from_rpc_error", late)
+        s = w.session(shm=True, doorbell=True)
+        assert wait_for(lambda: srv.servicer.sessions.streams() == 0)
+        with pytest.raises(Unavailable, match="session-idle-timeout"):
+            s.matmul_sync(1, rng.standard_normal((1, D)).astype(np.float32))
+        s.close()
+    finally:
+        w.close()
+        srv.stop(0)
