@@ -172,7 +172,7 @@ def prefill(b, calls: int, stages: bool) -> None:
         m = np.median(np.array(ph), axis=0) / 1e6
         return float(np.median(walls)) / 1e6, float(m[0]), float(m[1]), float(m[2])
 
-    keep = (eg.PIPE_BYTES, eg.PIPE_LAUNCHES, eg.PIPE_PIECES, eg.PIPELINE)
+    keep = (eg.PIPE_LAUNCHES, eg.PIPE_PIECES, eg.PIPELINE)
     threads0 = pinned.COPY_THREADS
     eg.PIPELINE = False
     want = b.expert_group(experts, rl, x).out.copy()
@@ -183,31 +183,32 @@ def prefill(b, calls: int, stages: bool) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     print(f"| one launch | 1 | 1 | {threads0} | {one[0]:.3f} | {one[1]:.3f} | {one[2]:.3f} | "
           f"{one[3]:.3f} | {one[0] / one[2]:.2f} | - |")  # fmt: skip
+
+    def sweep(label: str, xin: np.ndarray, configs: list[tuple[int, int, int | None]]) -> None:
+        """A row per (launches, pieces, copy threads; None: no host copy), checked to the bit."""
+        for L, P, t in configs:
+            eg.PIPE_LAUNCHES, eg.PIPE_PIECES = L, P
+            if t is not None:
+                pinned.set_copy_threads(t)
+            same = bool(np.array_equal(b.expert_group(experts, rl, xin).out, want))
+            c = measure(xin)
+            print(f"| {label} | {L} | {P} | {'-' if t is None else t} | {c[0]:.3f} | "
+                  f"{c[1]:.3f} | {c[2]:.3f} | {c[3]:.3f} | {c[0] / one[2]:.2f} | "
+                  f"{'same' if same else 'DIFFER'} |")  # fmt: skip
+        eg.PIPE_LAUNCHES, eg.PIPE_PIECES = keep[0], keep[1]
+        pinned.set_copy_threads(threads0)
+
     configs = [(L, P, t) for t in (4, 8) for L in (2, 4, 8) for P in (1, 2, 4)]
-    if (keep[1], keep[2], threads0) not in configs:
-        configs.insert(0, (keep[1], keep[2], threads0))
-    for L, P, t in configs:
-        eg.PIPE_LAUNCHES, eg.PIPE_PIECES = L, P
-        pinned.set_copy_threads(t)
-        same = bool(np.array_equal(b.expert_group(experts, rl, x).out, want))
-        c = measure()
-        print(f"| pipelined | {L} | {P} | {t} | {c[0]:.3f} | {c[1]:.3f} | {c[2]:.3f} | "
-              f"{c[3]:.3f} | {c[0] / one[2]:.2f} | {'same' if same else 'DIFFER'} |")  # fmt: skip
-    eg.PIPE_LAUNCHES, eg.PIPE_PIECES = keep[1], keep[2]
-    pinned.set_copy_threads(threads0)
+    if (keep[0], keep[1], threads0) not in configs:
+        configs.insert(0, (keep[0], keep[1], threads0))
+    sweep("pipelined", x, configs)
     xs, seg = _in_segment(b, x)  # the shared-memory path: x in a session's registered segment
-    for L, P in [(keep[1], keep[2])] + [(L, P) for L in (2, 4, 8) for P in (1, 2)]:
-        eg.PIPE_LAUNCHES, eg.PIPE_PIECES = L, P
-        same = bool(np.array_equal(b.expert_group(experts, rl, xs).out, want))
-        c = measure(xs)
-        print(f"| pipelined, x in a registered segment | {L} | {P} | - | {c[0]:.3f} | "
-              f"{c[1]:.3f} | {c[2]:.3f} | {c[3]:.3f} | {c[0] / one[2]:.2f} | "
-              f"{'same' if same else 'DIFFER'} |")  # fmt: skip
-    eg.PIPE_LAUNCHES, eg.PIPE_PIECES = keep[1], keep[2]
+    in_segment = [(keep[0], keep[1], None)] + [(L, P, None) for L in (2, 4, 8) for P in (1, 2)]
+    sweep("pipelined, x in a registered segment", xs, in_segment)
     del xs
     seg.close()
     if not stages:
-        eg.PIPELINE = keep[3]
+        eg.PIPELINE = keep[2]
         return
     acc = _stage_timers()
     for label, on in (("one launch", False), ("pipelined, defaults", True)):
@@ -221,7 +222,7 @@ def prefill(b, calls: int, stages: bool) -> None:
         print(f"== prefill ({label}): steps, us per call (wall {wall:.1f})")
         for step, ns in sorted(acc.items(), key=lambda kv: -kv[1]):
             print(f"  {step:34s} {ns / calls / 1e3:8.1f}")
-    eg.PIPELINE = keep[3]
+    eg.PIPELINE = keep[2]
 
 
 def main() -> None:
