@@ -18,13 +18,17 @@ from coliworker.kernels.sources import source
 _lock = threading.Lock()
 _modules: dict[tuple[int, str], cupy.RawModule] = {}
 _functions: dict[tuple[int, str, str], cupy.RawKernel] = {}
+_limits: dict[tuple[int, str, str], int] = {}  # each function's dynamic shared memory limit
+#: The dynamic shared memory limit every kernel gets (more where get_function is asked).
+DEFAULT_SHARED = 160 * 1024
 
 
 def get_function(file: str, name: str, variants: tuple[str, ...], shared_bytes: int = 0):
     """Kernel ``name`` (one of ``variants``) of ``kernels/<file>`` for the current device.
 
-    ``shared_bytes`` raises the kernel's dynamic shared-memory limit when above the default
-    48 KiB (Hopper allows up to 227 KiB per block once asked).
+    ``shared_bytes`` raises the kernel's dynamic shared-memory limit when above
+    ``DEFAULT_SHARED`` (Hopper allows up to 227 KiB per block once asked; CUDA's own default is
+    48 KiB).
     """
     dev = cupy.cuda.Device().id
     key = (dev, file, name)
@@ -40,6 +44,10 @@ def get_function(file: str, name: str, variants: tuple[str, ...], shared_bytes: 
                 )
                 _modules[(dev, file)] = mod
             fn = mod.get_function(name)
-            fn.max_dynamic_shared_size_bytes = 160 * 1024
+            fn.max_dynamic_shared_size_bytes = _limits[key] = max(DEFAULT_SHARED, shared_bytes)
             _functions[key] = fn
+    elif shared_bytes > _limits[key]:
+        with _lock:
+            if shared_bytes > _limits[key]:
+                fn.max_dynamic_shared_size_bytes = _limits[key] = shared_bytes
     return fn

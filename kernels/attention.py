@@ -261,8 +261,7 @@ def _max_clusters(k: int, r: int, c: int) -> int:
     n = _resident.get(key)
     if n is None:
         ntc, _, _, smem = _flash_geometry(k, r)  # type: ignore[misc]
-        fn = get_function("attention.cu", f"mla_flash_c<{ntc}, {c}>", VARIANTS)
-        fn.max_dynamic_shared_size_bytes = max(smem, 160 * 1024)
+        fn = get_function("attention.cu", f"mla_flash_c<{ntc}, {c}>", VARIANTS, smem)
         n = _resident[key] = max_active_clusters(fn, c, 256, smem)
     return n
 
@@ -280,8 +279,7 @@ def flash_launch(s: int, heads: int, k: int, r: int, scale: float, nsplit: int
         ntc, qst, kst, smem = geo
         c = flash_cluster(k, r, nsplit, s, heads)
         name = f"mla_flash_c<{ntc}, {c}>" if c > 1 else f"mla_flash<{ntc}>"
-        fn = get_function("attention.cu", name, VARIANTS)
-        fn.max_dynamic_shared_size_bytes = max(smem, 160 * 1024)
+        fn = get_function("attention.cu", name, VARIANTS, smem)
         att = Launch(fn, (nsplit, s, -(-heads // FL_HB)), (256,),
                      (np.int32(s), np.int32(heads), np.int32(k), np.int32(r), np.float32(scale),
                       np.int32(nsplit), np.int32(qst), np.int32(kst)), smem)  # fmt: skip
