@@ -170,7 +170,20 @@ def upload_many(
     errors: dict[int, BaseException] = {}
     lock = threading.Lock()
     first_of: dict[tuple[int, bytes], int] = {}
+    registered = 0  # items [0, registered) are in first_of
     following = iter(range(len(prepared)))
+
+    def first_index(k: int) -> int:
+        """The earliest item with item k's content. Items register in index order (their
+        hashes may finish in any order), so the first of a content is the lowest index."""
+        nonlocal registered
+        with lock:
+            while registered <= k:
+                job = jobs[registered]
+                if job.digest.exception() is None:  # a failed hash fails its own item
+                    first_of.setdefault((job.spec.device, job.digest.result()), registered)
+                registered += 1
+            return first_of[(jobs[k].spec.device, jobs[k].digest.result())]
 
     def probe(job: _Job) -> TensorRef | None:
         hit = client._call(
@@ -183,8 +196,7 @@ def upload_many(
 
     def send(k: int, job: _Job) -> TensorRef:
         digest = job.digest.result()
-        with lock:
-            first = first_of.setdefault((job.spec.device, digest), k)
+        first = first_index(k)
         if first != k:  # the same content earlier in the set: a reference once it is there
             jobs[first].done.wait()
             if refs[first] is None:

@@ -136,6 +136,33 @@ def test_dedup_within_and_across_sets(server, w, rng, streams):
     assert usage(w) == before
 
 
+def test_the_first_of_identical_items_is_the_lowest_index_whatever_hash_ends_first(
+    server, w, rng, monkeypatch
+):
+    """Item 0's hash finishes last; item 2 (the same content) must still wait for item 0,
+    not be sent in its place."""
+    a, b = (random_tensor(rng, 2, 512, 64) for _ in range(2))
+    slow = codec.content_hash(a.fmt, a.in_features, a.out_features, 0, a.weights, a.scales)
+    calls = []
+    real = codec.content_hash
+
+    def content_hash(*args):
+        digest = real(*args)
+        calls.append(digest)
+        if digest == slow and calls.count(slow) == 1:
+            time.sleep(0.3)  # the first of a's two hashes (item 0 or 2) comes in late
+        return digest
+
+    monkeypatch.setattr("coliworker.client.uploads.codec.content_hash", content_hash)
+    before = usage(w)
+    refs = w.upload_many([item(t) for t in (a, b, a)], streams=3, hash_threads=3)
+    assert [r.deduplicated for r in refs] == [False, False, True]
+    assert refs[0].content_hash == refs[2].content_hash
+    for r in refs:
+        w.free(r)
+    assert usage(w) == before
+
+
 def test_item_checked_before_anything_is_sent(w, rng):
     good = [item(random_tensor(rng, 2, 64, 8)) for _ in range(3)]
     before = usage(w)
