@@ -1,12 +1,14 @@
-"""Split-K tensor-core decode GEMV (issue #14): gemv_tc against gemv_tc_k / gemv_tc_sk.
+"""Split-K and streamed tensor-core decode GEMV (issue #14): gemv_tc against gemv_tc_k /
+gemv_tc_sk and gemv_st.
 
 For each shape it builds the job table itself (as the backend would: one job per matrix, or
 one per head for the value projection), rotates among enough weight sets that the 60 MB L2
 never holds the next one, and times ``gemv_launch``'s launch with CUDA events, median of
 ``--iters`` (>= 50) launches after ``--warmup``, each kernel alone between its two events:
 a spin kernel runs first, so the events and the kernel are queued back to back and the
-host's launch time is not counted. Paths: SPLIT_K off (gemv_tc), on (the host's choice of
-cluster size C), and each C forced (``--no-sweep`` drops those). Every path is checked
+host's launch time is not counted. Paths (STREAM off but in the last): SPLIT_K off (gemv_tc),
+on (the host's choice of cluster size C), each C forced (``--no-sweep`` drops those), and
+"stream" (gemv_st where it serves the shape, else as "on"). Every path is checked
 against float64 (max over activation rows of max|y - ref| / max|ref|) and for the same bits
 on repeated calls.
 
@@ -131,15 +133,15 @@ class Case:
             ]
         )
 
-    def launch(self, split: bool, force: int | None):
+    def launch(self, split: bool, force: int | None, stream: bool = False):
         from coliworker.kernels import matmul
 
-        saved = matmul.SPLIT_K, matmul.SPLIT_K_FORCE
-        matmul.SPLIT_K, matmul.SPLIT_K_FORCE = split, force
+        saved = matmul.SPLIT_K, matmul.SPLIT_K_FORCE, matmul.STREAM
+        matmul.SPLIT_K, matmul.SPLIT_K_FORCE, matmul.STREAM = split, force, stream
         try:
             return matmul.gemv_launch(self.spec, self.n_jobs, self.s, self.o)
         finally:
-            matmul.SPLIT_K, matmul.SPLIT_K_FORCE = saved
+            matmul.SPLIT_K, matmul.SPLIT_K_FORCE, matmul.STREAM = saved
 
     def call(self, ln, k: int) -> None:
         """Launch ``ln`` on weight set ``k`` (modulo the sets)."""
@@ -161,17 +163,18 @@ def bench_case(rng, spin, spec: tuple, iters: int, warmup: int, sweep: bool) -> 
     case = Case(rng, fmt, gs, s, i, o, n_jobs)
     ref = case.reference()
     ntiles = -(-o // (matmul.TC_RG * 16))
-    paths = [("off", False, None), ("on", True, None)]
+    paths = [("off", False, None, False), ("on", True, None, False)]
     if sweep:
-        paths += [(f"C={c}", True, c) for c in matmul.SK_CLUSTERS]
+        paths += [(f"C={c}", True, c, False) for c in matmul.SK_CLUSTERS]
+    paths.append(("stream", True, None, True))
     out: dict = dict(
         name=name, fmt=fmt, gs=gs, rows=s, in_features=i, out_features=o, n_jobs=n_jobs,
         bytes=case.bytes, floor_us=case.bytes / gpu_timing.READ_BW * 1e6, sets=len(case.tables),
         paths={},
     )  # fmt: skip
-    for pname, split, force in paths:
+    for pname, split, force, stream in paths:
         try:
-            ln = case.launch(split, force)
+            ln = case.launch(split, force, stream)
             y = case.run_once(ln)
             same = all(np.array_equal(case.run_once(ln), y) for _ in range(3))
             r = dict(
@@ -218,8 +221,9 @@ def render(meta: dict, rows: list[dict]) -> str:
         "against float64.",
         "",
         "| shape | MB | floor us | off us | on us | C | speedup | % roofline off | "
-        "% roofline on | rel err off | rel err on | same bits |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "% roofline on | stream us | % roofline stream | rel err off | rel err on | "
+        "rel err stream | same bits |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         p = r["paths"]
@@ -230,7 +234,9 @@ def render(meta: dict, rows: list[dict]) -> str:
             f"{gpu_timing.us(p['off'])} | {gpu_timing.us(p['on'])} | "
             f"{p['on'].get('cluster', '-')} | "
             f"{r['speedup']:.2f}x | {r['roofline_pct_off']:.0f} | {r['roofline_pct_on']:.0f} | "
-            f"{err['off']} | {err['on']} | {'yes' if same else 'NO'} |"
+            f"{gpu_timing.us(p['stream'])} | "
+            f"{r['floor_us'] / p['stream'].get('median_us', np.nan) * 100:.0f} | "
+            f"{err['off']} | {err['on']} | {err['stream']} | {'yes' if same else 'NO'} |"
         )
     sweep = [k for k in rows[0]["paths"] if k.startswith("C=")] if rows else []
     if sweep:

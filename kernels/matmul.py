@@ -85,12 +85,25 @@ SK_BLOCK_COST = 16  # a block's fixed cost (launch, staging, reductions) in 64-b
 # per setting, and the plans a backend keeps per arena are keyed by ``settings()``;
 # COLIWORKER_MOE_TC_FAST=0 in the environment sets it off from the start.
 MOE_TC_FAST = os.environ.get("COLIWORKER_MOE_TC_FAST", "1") != "0"
+# gemv_st (gemv_stream.cuh): fmt 2 decode gemv jobs (up to TC_MAX_ROWS rows) with the weights
+# streamed by the bulk-copy engine through a ring of ST_STAGES shared-memory stages, one
+# resident block per SM over a contiguous range of 16-row tiles, x staged once per block and
+# job. Taken where the whole of K's staged x fits beside the ring. ``STREAM`` switches it; off
+# by default until measured on the GPU (COLIWORKER_GEMV_STREAM=1 sets it on from the start;
+# the GPU tests run both paths, tests/kernels/test_gemv_stream_cpu.py runs its source on the
+# CPU).
+STREAM = os.environ.get("COLIWORKER_GEMV_STREAM", "0") == "1"
+ST_ROWS = 16
+ST_STAGE = ST_ROWS * (1024 + 64)  # one stage: 16 rows of a 1024-byte piece (ST_RS apart)
+ST_BARS = 16 * 8  # the mbarriers before the ring (ST_MAX_STAGES = 8)
+ST_STAGES = (6, 3)  # stages wanted, fewest accepted
 
 
 def settings() -> tuple:
-    """The switches that pick launches (TENSOR_CORES, SPLIT_K, SPLIT_K_FORCE, MOE_TC_FAST):
-    part of every cached plan's key, so a plan made under other settings is not reused."""
-    return (TENSOR_CORES, SPLIT_K, SPLIT_K_FORCE, MOE_TC_FAST)
+    """The switches that pick launches (TENSOR_CORES, SPLIT_K, SPLIT_K_FORCE, MOE_TC_FAST,
+    STREAM): part of every cached plan's key, so a plan made under other settings is not
+    reused."""
+    return (TENSOR_CORES, SPLIT_K, SPLIT_K_FORCE, MOE_TC_FAST, STREAM)
 
 
 TC_VARIANTS = (
@@ -99,7 +112,38 @@ TC_VARIANTS = (
     + tuple(f"gemv_tc_k<{f}, 8>" for f in (2, 4))
     + tuple(f"gemv_tc_sk<{f}, {sb}, {c}>" for f in (2, 4) for sb in (1, 4, 8)
             for c in SK_CLUSTERS[1:])
+    + tuple(f"gemv_st<{sb}>" for sb in (1, 4))
 )  # fmt: skip
+
+
+def _st_geometry(max_rows: int, in_padded: int) -> tuple[int, int, int] | None:
+    """(SB, ring stages, dynamic shared bytes) of gemv_st, or None where the staged x of all
+    of K and ST_STAGES[1] stages do not fit in one block's shared memory."""
+    sb = tc_sb(max_rows)
+    nt = (3 * sb + 7) // 8
+    rest = ST_BARS + 4 * WARPS * ST_ROWS * 8 * nt + 2 * 3 * sb * (in_padded + 16)
+    ns = min(ST_STAGES[0], (227 * 1024 - rest) // ST_STAGE)
+    return None if ns < ST_STAGES[1] else (sb, ns, rest + ns * ST_STAGE)
+
+
+def stream_eligible(spec: WeightSpec, max_rows: int) -> bool:
+    """Whether gemv_st serves these jobs (and ``STREAM`` is on)."""
+    return (STREAM and TENSOR_CORES and spec.fmt == 2 and max_rows <= TC_MAX_ROWS
+            and _st_geometry(max_rows, spec.layout.in_padded) is not None)  # fmt: skip
+
+
+def _gemv_st(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: int) -> Launch:
+    """gemv_launch's launch on the streamed path (same jobs, same pointer): one block per SM,
+    or one per tile where there are fewer tiles."""
+    lay = spec.layout
+    geo = _st_geometry(max_rows, lay.in_padded)
+    assert geo is not None
+    sb, ns, smem = geo
+    ntr, nz = -(-max_out // ST_ROWS), -(-max_rows // sb)
+    fn = get_function("gemv_tc.cu", f"gemv_st<{sb}>", TC_VARIANTS, smem)
+    tail = (np.int32(n_jobs), np.int32(ntr), np.int32(nz), np.int32(spec.in_features),
+            np.int32(lay.in_padded), np.int32(lay.ld), np.int32(ns))  # fmt: skip
+    return Launch(fn, (min(n_sm, n_jobs * ntr * nz),), ((WARPS + 1) * 32,), tail, smem)
 
 
 def tc_eligible(spec: WeightSpec, max_rows: int, most: int = TC_MAX_ROWS) -> bool:
@@ -274,6 +318,8 @@ def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int) -> L
         most = GEMV_TC_MAX_ROWS if SPLIT_K and lay.in_padded >= SB8_MIN_K else TC_MAX_ROWS
         if prefill_eligible(spec, max_rows, most + 1):
             return _gemv_pf(spec, n_jobs, max_rows, max_out, _sm_count(dev))
+        if stream_eligible(spec, max_rows):
+            return _gemv_st(spec, n_jobs, max_rows, max_out, _sm_count(dev))
         if tc_eligible(spec, max_rows, most) and SPLIT_K:
             return _gemv_sk(spec, n_jobs, max_rows, max_out, _sm_count(dev))
         if tc_eligible(spec, max_rows):
@@ -289,7 +335,7 @@ def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int) -> L
         return Launch(fn, grid, (WARPS * 32,), (*spec.geom(), np.int32(kt)), 4 * sb * kt)
 
     key = (dev, "gemv", id(spec), n_jobs, max_rows, max_out, TENSOR_CORES, SPLIT_K,
-           SPLIT_K_FORCE)  # fmt: skip
+           SPLIT_K_FORCE, STREAM)  # fmt: skip
     return _cached(key, make)
 
 

@@ -7,13 +7,13 @@ kernels: ``test_attention.py``."""
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _emulate import build_and_run, without_ptx
 from _kern import make_tensor
 
 from coliworker.kernels import layout, sources
@@ -158,83 +158,13 @@ def test_absorb_w_on_cpu(tmp_path):
 
 
 # mla_flash, mla_flash_c and mla_merge on the CPU: one fiber (ucontext) per CUDA thread, run in
-# turn until each reaches a barrier (__syncthreads, a warp's, the cluster's); the inline-PTX
-# helpers are replaced: mma.m16n8k8 tf32 by the fragment layout of the PTX manual (operands cut
-# to tf32, the sum in float64), a warp shuffle by an exchange at a warp barrier, cp.async by a
-# copy (zero fill for n = 0), DSMEM reads by the same offset in the rank's block.
+# turn until each reaches a barrier (__syncthreads, a warp's, the cluster's: fibers.h); the
+# inline-PTX helpers are replaced: mma.m16n8k8 tf32 by the fragment layout of the PTX manual
+# (operands cut to tf32, the sum in float64), a warp shuffle by an exchange at a warp barrier
+# (fibers.h), cp.async by a copy (zero fill for n = 0), DSMEM reads by the same offset in the
+# rank's block.
 _FLASH_SHIM = r"""
-#include <algorithm>
-#include <cmath>
-#include <cstdio>
-#include <cstddef>
-#include <cstring>
-#include <random>
-#include <vector>
-#include <functional>
-#include <ucontext.h>
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __restrict__
-#define __launch_bounds__(...)
-#define __cluster_dims__(...)
-struct uint4 { unsigned x, y, z, w; };
-struct float4 { float x, y, z, w; };
-struct float2 { float x, y; };
-struct dim3 { int x, y, z; };
-inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
-inline float2 make_float2(float a, float b) { return {a, b}; }
-inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
-inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
-using std::max; using std::min;
-dim3 gridDim, blockDim;
-struct Bar {
-    int need, arrived = 0;
-    unsigned gen = 0;
-    explicit Bar(int n) : need(n) {}
-    void arrive_and_wait();
-};
-struct Blk { Bar *bar; float4 *smem; };
-struct Warp { Bar *bar; unsigned u[32][8]; float f[32]; };
-struct Fiber {
-    Bar *wb = nullptr;  // the barrier it waits at, and that barrier's generation then
-    unsigned wg = 0;
-    ucontext_t ctx;
-    std::vector<char> stack;
-    bool done = false;
-    dim3 tid, bid;
-    Blk *blk;
-    Warp *warp;
-    std::function<void()> fn;
-};
-Fiber *cur;
-ucontext_t sched_ctx;
-inline void yield_() { swapcontext(&cur->ctx, &sched_ctx); }
-void Bar::arrive_and_wait() {
-    const unsigned g = gen;
-    if (++arrived == need) { arrived = 0; ++gen; return; }
-    cur->wb = this; cur->wg = g;
-    while (gen == g) yield_();
-    cur->wb = nullptr;
-}
-#define threadIdx (cur->tid)
-#define blockIdx (cur->bid)
-#define tl_blk (cur->blk)
-#define tl_warp (cur->warp)
-Blk *g_blocks;
-Bar *g_cbar;
-static void tramp() { cur->fn(); cur->done = true; swapcontext(&cur->ctx, &sched_ctx); }
-inline float4 *cur_smem() { return tl_blk->smem; }
-inline void __syncthreads() { tl_blk->bar->arrive_and_wait(); }
-inline float __shfl_xor_sync(unsigned, float v, int o) {
-    const int lane = threadIdx.x & 31;
-    tl_warp->f[lane] = v;
-    tl_warp->bar->arrive_and_wait();
-    const float r = tl_warp->f[lane ^ o];
-    tl_warp->bar->arrive_and_wait();
-    return r;
-}
+#include "fibers.h"
 inline double tf32(unsigned u) { return (double)__uint_as_float(u & 0xffffe000u); }
 inline void fl_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                    unsigned b0, unsigned b1) {
@@ -274,51 +204,7 @@ inline float4 fl_dsmem4(const float *p, unsigned rank) {
 inline void fl_cluster_sync() { g_cbar->arrive_and_wait(); }
 inline void fl_cluster_wait_exit() { g_cbar->arrive_and_wait(); }
 #include "common.cuh"
-#include "flash.inc"
-
-template <class F> void launch(dim3 g, int C, int nt, F f) {
-    gridDim = g; blockDim = {nt, 1, 1};
-    for (int z = 0; z < g.z; ++z)
-    for (int y = 0; y < g.y; ++y)
-    for (int x0 = 0; x0 < g.x; x0 += C) {
-        std::vector<std::vector<float4>> mem(C, std::vector<float4>(16384 + 64));
-        std::vector<Blk> blocks(C);
-        std::vector<Warp> warps(C * (nt / 32));
-        std::vector<Bar> bars;
-        bars.reserve(C + C * (nt / 32));
-        for (int r = 0; r < C; ++r) {
-            bars.emplace_back(nt);
-            blocks[r] = {&bars.back(), mem[r].data()};
-        }
-        for (auto &w : warps) { bars.emplace_back(32); w.bar = &bars.back(); }
-        Bar cbar(C * nt);
-        g_blocks = blocks.data(); g_cbar = &cbar;
-        std::vector<Fiber> fs(C * nt);
-        for (int r = 0; r < C; ++r)
-            for (int t = 0; t < nt; ++t) {
-                Fiber &fb = fs[r * nt + t];
-                fb.stack.resize(96 * 1024);
-                fb.tid = {t, 0, 0}; fb.bid = {x0 + r, y, z};
-                fb.blk = &blocks[r]; fb.warp = &warps[r * (nt / 32) + t / 32];
-                fb.fn = f;
-                getcontext(&fb.ctx);
-                fb.ctx.uc_stack.ss_sp = fb.stack.data();
-                fb.ctx.uc_stack.ss_size = fb.stack.size();
-                fb.ctx.uc_link = nullptr;
-                makecontext(&fb.ctx, tramp, 0);
-            }
-        for (bool alive = true; alive;) {
-            alive = false;
-            for (auto &fb : fs) {
-                if (fb.done) continue;
-                if (fb.wb && fb.wb->gen == fb.wg) { alive = true; continue; }
-                cur = &fb;
-                swapcontext(&sched_ctx, &fb.ctx);
-                alive |= !fb.done;
-            }
-        }
-    }
-}
+#include "kernel.inc"
 
 int run(int H, std::vector<int> lens, int nsplit, int C) {
     const int K = 512, R = 64, KR = K + R, S = (int)lens.size();
@@ -396,19 +282,7 @@ def _flash_source(src: str) -> str:
     compiled), without their inline PTX."""
     kv = src[src.index("struct KvDesc") : src.index("// The call's new cache rows")]
     part = src[src.index("// grid (H, S, ceil(K / 128)), block 128") :]
-    for name in _FL_ASM:
-        m = re.search(r"__device__ __forceinline__ [\w ]+ " + name + r"\(", part)
-        assert m, name
-        depth, k = 0, part.index("{", m.start())
-        while True:
-            depth += {"{": 1, "}": -1}.get(part[k], 0)
-            if depth == 0:
-                break
-            k += 1
-        part = part[: m.start()] + part[k + 1 :]
-    part = re.sub(r"asm volatile\((?:[^;]|;(?!\s*\n))*?\);", ";", part, flags=re.S)
-    assert "asm" not in part
-    part = part.replace("extern __shared__ float4 smem4[];", "float4 *smem4 = cur_smem();")
+    part = without_ptx(part, _FL_ASM)
     part = part.replace("extern __shared__ float wz[];", "float *wz = (float *)cur_smem();")
     return kv + part.replace(
         "__shared__ float red[2][4];",
@@ -422,15 +296,7 @@ def test_flash_clusters_on_cpu(tmp_path):
     """mla_flash_c (C = 2, 4, 8: into cl, and into partials for mla_merge; two head blocks,
     heads beyond H, slices without rows) against float64 at GLM-5.2 widths (K 512, R 64), their
     CUDA source run on the CPU (``_FLASH_SHIM``): every output written, within 1e-5 (~1e-6)."""
-    kdir = Path(__file__).resolve().parents[2] / "kernels"
-    (tmp_path / "flash.inc").write_text(_flash_source(sources.source("attention.cu")))
-    (tmp_path / "emu.cpp").write_text(_FLASH_SHIM)
-    exe = tmp_path / "emu"
-    cmd = ["g++", "-std=c++20", "-O2", "-w", f"-I{kdir}", "-o", str(exe)]
-    cc = subprocess.run([*cmd, str(tmp_path / "emu.cpp")], capture_output=True, text=True)
-    assert cc.returncode == 0, cc.stderr[-2000:]
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, run.stdout + run.stderr
+    build_and_run(tmp_path, _FLASH_SHIM, _flash_source(sources.source("attention.cu")), 240)
 
 
 @pytest.fixture

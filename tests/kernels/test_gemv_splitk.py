@@ -1,8 +1,10 @@
-"""Split-K of the tensor-core decode GEMV (gemv_tc_k / gemv_tc_sk, gemv_tc_splitk.cuh) against
-gemv_tc and the float64 reference, driven through ``gemv_launch`` with job tables built here.
+"""Split-K of the tensor-core decode GEMV (gemv_tc_k / gemv_tc_sk, gemv_tc_splitk.cuh) and the
+streamed one (gemv_st, gemv_stream.cuh) against gemv_tc and the float64 reference, driven
+through ``gemv_launch`` with job tables built here.
 
 Every case runs the same jobs with ``matmul.SPLIT_K`` off (gemv_tc), on (the host's choice of
-cluster size) and forced to each cluster size C in ``SK_CLUSTERS``: results within ``TC_TOL``
+cluster size), forced to each cluster size C in ``SK_CLUSTERS``, and with ``matmul.STREAM`` on
+(gemv_st where it serves the jobs): results within ``TC_TOL``
 of float64 per activation row, and the same bits on every call of one launch (also replayed
 from a CUDA graph). Shapes cross the edges of the split: output rows not a multiple of the
 32-row tile, in_features ending inside a rank's share of K, shares that start inside a
@@ -67,15 +69,15 @@ class Jobs:
             r0 += o
         return out
 
-    def launch(self, split: bool, force: int | None = None):
+    def launch(self, split: bool, force: int | None = None, stream: bool = False):
         from coliworker.kernels import matmul
 
-        saved = matmul.SPLIT_K, matmul.SPLIT_K_FORCE
-        matmul.SPLIT_K, matmul.SPLIT_K_FORCE = split, force
+        saved = matmul.SPLIT_K, matmul.SPLIT_K_FORCE, matmul.STREAM
+        matmul.SPLIT_K, matmul.SPLIT_K_FORCE, matmul.STREAM = split, force, stream
         try:
             ln = matmul.gemv_launch(self.spec, len(self.xs), self.max_rows, max(self.out_rows))
         finally:
-            matmul.SPLIT_K, matmul.SPLIT_K_FORCE = saved
+            matmul.SPLIT_K, matmul.SPLIT_K_FORCE, matmul.STREAM = saved
         assert ln is not None
         return ln
 
@@ -89,20 +91,34 @@ class Jobs:
         return [y.get() for y in self.y]
 
 
-def paths() -> list[tuple[str, bool, int | None]]:
+def paths() -> list[tuple[str, bool, int | None, bool]]:
+    """(name, SPLIT_K, SPLIT_K_FORCE, STREAM) of every path; "stream" is gemv_st where it
+    serves the jobs (fmt 2, up to 4 rows, x fitting beside the ring), else the split path."""
     from coliworker.kernels import matmul
 
-    return [("off", False, None), ("on", True, None)] + [
-        (f"C={c}", True, c) for c in matmul.SK_CLUSTERS
-    ]
+    return (
+        [("off", False, None, False), ("on", True, None, False)]
+        + [(f"C={c}", True, c, False) for c in matmul.SK_CLUSTERS]
+        + [("stream", True, None, True)]
+    )
 
 
 def check_all_paths(jobs: Jobs, tol: float = TC_TOL) -> dict[str, list[np.ndarray]]:
     """Every path within tol of float64 (per job, per activation row), two calls the same bits."""
+    from coliworker.kernels import matmul
+
     ref = jobs.reference()
     got = {}
-    for name, split, force in paths():
-        ln = jobs.launch(split, force)
+    saved_stream = matmul.STREAM
+    for name, split, force, stream in paths():
+        ln = jobs.launch(split, force, stream)
+        if stream:  # gemv_st (its producer warp: 9 warps) exactly where it serves the jobs
+            matmul.STREAM = True
+            try:
+                served = matmul.stream_eligible(jobs.spec, jobs.max_rows)
+            finally:
+                matmul.STREAM = saved_stream
+            assert (ln.block[0] == 9 * 32) == served, (name, ln.block)
         ys = jobs.run(ln)
         for j, (y, r) in enumerate(zip(ys, ref, strict=True)):
             assert not np.isnan(y).any(), (name, j)
@@ -189,8 +205,8 @@ def test_split_k_bit_identical_and_graph_replay(rng, fmt, gs):
     t = make_tensor(rng, fmt, 6144, 16384, gs)  # o_proj's shape
     x = rng.standard_normal((1, 16384)).astype(np.float32)
     jobs = Jobs(t, [6144], [x])
-    for force in (None, 2, 4, 8):
-        ln = jobs.launch(True, force)
+    for force, stream in ((None, False), (2, False), (4, False), (8, False), (None, True)):
+        ln = jobs.launch(True, force, stream)
         first = jobs.run(ln)[0]
         for _ in range(10):
             assert np.array_equal(jobs.run(ln)[0], first), force
@@ -210,7 +226,8 @@ def test_split_k_bit_identical_and_graph_replay(rng, fmt, gs):
 
 @pytest.mark.gpu
 def test_split_k_through_backend_matmul(cupy_backend, rng):
-    # CupyBackend.matmul takes the split path by default; switching it off gives gemv_tc.
+    # CupyBackend.matmul takes the streamed path by default (gemv_st), the split path with
+    # STREAM off, gemv_tc with both off.
     from coliworker.kernels import matmul
 
     b = cupy_backend
@@ -218,14 +235,17 @@ def test_split_k_through_backend_matmul(cupy_backend, rng):
     w = b.place(t, 0)
     x = rng.standard_normal((1, 6144)).astype(np.float32)
     ref = reference.matmul(t, x)
-    on = b.matmul(w, x).out
-    matmul.SPLIT_K = False
+    got = {}
+    saved = matmul.SPLIT_K, matmul.STREAM
     try:
-        off = b.matmul(w, x).out
+        for split, stream in ((True, True), (True, False), (False, False)):
+            matmul.SPLIT_K, matmul.STREAM = split, stream
+            got[split, stream] = b.matmul(w, x).out
     finally:
-        matmul.SPLIT_K = True
-    assert row_rel_err(on, ref) < TC_TOL and row_rel_err(off, ref) < TC_TOL
-    assert np.array_equal(on, b.matmul(w, x).out)
+        matmul.SPLIT_K, matmul.STREAM = saved
+    for k, y in got.items():
+        assert row_rel_err(y, ref) < TC_TOL, k
+    assert np.array_equal(got[saved], b.matmul(w, x).out)
 
 
 def test_split_k_host_choice_fills_the_gpu():

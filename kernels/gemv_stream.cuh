@@ -1,0 +1,265 @@
+// gemv_tc.cu's gemv_st: the fmt 2 decode GEMV with its weights streamed by the bulk-copy engine
+// into a ring of shared-memory stages, one producer warp feeding eight math warps. gemv_tc.cu
+// includes this after its helpers, which it uses (host side: kernels/matmul.py, _gemv_st).
+#pragma once
+// ---- gemv_st: persistent, warp-specialized, weights through cp.async.bulk (matmul.STREAM) ----
+//
+// Why: gemv_tc and its split-K forms load weights into registers, a few 16-byte loads per lane
+// between dependent mma chains; ncu puts them at 18-41% of DRAM bandwidth, latency-bound with
+// 11-23 warps per SM, and every 32-row tile re-stages its activations between two barriers.
+// Here one block per SM stays resident for all its tiles:
+// - warp 8 (the producer) walks the block's tiles and, for each 1024-byte piece of K
+//   (ST_PIECE), asks the bulk-copy engine for the piece of all 16 rows of the tile (16 copies
+//   of one row's piece each) into the next free stage of a ring of NS stages, each tracked by
+//   a full and an empty mbarrier (the full one counts the bytes landing). NS stages of 16 KB
+//   are in flight per SM whatever the math warps do, across tile and job boundaries;
+// - warps 0..7 (k slice ks) wait for a stage, take its steps ks and ks + 8 (64 bytes of each of
+//   the 16 rows per step, 8 quads: one mma.m16n8k16 each, as gemv_tc's tc_compute), release the
+//   stage, and at the tile's end meet in shared memory (fixed order);
+// - the activations are staged once per block and job (all of K: the host launches gemv_st
+//   only where that fits beside the ring), not once per tile; the producer keeps streaming
+//   meanwhile.
+// Work: tiles of 16 output rows x all K, job-major (the activation row groups of SB in z
+// order), the block's tiles a contiguous range of them (most blocks stay in one job, so stage
+// x once). Rows past out_rows copy row out_rows - 1 (never written).
+//
+// Numerics as gemv_tc (A: codes as bf16, B: each activation split in three bf16 parts, fp32
+// accumulation; per-row scale on the final sum), in another order: each math warp keeps two
+// accumulators (even and odd quads: two independent mma chains), and 8 k slices meet per row.
+// Fixed order everywhere: the same bits on every call, not the same bits as gemv_tc.
+#define ST_ROWS 16
+#define ST_MATH 8                       // math warps (k slices)
+#define ST_THREADS ((ST_MATH + 1) * 32)  // + the producer warp
+#define ST_PIECE 1024                   // bytes of a row per stage: 16 steps of 64 bytes
+#define ST_RS (ST_PIECE + 64)           // a stage's row stride: rows gid, gid + 1 in other banks
+#define ST_STAGE (ST_ROWS * ST_RS)
+#define ST_MAX_STAGES 8
+#define ST_BARS (16 * ST_MAX_STAGES)  // bytes of the mbarriers before the ring
+
+__device__ __forceinline__ unsigned st_smem(const void *p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void st_bar_init(unsigned long long *b, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(st_smem(b)), "r"(count));
+}
+
+__device__ __forceinline__ void st_arrive(unsigned long long *b) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(st_smem(b)) : "memory");
+}
+
+__device__ __forceinline__ void st_arrive_tx(unsigned long long *b, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(st_smem(b)),
+                 "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void st_wait(unsigned long long *b, unsigned parity) {
+    asm volatile(
+        "{\n\t.reg .pred p;\n"
+        "ST_WAIT_%=:\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
+        "@!p bra ST_WAIT_%=;\n\t}" ::"r"(st_smem(b)),
+        "r"(parity)
+        : "memory");
+}
+
+// nbytes (a multiple of 16) from global src to shared dst, counted on mbarrier b.
+__device__ __forceinline__ void st_copy(void *dst, const void *src, unsigned nbytes,
+                                        unsigned long long *b) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        ::"r"(st_smem(dst)), "l"(src), "r"(nbytes), "r"(st_smem(b))
+        : "memory");
+}
+
+// The 256 threads of the math warps (named barrier 1; the producer never waits on it).
+__device__ __forceinline__ void st_math_sync() {
+    asm volatile("bar.sync 1, %0;" ::"n"(ST_MATH * 32) : "memory");
+}
+
+// Tile `tile` of the launch -> (job, first output row, first activation row); false where the
+// job has no such rows (the ragged tail of a job table: skipped alike by every warp).
+__device__ __forceinline__ bool st_tile(const GemvJob *__restrict__ jobs, int tile, int ntr,
+                                        int nz, int SB, GemvJob &job, int &row0, int &srow0) {
+    const int per = ntr * nz, j = tile / per, rem = tile - j * per;
+    job = jobs[j];
+    row0 = (rem % ntr) * ST_ROWS;
+    srow0 = (rem / ntr) * SB;
+    return row0 < job.out_rows && srow0 < job.rows;
+}
+
+// Activation rows [srow0, srow0 + SB) of x, all of K (in_padded elements), into xb as tc_stage
+// lays them out (columns cstride apart), by the 256 math threads.
+template <int SB>
+__device__ __forceinline__ void st_stage_x(unsigned short *xb, int cstride,
+                                           const float *__restrict__ x, int x_stride, int rows,
+                                           int srow0, int in_features, int in_padded) {
+    const bool vec = ((x_stride & 3) == 0) && ((reinterpret_cast<size_t>(x) & 15) == 0);
+    constexpr int NT = ST_MATH * 32, NL = TC_STAGE_LOADS;
+#pragma unroll
+    for (int s = 0; s < SB; ++s) {
+        const bool ok = srow0 + s < rows;
+        const float *xr = x + (size_t)(srow0 + s) * x_stride;
+        unsigned short *d = xb + 3 * s * cstride;
+        for (int e0 = threadIdx.x * 4; e0 < in_padded; e0 += NT * 4 * NL) {
+            float4 v[NL];
+#pragma unroll
+            for (int j = 0; j < NL; ++j) {
+                v[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+                const int e = e0 + j * NT * 4;
+                if (ok && e < in_padded) tc_load4(v[j], xr, e, in_features, vec);
+            }
+#pragma unroll
+            for (int j = 0; j < NL; ++j) {
+                const int e = e0 + j * NT * 4;
+                if (e >= in_padded) break;
+                unsigned short p[3][4];
+                tc_split<3>(v[j], p);
+                const int i = tc_stage_index(e);
+#pragma unroll
+                for (int c = 0; c < 3; ++c)
+                    *reinterpret_cast<uint2 *>(d + c * cstride + i) = tc_slot(p[c]);
+            }
+        }
+    }
+}
+
+// grid (blocks), block ST_THREADS, dynamic shared ST_BARS + ns * ST_STAGE + 4 * 8 * 16 * NCOL +
+// 2 * 3 * SB * (in_padded + 16) bytes (the host's _gemv_st): jobs as gemv_tc's (fmt 2),
+// ntr = ceil(max_out / 16) row tiles and nz = ceil(max_rows / SB) activation row groups per
+// job, ns <= ST_MAX_STAGES ring stages.
+template <int SB>
+__global__ void __launch_bounds__(ST_THREADS, 1)
+gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_features,
+        int in_padded, int ld, int ns) {
+    constexpr int NT = TcNT<SB>::value, NCOL = 8 * NT;
+    // Shared memory: the mbarriers (full [ns], empty [ns]; ST_BARS bytes), the ring, the k
+    // slices' partials [8][16][NCOL], the staged activations.
+    extern __shared__ float4 smem4[];
+    unsigned long long *full = reinterpret_cast<unsigned long long *>(smem4);
+    unsigned long long *empty = full + ns;
+    unsigned char *ring = reinterpret_cast<unsigned char *>(smem4) + ST_BARS;
+    float *red = reinterpret_cast<float *>(ring + (size_t)ns * ST_STAGE);
+    unsigned short *xb = reinterpret_cast<unsigned short *>(red + ST_MATH * ST_ROWS * NCOL);
+    const int cstride = in_padded + 16;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < ns; ++i) {
+            st_bar_init(full + i, 1);
+            st_bar_init(empty + i, ST_MATH);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n\t"
+                     "fence.proxy.async.shared::cta;" ::: "memory");
+    }
+    __syncthreads();
+    const int total = n_jobs * ntr * nz;
+    const int t0 = (int)((long long)total * blockIdx.x / gridDim.x);
+    const int t1 = (int)((long long)total * (blockIdx.x + 1) / gridDim.x);
+    const int pieces = (ld + ST_PIECE - 1) / ST_PIECE;
+
+    if (warp == ST_MATH) {  // the producer
+        int it = 0;
+        for (int tile = t0; tile < t1; ++tile) {
+            GemvJob job;
+            int row0, srow0;
+            if (!st_tile(jobs, tile, ntr, nz, SB, job, row0, srow0)) continue;
+            const unsigned char *w = reinterpret_cast<const unsigned char *>(job.w0);
+            const int row = min(row0 + (lane & 15), job.out_rows - 1);
+            for (int p = 0; p < pieces; ++p, ++it) {
+                const int slot = it % ns;
+                if (it >= ns) st_wait(empty + slot, ((it / ns) - 1) & 1);
+                const int kb = p * ST_PIECE, nb = min(ST_PIECE, ld - kb);
+                if (lane == 0) st_arrive_tx(full + slot, ST_ROWS * nb);
+                __syncwarp();
+                if (lane < ST_ROWS)
+                    st_copy(ring + (size_t)slot * ST_STAGE + lane * ST_RS,
+                            w + (size_t)row * ld + kb, nb, full + slot);
+            }
+        }
+        return;
+    }
+
+    // The math warps.
+    const int ks = warp, gid = lane >> 2, t = lane & 3;
+    const unsigned short *xcol[NT];
+    tc_cols<SB>(xcol, xb, cstride, lane);
+    unsigned long long staged_x = ~0ull;  // what xb holds: x, first row, rows
+    int staged_s = -1, staged_n = -1;
+    int it = 0;
+    for (int tile = t0; tile < t1; ++tile) {
+        GemvJob job;
+        int row0, srow0;
+        if (!st_tile(jobs, tile, ntr, nz, SB, job, row0, srow0)) continue;
+        if (job.x != staged_x || srow0 != staged_s || job.rows != staged_n) {
+            st_math_sync();  // every math warp is done with the staged x
+            st_stage_x<SB>(xb, cstride, reinterpret_cast<const float *>(job.x), job.x_stride,
+                           job.rows, srow0, in_features, in_padded);
+            st_math_sync();
+            staged_x = job.x;
+            staged_s = srow0;
+            staged_n = job.rows;
+        }
+        float acc[2][NT][4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) acc[h][nt][j] = 0.f;
+        for (int p = 0; p < pieces; ++p, ++it) {
+            const int slot = it % ns;
+            st_wait(full + slot, (it / ns) & 1);
+            const unsigned char *st = ring + (size_t)slot * ST_STAGE + t * 16;
+            const int nsteps = min(ST_PIECE, ld - p * ST_PIECE) >> 6;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int sl = ks + 8 * h;  // this warp's step of the stage
+                if (sl >= nsteps) break;
+                const uint4 wa = *reinterpret_cast<const uint4 *>(st + gid * ST_RS + sl * 64);
+                const uint4 wb =
+                    *reinterpret_cast<const uint4 *>(st + (gid + 8) * ST_RS + sl * 64);
+                const int gst = p * (ST_PIECE >> 6) + sl;
+#pragma unroll
+                for (int q = 0; q < 8; ++q) {
+                    unsigned int a0, a1, a2, a3;
+                    tc_quad(wa, q, a0, a2);
+                    tc_quad(wb, q, a1, a3);
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        const uint2 bv =
+                            *reinterpret_cast<const uint2 *>(xcol[nt] + gst * 128 + q * 16);
+                        float(&c)[4] = acc[q & 1][nt];
+                        tc_mma(c, a0, a1, a2, a3, bv, c);
+                    }
+                }
+            }
+            __syncwarp();
+            if (lane == 0) st_arrive(empty + slot);
+        }
+        // Partials [ks][16 rows][NCOL] (c0, c1: row gid; c2, c3: row gid + 8).
+        st_math_sync();  // the previous tile's sums are read
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            float *pr = red + ks * ST_ROWS * NCOL + nt * 8 + 2 * t;
+            pr[gid * NCOL] = acc[0][nt][0] + acc[1][nt][0];
+            pr[gid * NCOL + 1] = acc[0][nt][1] + acc[1][nt][1];
+            pr[(gid + 8) * NCOL] = acc[0][nt][2] + acc[1][nt][2];
+            pr[(gid + 8) * NCOL + 1] = acc[0][nt][3] + acc[1][nt][3];
+        }
+        st_math_sync();
+        for (int o = threadIdx.x; o < ST_ROWS * SB; o += ST_MATH * 32) {
+            const int s = o / ST_ROWS, r = o - s * ST_ROWS;
+            const int row = row0 + r, srow = srow0 + s;
+            if (row >= job.out_rows || srow >= job.rows) continue;
+            float sum = 0.f;
+#pragma unroll
+            for (int k = 0; k < ST_MATH; ++k) {
+                const float *pr = red + (k * ST_ROWS + r) * NCOL + 3 * s;
+                sum += (pr[0] + pr[1]) + pr[2];
+            }
+            sum *= reinterpret_cast<const float *>(job.s0)[row];
+            reinterpret_cast<float *>(job.y)[(size_t)srow * job.y_stride + row] = sum;
+        }
+    }
+}
