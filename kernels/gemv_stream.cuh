@@ -19,6 +19,8 @@
 // - the activations are staged once per block and job (all of K: the host launches gemv_st
 //   only where that fits beside the ring), not once per tile; the producer keeps streaming
 //   meanwhile.
+// DUAL: an expert group's gate and up in one launch, y = silu(gate x) * (up x) (its down is a
+// second, plain launch: expert_group.py's streamed groups).
 // Work: tiles of 16 output rows x all K, job-major (the activation row groups of SB in z
 // order), the block's tiles a contiguous range of them (most blocks stay in one job, so stage
 // x once). Rows past out_rows copy row out_rows - 1 (never written).
@@ -125,23 +127,27 @@ __device__ __forceinline__ void st_stage_x(unsigned short *xb, int cstride,
     }
 }
 
-// grid (blocks), block ST_THREADS, dynamic shared ST_BARS + ns * ST_STAGE + 4 * 8 * 16 * NCOL +
-// 2 * 3 * SB * (in_padded + 16) bytes (the host's _gemv_st): jobs as gemv_tc's (fmt 2),
-// ntr = ceil(max_out / 16) row tiles and nz = ceil(max_rows / SB) activation row groups per
-// job, ns <= ST_MAX_STAGES ring stages.
-template <int SB>
+// grid (blocks), block ST_THREADS, dynamic shared ST_BARS + ns * M * ST_STAGE + 4 * M * 8 * 16 *
+// NCOL + 2 * 3 * SB * (in_padded + 16) bytes (M = 2 for DUAL, else 1; the host's _gemv_st):
+// jobs as gemv_tc's (fmt 2), ntr = ceil(max_out / 16) row tiles and nz = ceil(max_rows / SB)
+// activation row groups per job, ns <= ST_MAX_STAGES ring stages. DUAL (an expert's gate and
+// up, w0 / s0 and w1 / s1 of each job, one weight spec): a stage holds the piece of the
+// tile's 16 gate rows and then its 16 up rows, and y = silu(gate x) * (up x).
+template <int SB, bool DUAL>
 __global__ void __launch_bounds__(ST_THREADS, 1)
 gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_features,
         int in_padded, int ld, int ns) {
-    constexpr int NT = TcNT<SB>::value, NCOL = 8 * NT;
+    constexpr int NT = TcNT<SB>::value, NCOL = 8 * NT, M = DUAL ? 2 : 1;
+    constexpr int STAGE = M * ST_STAGE;
     // Shared memory: the mbarriers (full [ns], empty [ns]; ST_BARS bytes), the ring, the k
-    // slices' partials [8][16][NCOL], the staged activations.
+    // slices' partials [8][M][16][NCOL], the staged activations.
     extern __shared__ float4 smem4[];
     unsigned long long *full = reinterpret_cast<unsigned long long *>(smem4);
     unsigned long long *empty = full + ns;
     unsigned char *ring = reinterpret_cast<unsigned char *>(smem4) + ST_BARS;
-    float *red = reinterpret_cast<float *>(ring + (size_t)ns * ST_STAGE);
-    unsigned short *xb = reinterpret_cast<unsigned short *>(red + ST_MATH * ST_ROWS * NCOL);
+    float *red = reinterpret_cast<float *>(ring + (size_t)ns * STAGE);
+    unsigned short *xb =
+        reinterpret_cast<unsigned short *>(red + ST_MATH * M * ST_ROWS * NCOL);
     const int cstride = in_padded + 16;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (threadIdx.x == 0) {
@@ -158,22 +164,23 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
     const int t1 = (int)((long long)total * (blockIdx.x + 1) / gridDim.x);
     const int pieces = (ld + ST_PIECE - 1) / ST_PIECE;
 
-    if (warp == ST_MATH) {  // the producer
+    if (warp == ST_MATH) {  // the producer: lane l copies stage row l (M * 16 rows)
         int it = 0;
         for (int tile = t0; tile < t1; ++tile) {
             GemvJob job;
             int row0, srow0;
             if (!st_tile(jobs, tile, ntr, nz, SB, job, row0, srow0)) continue;
-            const unsigned char *w = reinterpret_cast<const unsigned char *>(job.w0);
+            const unsigned long long wm = DUAL && lane >= ST_ROWS ? job.w1 : job.w0;
+            const unsigned char *w = reinterpret_cast<const unsigned char *>(wm);
             const int row = min(row0 + (lane & 15), job.out_rows - 1);
             for (int p = 0; p < pieces; ++p, ++it) {
                 const int slot = it % ns;
                 if (it >= ns) st_wait(empty + slot, ((it / ns) - 1) & 1);
                 const int kb = p * ST_PIECE, nb = min(ST_PIECE, ld - kb);
-                if (lane == 0) st_arrive_tx(full + slot, ST_ROWS * nb);
+                if (lane == 0) st_arrive_tx(full + slot, M * ST_ROWS * nb);
                 __syncwarp();
-                if (lane < ST_ROWS)
-                    st_copy(ring + (size_t)slot * ST_STAGE + lane * ST_RS,
+                if (lane < M * ST_ROWS)
+                    st_copy(ring + (size_t)slot * STAGE + lane * ST_RS,
                             w + (size_t)row * ld + kb, nb, full + slot);
             }
         }
@@ -200,66 +207,85 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
             staged_s = srow0;
             staged_n = job.rows;
         }
-        float acc[2][NT][4];
+        float acc[M][2][NT][4];
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
+        for (int m = 0; m < M; ++m)
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+            for (int h = 0; h < 2; ++h)
 #pragma unroll
-                for (int j = 0; j < 4; ++j) acc[h][nt][j] = 0.f;
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) acc[m][h][nt][j] = 0.f;
         for (int p = 0; p < pieces; ++p, ++it) {
             const int slot = it % ns;
             st_wait(full + slot, (it / ns) & 1);
-            const unsigned char *st = ring + (size_t)slot * ST_STAGE + t * 16;
+            const unsigned char *st = ring + (size_t)slot * STAGE + t * 16;
             const int nsteps = min(ST_PIECE, ld - p * ST_PIECE) >> 6;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int sl = ks + 8 * h;  // this warp's step of the stage
                 if (sl >= nsteps) break;
-                const uint4 wa = *reinterpret_cast<const uint4 *>(st + gid * ST_RS + sl * 64);
-                const uint4 wb =
-                    *reinterpret_cast<const uint4 *>(st + (gid + 8) * ST_RS + sl * 64);
+                uint4 wa[M], wb[M];
+#pragma unroll
+                for (int m = 0; m < M; ++m) {
+                    const unsigned char *r = st + (m * ST_ROWS + gid) * ST_RS + sl * 64;
+                    wa[m] = *reinterpret_cast<const uint4 *>(r);
+                    wb[m] = *reinterpret_cast<const uint4 *>(r + 8 * ST_RS);
+                }
                 const int gst = p * (ST_PIECE >> 6) + sl;
 #pragma unroll
                 for (int q = 0; q < 8; ++q) {
-                    unsigned int a0, a1, a2, a3;
-                    tc_quad(wa, q, a0, a2);
-                    tc_quad(wb, q, a1, a3);
+                    uint2 bv[NT];
 #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        const uint2 bv =
-                            *reinterpret_cast<const uint2 *>(xcol[nt] + gst * 128 + q * 16);
-                        float(&c)[4] = acc[q & 1][nt];
-                        tc_mma(c, a0, a1, a2, a3, bv, c);
+                    for (int nt = 0; nt < NT; ++nt)
+                        bv[nt] = *reinterpret_cast<const uint2 *>(xcol[nt] + gst * 128 + q * 16);
+#pragma unroll
+                    for (int m = 0; m < M; ++m) {
+                        unsigned int a0, a1, a2, a3;
+                        tc_quad(wa[m], q, a0, a2);
+                        tc_quad(wb[m], q, a1, a3);
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt) {
+                            float(&c)[4] = acc[m][q & 1][nt];
+                            tc_mma(c, a0, a1, a2, a3, bv[nt], c);
+                        }
                     }
                 }
             }
             __syncwarp();
             if (lane == 0) st_arrive(empty + slot);
         }
-        // Partials [ks][16 rows][NCOL] (c0, c1: row gid; c2, c3: row gid + 8).
+        // Partials [ks][m][16 rows][NCOL] (c0, c1: row gid; c2, c3: row gid + 8).
         st_math_sync();  // the previous tile's sums are read
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            float *pr = red + ks * ST_ROWS * NCOL + nt * 8 + 2 * t;
-            pr[gid * NCOL] = acc[0][nt][0] + acc[1][nt][0];
-            pr[gid * NCOL + 1] = acc[0][nt][1] + acc[1][nt][1];
-            pr[(gid + 8) * NCOL] = acc[0][nt][2] + acc[1][nt][2];
-            pr[(gid + 8) * NCOL + 1] = acc[0][nt][3] + acc[1][nt][3];
-        }
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                float *pr = red + (ks * M + m) * ST_ROWS * NCOL + nt * 8 + 2 * t;
+                const float(&a)[4] = acc[m][0][nt], (&b)[4] = acc[m][1][nt];
+                pr[gid * NCOL] = a[0] + b[0];
+                pr[gid * NCOL + 1] = a[1] + b[1];
+                pr[(gid + 8) * NCOL] = a[2] + b[2];
+                pr[(gid + 8) * NCOL + 1] = a[3] + b[3];
+            }
         st_math_sync();
         for (int o = threadIdx.x; o < ST_ROWS * SB; o += ST_MATH * 32) {
             const int s = o / ST_ROWS, r = o - s * ST_ROWS;
             const int row = row0 + r, srow = srow0 + s;
             if (row >= job.out_rows || srow >= job.rows) continue;
-            float sum = 0.f;
+            float v[M];
 #pragma unroll
-            for (int k = 0; k < ST_MATH; ++k) {
-                const float *pr = red + (k * ST_ROWS + r) * NCOL + 3 * s;
-                sum += (pr[0] + pr[1]) + pr[2];
+            for (int m = 0; m < M; ++m) {
+                float sum = 0.f;
+#pragma unroll
+                for (int k = 0; k < ST_MATH; ++k) {
+                    const float *pr = red + ((k * M + m) * ST_ROWS + r) * NCOL + 3 * s;
+                    sum += (pr[0] + pr[1]) + pr[2];
+                }
+                v[m] = sum * reinterpret_cast<const float *>(m ? job.s1 : job.s0)[row];
             }
-            sum *= reinterpret_cast<const float *>(job.s0)[row];
-            reinterpret_cast<float *>(job.y)[(size_t)srow * job.y_stride + row] = sum;
+            reinterpret_cast<float *>(job.y)[(size_t)srow * job.y_stride + row] =
+                coli_out<DUAL>(v[0], v[M - 1]);
         }
     }
 }

@@ -112,35 +112,38 @@ TC_VARIANTS = (
     + tuple(f"gemv_tc_k<{f}, 8>" for f in (2, 4))
     + tuple(f"gemv_tc_sk<{f}, {sb}, {c}>" for f in (2, 4) for sb in (1, 4, 8)
             for c in SK_CLUSTERS[1:])
-    + tuple(f"gemv_st<{sb}>" for sb in (1, 4))
+    + tuple(f"gemv_st<{sb}, {d}>" for sb in (1, 4) for d in ("false", "true"))
 )  # fmt: skip
 
 
-def _st_geometry(max_rows: int, in_padded: int) -> tuple[int, int, int] | None:
+def _st_geometry(max_rows: int, in_padded: int, dual: bool) -> tuple[int, int, int] | None:
     """(SB, ring stages, dynamic shared bytes) of gemv_st, or None where the staged x of all
-    of K and ST_STAGES[1] stages do not fit in one block's shared memory."""
-    sb = tc_sb(max_rows)
+    of K and ST_STAGES[1] stages do not fit in one block's shared memory (dual: stages and
+    partials of two matrices)."""
+    sb, m = tc_sb(max_rows), 2 if dual else 1
     nt = (3 * sb + 7) // 8
-    rest = ST_BARS + 4 * WARPS * ST_ROWS * 8 * nt + 2 * 3 * sb * (in_padded + 16)
-    ns = min(ST_STAGES[0], (227 * 1024 - rest) // ST_STAGE)
-    return None if ns < ST_STAGES[1] else (sb, ns, rest + ns * ST_STAGE)
+    rest = ST_BARS + 4 * m * WARPS * ST_ROWS * 8 * nt + 2 * 3 * sb * (in_padded + 16)
+    ns = min(ST_STAGES[0], (227 * 1024 - rest) // (m * ST_STAGE))
+    return None if ns < ST_STAGES[1] else (sb, ns, rest + ns * m * ST_STAGE)
 
 
-def stream_eligible(spec: WeightSpec, max_rows: int) -> bool:
-    """Whether gemv_st serves these jobs (and ``STREAM`` is on)."""
+def stream_eligible(spec: WeightSpec, max_rows: int, dual: bool = False) -> bool:
+    """Whether gemv_st serves these jobs (and ``STREAM`` is on); dual: gate and up jobs."""
     return (STREAM and TENSOR_CORES and spec.fmt == 2 and max_rows <= TC_MAX_ROWS
-            and _st_geometry(max_rows, spec.layout.in_padded) is not None)  # fmt: skip
+            and _st_geometry(max_rows, spec.layout.in_padded, dual) is not None)  # fmt: skip
 
 
-def _gemv_st(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: int) -> Launch:
+def _gemv_st(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: int,
+             dual: bool = False) -> Launch:  # fmt: skip
     """gemv_launch's launch on the streamed path (same jobs, same pointer): one block per SM,
     or one per tile where there are fewer tiles."""
     lay = spec.layout
-    geo = _st_geometry(max_rows, lay.in_padded)
+    geo = _st_geometry(max_rows, lay.in_padded, dual)
     assert geo is not None
     sb, ns, smem = geo
     ntr, nz = -(-max_out // ST_ROWS), -(-max_rows // sb)
-    fn = get_function("gemv_tc.cu", f"gemv_st<{sb}>", TC_VARIANTS, smem)
+    name = f"gemv_st<{sb}, {'true' if dual else 'false'}>"
+    fn = get_function("gemv_tc.cu", name, TC_VARIANTS, smem)
     tail = (np.int32(n_jobs), np.int32(ntr), np.int32(nz), np.int32(spec.in_features),
             np.int32(lay.in_padded), np.int32(lay.ld), np.int32(ns))  # fmt: skip
     return Launch(fn, (min(n_sm, n_jobs * ntr * nz),), ((WARPS + 1) * 32,), tail, smem)
@@ -305,16 +308,24 @@ def _kt(sb: int, blk: int, in_padded: int) -> int:
     return min(kt, in_padded)
 
 
-def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int) -> Launch | None:
+def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int,
+                dual: bool = False) -> Launch | None:  # fmt: skip
     """The gemv launch of a job table (None when there is nothing to do), taking one pointer:
     the jobs, device ``records.GEMV_JOB`` [n_jobs] (8-byte aligned). Every job's x is float32
-    [rows, x_stride] with ``in_features`` valid columns, y float32 [rows, y_stride]."""
+    [rows, x_stride] with ``in_features`` valid columns, y float32 [rows, y_stride]. dual:
+    each job's w0 / s0 and w1 / s1 are an expert's gate and up, y = silu(gate x) * (up x)
+    (gemv_st only: where ``stream_eligible(spec, max_rows, True)``)."""
     if n_jobs <= 0 or max_rows <= 0 or max_out <= 0:
         return None
     dev = cupy.cuda.runtime.getDevice()
 
     def make() -> Launch:
         lay = spec.layout
+        if dual:
+            if not stream_eligible(spec, max_rows, True):
+                raise ValueError("gemv_launch: dual jobs need gemv_st (matmul.STREAM on, fmt 2, "
+                                 f"<= {TC_MAX_ROWS} rows), got fmt {spec.fmt}, {max_rows} rows")
+            return _gemv_st(spec, n_jobs, max_rows, max_out, _sm_count(dev), True)
         most = GEMV_TC_MAX_ROWS if SPLIT_K and lay.in_padded >= SB8_MIN_K else TC_MAX_ROWS
         if prefill_eligible(spec, max_rows, most + 1):
             return _gemv_pf(spec, n_jobs, max_rows, max_out, _sm_count(dev))
@@ -335,7 +346,7 @@ def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int) -> L
         return Launch(fn, grid, (WARPS * 32,), (*spec.geom(), np.int32(kt)), 4 * sb * kt)
 
     key = (dev, "gemv", id(spec), n_jobs, max_rows, max_out, TENSOR_CORES, SPLIT_K,
-           SPLIT_K_FORCE, STREAM)  # fmt: skip
+           SPLIT_K_FORCE, STREAM, dual)  # fmt: skip
     return _cached(key, make)
 
 

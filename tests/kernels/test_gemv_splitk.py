@@ -226,8 +226,8 @@ def test_split_k_bit_identical_and_graph_replay(rng, fmt, gs):
 
 @pytest.mark.gpu
 def test_split_k_through_backend_matmul(cupy_backend, rng):
-    # CupyBackend.matmul takes the streamed path by default (gemv_st), the split path with
-    # STREAM off, gemv_tc with both off.
+    # CupyBackend.matmul takes the split path by default, gemv_st with STREAM on, gemv_tc with
+    # both off.
     from coliworker.kernels import matmul
 
     b = cupy_backend

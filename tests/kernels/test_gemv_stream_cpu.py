@@ -5,8 +5,9 @@ more after they are issued (a stage read before its bytes arrive, or refilled wh
 read, gives wrong sums), named barrier 1, and the tensor-core pieces of tc.cuh (bf16 rounding,
 prmt, the nibble magic, mma.m16n8k16 by the PTX manual's fragment layout with the sum in
 float64). Ragged job tables, shared and separate activations, K ending inside a 1024-byte
-piece, rings smaller than a block's stages, against float64: every output written, nothing
-else touched, within 1e-5. The GPU tests of the same kernel: ``test_gemv_splitk.py``."""
+piece, rings smaller than a block's stages, plain and DUAL (gate and up: silu(gate) * up)
+jobs, against float64: every output written, nothing else touched, within 1e-5. The GPU tests
+of the same kernel: ``test_gemv_splitk.py`` and ``test_expert_group.py``."""
 
 from __future__ import annotations
 
@@ -132,35 +133,40 @@ inline int code(const unsigned char *row, int e) {
     return ((row[b * 512 + l * 16 + (j >> 1)] >> (4 * (j & 1))) & 15) - 8;
 }
 
-// Jobs of out_rows[j] rows and rows[j] activation rows (same_x: all jobs read one x), K inputs.
-template <int SB>
+// Jobs of out_rows[j] rows and rows[j] activation rows (same_x: all jobs read one x), K inputs;
+// DUAL: each job an expert's gate (w0, s0) and up (w1, s1), y = silu(gate x) * (up x).
+template <int SB, bool DUAL>
 int check(std::vector<int> outs, std::vector<int> rows, int K, bool same_x, int grid, int ns) {
-    std::mt19937 rng(K * 13 + grid + ns);
+    constexpr int M = DUAL ? 2 : 1;
+    std::mt19937 rng(K * 13 + grid + ns + M);
     std::normal_distribution<float> nd;
     const int nj = (int)outs.size(), inp = (K + 1023) / 1024 * 1024, ld = inp / 2;
     const int max_out = *std::max_element(outs.begin(), outs.end());
     const int max_rows = *std::max_element(rows.begin(), rows.end());
     const int ntr = (max_out + 15) / 16, nz = (max_rows + SB - 1) / SB, pad = 3;
-    std::vector<std::vector<unsigned char>> w(nj);
-    std::vector<std::vector<float>> sc(nj), x(nj), y(nj);
+    std::vector<std::vector<unsigned char>> w(nj * M);
+    std::vector<std::vector<float>> sc(nj * M), x(nj), y(nj);
     std::vector<GemvJob> jobs(nj);
     for (int j = 0; j < nj; ++j) {
-        w[j].resize((size_t)outs[j] * ld + 16);
-        for (auto &b : w[j]) b = rng() & 255;
-        sc[j].resize(outs[j]);
-        for (auto &s : sc[j]) s = 0.001f + 0.01f * std::fabs(nd(rng));
+        for (int m = 0; m < M; ++m) {
+            w[j * M + m].resize((size_t)outs[j] * ld + 16);
+            for (auto &b : w[j * M + m]) b = rng() & 255;
+            sc[j * M + m].resize(outs[j]);
+            for (auto &s : sc[j * M + m]) s = 0.001f + 0.01f * std::fabs(nd(rng));
+        }
         x[j].resize((size_t)rows[j] * (K + pad));
         for (auto &v : x[j]) v = nd(rng);
         y[j].assign((size_t)rows[j] * (outs[j] + pad), NAN);
-        const float *xp = same_x ? x[0].data() : x[j].data();
-        jobs[j] = {(unsigned long long)w[j].data(), (unsigned long long)sc[j].data(), 0, 0,
-                   (unsigned long long)xp, (unsigned long long)y[j].data(), rows[j], outs[j],
-                   K + pad, outs[j] + pad};
         if (same_x && rows[j] > rows[0]) return 1;  // one x: no job with more rows than it
+        const float *xp = same_x ? x[0].data() : x[j].data();
+        auto at = [](const auto &v) { return (unsigned long long)v.data(); };
+        jobs[j] = {at(w[j * M]), at(sc[j * M]), DUAL ? at(w[j * M + 1]) : 0,
+                   DUAL ? at(sc[j * M + 1]) : 0, (unsigned long long)xp, at(y[j]), rows[j],
+                   outs[j], K + pad, outs[j] + pad};
     }
     g_tick = land;
     launch({grid, 1, 1}, 1, ST_THREADS, [&] {
-        gemv_st<SB>(jobs.data(), nj, ntr, nz, K, inp, ld, ns); }, ST_MATH * 32);
+        gemv_st<SB, DUAL>(jobs.data(), nj, ntr, nz, K, inp, ld, ns); }, ST_MATH * 32);
     g_tick = nullptr;
     if (!g_copies.empty()) { std::printf("copies never landed\n"); return 1; }
     double md = 0, mx = 0;
@@ -171,16 +177,21 @@ int check(std::vector<int> outs, std::vector<int> rows, int K, bool same_x, int 
             for (int o = 0; o < outs[j] + pad; ++o) {
                 const float got = y[j][(size_t)s * (outs[j] + pad) + o];
                 if (o >= outs[j]) { touched += !std::isnan(got); continue; }
-                double ref = 0;
-                for (int e = 0; e < K; ++e)
-                    ref += (double)code(&w[j][(size_t)o * ld], e) * xp[(size_t)s * (K + pad) + e];
-                ref *= sc[j][o];
+                double v[M];
+                for (int m = 0; m < M; ++m) {
+                    v[m] = 0;
+                    for (int e = 0; e < K; ++e)
+                        v[m] += (double)code(&w[j * M + m][(size_t)o * ld], e) *
+                                xp[(size_t)s * (K + pad) + e];
+                    v[m] *= sc[j * M + m][o];
+                }
+                const double ref = DUAL ? v[0] / (1 + std::exp(-v[0])) * v[M - 1] : v[0];
                 if (std::isnan(got)) { ++unwritten; continue; }
                 md = std::max(md, std::fabs(got - ref)); mx = std::max(mx, std::fabs(ref));
             }
     }
-    std::printf("SB %d K %d jobs %d grid %d ns %d: rel err %.2g, unwritten %ld, touched %ld\n",
-                SB, K, nj, grid, ns, md / mx, unwritten, touched);
+    std::printf("SB %d DUAL %d K %d jobs %d grid %d ns %d: rel err %.2g, unwritten %ld, "
+                "touched %ld\n", SB, (int)DUAL, K, nj, grid, ns, md / mx, unwritten, touched);
     return unwritten > 0 || touched > 0 || !(md <= 1e-5 * mx);
 }
 
@@ -188,14 +199,17 @@ int main() {
     // ragged tables (the 3rd tile of a 17-row job skipped), K ending in a 512-byte piece,
     // one shared x, SB 4 with 3 and 4 rows, one piece per tile, more blocks than some jobs
     // have tiles, and rings of 3 stages refilled with whole 1024-byte pieces while other
-    // stages are read (a stage released before its last step is read gives wrong sums)
-    return check<1>({40, 17}, {1, 1}, 3000, false, 2, 3) +
-           check<1>({33, 16, 5}, {1, 1, 1}, 700, true, 3, 4) +
-           check<4>({20, 48}, {3, 4}, 2100, false, 3, 3) +
-           check<1>({7}, {3}, 1030, false, 1, 6) +
-           check<4>({64}, {4}, 5000, false, 5, 3) +
-           check<1>({64, 48}, {1, 1}, 4096, false, 2, 3) +
-           check<4>({40, 9}, {4, 2}, 4000, false, 1, 3);
+    // stages are read (a stage released before its last step is read gives wrong sums); DUAL
+    // (gate and up) likewise, one shared x as a routed token's experts have
+    return check<1, false>({40, 17}, {1, 1}, 3000, false, 2, 3) +
+           check<1, false>({33, 16, 5}, {1, 1, 1}, 700, true, 3, 4) +
+           check<4, false>({20, 48}, {3, 4}, 2100, false, 3, 3) +
+           check<1, false>({7}, {3}, 1030, false, 1, 6) +
+           check<4, false>({64}, {4}, 5000, false, 5, 3) +
+           check<1, false>({64, 48}, {1, 1}, 4096, false, 2, 3) +
+           check<4, false>({40, 9}, {4, 2}, 4000, false, 1, 3) +
+           check<1, true>({48, 20, 33}, {1, 1, 1}, 4096, true, 3, 3) +
+           check<4, true>({32, 17}, {2, 4}, 3000, false, 2, 3);
 }
 """
 
