@@ -9,7 +9,9 @@ Experts whose gate and up share one spec (format, size, group size) and whose do
 same format run in ONE persistent moe launch per (gate/up spec, down spec) combination: one
 launch for a model's usual group. Any other expert (gate and up of different formats or group
 sizes, say) runs unfused and still exact: gate and up as separate gemv jobs, silu times up
-elementwise, then down as a gemv job.
+elementwise, then down as a gemv job. With ``matmul.STREAM`` on, a fused combination that
+gemv_st serves (fmt 2, decode rows) runs as two streamed gemv launches instead of its moe
+launch: gate and up together (dual jobs) into the hidden buffer, then down (``_streamed``).
 
 With ``PIPELINE`` on (the default; ``COLIWORKER_PREFILL_PIPELINE=0`` turns it off),
 prefill-sized groups (x of at least ``PIPE_BYTES``, every expert in the one fused launch) are
@@ -37,7 +39,7 @@ the backend's call context (``server/cupy_calls.py``: ``take``, ``reserve``, ``p
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
@@ -159,6 +161,12 @@ class GroupPlan:
         return self.hid_off[-1]
 
 
+def _fused_bytes(n: int) -> int:
+    """Table bytes of n fused experts: one moe table (counters and records), or the two gemv
+    tables of a streamed group (write_group), whichever is larger."""
+    return _pad16(max(counter_bytes(n) + MOE_JOB.size * n, 2 * GEMV_JOB.size * n))
+
+
 def plan_group(experts: Sequence[tuple[Any, Any, Any]], rows: Sequence[int]) -> GroupPlan:
     """Experts whose gate and up share one spec and whose down has the same format are fused,
     one moe launch per (gate/up spec, down spec); the others run unfused (module docstring)."""
@@ -175,7 +183,7 @@ def plan_group(experts: Sequence[tuple[Any, Any, Any]], rows: Sequence[int]) -> 
     ):  # the usual group: one launch
         n = len(experts)
         return GroupPlan([(gs, ds, list(range(n)))], [], rows, row_off, hid_off,
-                         _pad16(counter_bytes(n) + MOE_JOB.size * n))  # fmt: skip
+                         _fused_bytes(n))  # fmt: skip
     fused: dict[tuple[int, int], tuple[Any, Any, list[int]]] = {}
     unfused: list[int] = []
     for c, (g, u, d) in enumerate(experts):
@@ -183,7 +191,7 @@ def plan_group(experts: Sequence[tuple[Any, Any, Any]], rows: Sequence[int]) -> 
             fused.setdefault((id(g.spec), id(d.spec)), (g.spec, d.spec, []))[2].append(c)
         else:
             unfused.append(c)
-    size = sum(_pad16(counter_bytes(len(cs)) + MOE_JOB.size * len(cs)) for *_, cs in fused.values())
+    size = sum(_fused_bytes(len(cs)) for *_, cs in fused.values())
     size += 3 * GEMV_JOB.size * len(unfused)
     return GroupPlan(list(fused.values()), unfused, rows, row_off, hid_off, size)
 
@@ -191,7 +199,7 @@ def plan_group(experts: Sequence[tuple[Any, Any, Any]], rows: Sequence[int]) -> 
 def write_group(
     buf: Any, off: int, plan: GroupPlan, experts: Sequence[tuple[Any, Any, Any]], d: int,
     dout: int, x_ptr: int, y_ptr: int, h_ptr: int, hu_ptr: int,
-    x_at: Sequence[int] | None = None,
+    x_at: Sequence[int] | None = None, stream: Callable[[Any, Any, int], bool] | None = None,
 ) -> list[tuple]:  # fmt: skip
     """Pack every table of a group into ``buf`` (writable bytes, uint8 NumPy array) at ``off``
     and return the launches that read them, with offsets relative to ``off``.
@@ -200,9 +208,11 @@ def write_group(
     whose experts each read consecutive token rows needs no packed copy), y [N, dout] at
     y_ptr, hidden [sum rows*ie] at h_ptr (and up's, for unfused experts, at hu_ptr).
     Launches: ("moe", gu, dn, offset, n, max_rows, max_ie, max_dout), ("gemv", spec, offset,
-    n, max_rows, max_out) or ("silu_mul", floats): the unfused experts' h = silu(h) * hu over
-    the whole hidden buffer (the fused experts' part is dead by then: their moe launches come
-    first and consume it).
+    n, max_rows, max_out[, dual]) or ("silu_mul", floats): the unfused experts' h = silu(h) *
+    hu over the whole hidden buffer (the fused experts' part is dead by then: their moe
+    launches come first and consume it). ``stream(gu, dn, max_rows)`` true (matmul's
+    ``stream_eligible`` for both): the fused experts run as two streamed gemv launches
+    instead of one moe launch, gate and up (dual) into the hidden buffer, then down.
     """
     rows, row_off, hid_off = plan.rows, plan.row_off, plan.hid_off
     d4, o4 = 4 * d, 4 * dout
@@ -211,6 +221,11 @@ def write_group(
     pos = off
     pack = MOE_JOB.pack_into
     for gu, dn, cs in plan.fused:
+        if stream is not None and stream(gu, dn, max(rows[c] for c in cs)):
+            pos = _write_streamed(buf, pos, off, gu, dn, cs, experts, rows, d, dout, xs,
+                                  [h_ptr + 4 * hid_off[c] for c in cs],
+                                  [y_ptr + row_off[c] * o4 for c in cs], launches)  # fmt: skip
+            continue
         cb = counter_bytes(len(cs))
         buf[pos : pos + cb] = 0  # the moe counters start at zero
         p = pos + cb
@@ -251,6 +266,35 @@ def write_group(
     return launches
 
 
+def _write_streamed(
+    buf: Any, pos: int, off: int, gu: Any, dn: Any, cs: list[int],
+    experts: Sequence[tuple[Any, Any, Any]], rows: list[int], d: int, dout: int,
+    xs: list[int], hs: list[int], ys: list[int], launches: list[tuple],
+) -> int:  # fmt: skip
+    """write_group's streamed fused experts cs: the gate+up table (one dual gemv job per
+    expert: its x rows xs[c] -> its hidden rows at hs[i]) and the down table (hidden -> its y
+    rows at ys[i]), their two launches appended; returns the position after them."""
+    pack = GEMV_JOB.pack_into
+    start = pos
+    max_rows = max_ie = max_dout = 0
+    for c, hc in zip(cs, hs, strict=True):
+        g, u, _ = experts[c]
+        r, ie = rows[c], g.out_features
+        pack(buf, pos, *g.ptrs, *u.ptrs, xs[c], hc, r, ie, d, ie)
+        pos += GEMV_JOB.size
+        max_rows, max_ie = max(max_rows, r), max(max_ie, ie)
+    launches.append(("gemv", gu, start - off, len(cs), max_rows, max_ie, True))
+    start = pos
+    for c, hc, yc in zip(cs, hs, ys, strict=True):
+        g, _, dd = experts[c]
+        do = dd.out_features
+        pack(buf, pos, *dd.ptrs, 0, 0, hc, yc, rows[c], do, g.out_features, dout)
+        pos += GEMV_JOB.size
+        max_dout = max(max_dout, do)
+    launches.append(("gemv", dn, start - off, len(cs), max_rows, max_dout))
+    return pos
+
+
 _silu_mul: Any = None
 
 
@@ -283,8 +327,8 @@ def _launches(
                 ptr = t_ptr + off
                 out.append((go, (np.uint64(ptr + counter_bytes(n)), np.uint64(ptr))))
         elif ln[0] == "gemv":
-            _, spec, off, n, max_rows, max_out = ln
-            go = gemv_launch(spec, n, max_rows, max_out)
+            _, spec, off, n, max_rows, max_out, *dual = ln
+            go = gemv_launch(spec, n, max_rows, max_out, *dual)
             if go is not None:
                 out.append((go, (np.uint64(t_ptr + off),)))
         else:
@@ -294,6 +338,14 @@ def _launches(
             hu = cupy.ndarray((k,), cupy.float32, cupy.cuda.MemoryPointer(mem, hu_ptr - h_ptr))
             out.append((_silu(), (hh, hu, hh)))
     return out
+
+
+def _streamed(gu: Any, dn: Any, max_rows: int) -> bool:
+    """Whether a fused (gate/up spec, down spec) group runs as two streamed gemv launches
+    (matmul.STREAM and both specs served by gemv_st) rather than one moe launch."""
+    from coliworker.kernels import matmul as mm
+
+    return mm.stream_eligible(gu, max_rows, True) and mm.stream_eligible(dn, max_rows)
 
 
 def prepare(
@@ -343,7 +395,7 @@ def prepare(
     x_at = None if x_rows is None else [base + 4 * D * r for r in x_rows]
     launches = write_group(a.host, t_off, plan, experts, D, dout,
                            base + (xp_off if packed else 0), base + y_off, base + h_off,
-                           base + hu_off, x_at)  # fmt: skip
+                           base + hu_off, x_at, _streamed)  # fmt: skip
     calls = _launches(call, launches, base + t_off, base + h_off, base + hu_off, n_sm)
     off = {"extra": e_off, "in_end": in_end, "y": y_off, "out": o_off, "xp": xp_off}
     if not plan.unfused:  # (unfused experts' launches hold views of this call's arena)

@@ -323,8 +323,10 @@ def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int,
         lay = spec.layout
         if dual:
             if not stream_eligible(spec, max_rows, True):
-                raise ValueError("gemv_launch: dual jobs need gemv_st (matmul.STREAM on, fmt 2, "
-                                 f"<= {TC_MAX_ROWS} rows), got fmt {spec.fmt}, {max_rows} rows")
+                raise ValueError(
+                    "gemv_launch: dual jobs need gemv_st (matmul.STREAM on, fmt 2, "
+                    f"<= {TC_MAX_ROWS} rows), got fmt {spec.fmt}, {max_rows} rows"
+                )
             return _gemv_st(spec, n_jobs, max_rows, max_out, _sm_count(dev), True)
         most = GEMV_TC_MAX_ROWS if SPLIT_K and lay.in_padded >= SB8_MIN_K else TC_MAX_ROWS
         if prefill_eligible(spec, max_rows, most + 1):

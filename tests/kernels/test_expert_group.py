@@ -146,6 +146,83 @@ def test_tensor_core_expert_group_matches_both_paths(cupy_backend, rng, fmt, gs,
     assert rel_err(fp32, ref) < TC_TOL
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [[1] * 8, [4] * 8, [2, 1, 4, 3, 1]])
+@pytest.mark.parametrize("d,ie", [(6144, 2048), (2048 + 64, 640)])
+def test_streamed_expert_group(cupy_backend, rng, monkeypatch, rows, d, ie):
+    # matmul.STREAM: fmt 2 groups of up to 4 rows per expert as two gemv_st launches (gate and
+    # up, then down), against float64 and the moe path; routed (one token's 8 experts read one
+    # x row in place) likewise.
+    from coliworker.kernels import matmul
+
+    b = cupy_backend
+    host, dev = _experts(b, rng, len(rows), d, ie, 2, 0)
+    x = rng.standard_normal((sum(rows), d)).astype(np.float32)
+    ref = reference.expert_group(host, rows, x)
+    moe = b.expert_group(dev, rows, x).out
+    monkeypatch.setattr(matmul, "STREAM", True)
+    got = b.expert_group(dev, rows, x).out
+    assert rel_err(got, ref) < TC_TOL and rel_err(moe, ref) < TC_TOL
+    assert np.array_equal(got, b.expert_group(dev, rows, x).out)  # same bits every call
+    assert np.array_equal(got, b.expert_group_issue(dev, rows, x).result().out)
+    xt = rng.standard_normal((1, d)).astype(np.float32)
+    routes = rng.permutation(len(rows))[None, : min(8, len(rows))].astype(np.int32)
+    w = rng.random(routes.shape).astype(np.float32)
+    r = b.expert_group_routed(dev, xt, routes, w).out
+    assert rel_err(r, reference.expert_group_routed(host, xt, routes, w)) < TC_TOL
+
+
+def test_streamed_tables():
+    # write_group with a stream predicate that says yes: per fused expert one dual gemv job
+    # (gate and up pointers, x rows -> hidden rows) and one down job (hidden -> y rows), two
+    # launches; it says no for the other combination, which keeps its moe table.
+    gs, ds, g4 = _Spec(2), _Spec(2), _Spec(4)
+    d, ie, dout = 512, 96, 512
+    ex = [(_Res(gs, ie, 1 << 20 | c << 8), _Res(gs, ie, 2 << 20 | c << 8),
+           _Res(ds, dout, 3 << 20 | c << 8)) for c in range(3)]  # fmt: skip
+    ex.append((_Res(g4, ie, 4 << 20), _Res(g4, ie, 5 << 20), _Res(_Spec(4), dout, 6 << 20)))
+    rows = [1, 3, 2, 4]
+    plan = eg.plan_group(ex, rows)
+    buf = np.full(plan.table_bytes + 64, 0xAB, np.uint8)
+    seen = []
+
+    def stream(gu, dn, max_rows):
+        seen.append((gu, dn, max_rows))
+        return gu is gs
+
+    x_ptr, y_ptr, h_ptr = 0x10000, 0x20000, 0x30000
+    lns = eg.write_group(buf, 16, plan, ex, d, dout, x_ptr, y_ptr, h_ptr, 0, None, stream)
+    assert seen == [(gs, ds, 3), (g4, ex[3][2].spec, 4)]
+    assert [ln[0] for ln in lns] == ["gemv", "gemv", "moe"]
+    (_, s1, o1, n1, r1, m1, dual), (_, s2, o2, n2, r2, m2), moe = lns
+    assert (s1, n1, r1, m1, dual, s2, n2, r2, m2) == (gs, 3, 3, ie, True, ds, 3, 3, dout)
+    assert moe[1:3] == (g4, ex[3][2].spec) and moe[4] == 1
+    jobs = eg.GEMV_JOB.dtype
+    a = buf[16 + o1 : 16 + o1 + 3 * eg.GEMV_JOB.size].view(jobs)
+    b = buf[16 + o2 : 16 + o2 + 3 * eg.GEMV_JOB.size].view(jobs)
+    for c in range(3):
+        g, u, dn = ex[c]
+        h = h_ptr + 4 * plan.hid_off[c]
+        assert tuple(a[c][["w0", "s0", "w1", "s1"]].item()) == (*g.ptrs, *u.ptrs)
+        assert (a[c]["x"], a[c]["y"], a[c]["rows"], a[c]["out_rows"]) == (
+            x_ptr + 4 * d * plan.row_off[c],
+            h,
+            rows[c],
+            ie,
+        )
+        assert (a[c]["x_stride"], a[c]["y_stride"]) == (d, ie)
+        assert tuple(b[c][["w0", "s0", "w1", "s1"]].item()) == (*dn.ptrs, 0, 0)
+        assert (b[c]["x"], b[c]["y"], b[c]["rows"], b[c]["out_rows"]) == (
+            h,
+            y_ptr + 4 * dout * plan.row_off[c],
+            rows[c],
+            dout,
+        )
+        assert (b[c]["x_stride"], b[c]["y_stride"]) == (ie, dout)
+    assert 16 + o2 + 3 * eg.GEMV_JOB.size <= 16 + moe[3]  # no table over another
+    assert 16 + moe[3] + eg.counter_bytes(1) + eg.MOE_JOB.size <= 16 + plan.table_bytes
+
+
 # ---- the pipelined prefill path (kernels/expert_group.py: issue_pipelined) ----
 
 # Uneven rows per expert, 1100 in all: x is 1100 x 4096 float32 = 17.2 MiB, over PIPE_BYTES.
