@@ -16,7 +16,8 @@ threads, the copy engines up, down and both at once, then the call on the one-la
 pipelined (``kernels/expert_group.py``: PIPE_LAUNCHES x PIPE_PIECES, copy threads) swept, each
 checked to the bit against the one-launch result, and pipelined with x in a registered
 shared-memory segment (a session's: x goes up from where it lies, no copy into pinned
-memory); with --stages, the steps of the one-launch and the pipelined call.
+memory), swept over PIPE_EDGE too (the first and the last run's share of a middle run's rows:
+1.0, 0.5, 0.25); with --stages, the steps of the one-launch and the pipelined call.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ def prefill(b, calls: int, stages: bool) -> None:
         m = np.median(np.array(ph), axis=0) / 1e6
         return float(np.median(walls)) / 1e6, float(m[0]), float(m[1]), float(m[2])
 
-    keep = (eg.PIPE_LAUNCHES, eg.PIPE_PIECES, eg.PIPELINE)
+    keep = (eg.PIPE_LAUNCHES, eg.PIPE_PIECES, eg.PIPELINE, eg.PIPE_EDGE)
     threads0 = pinned.COPY_THREADS
     eg.PIPELINE = False
     want = b.expert_group(experts, rl, x).out.copy()
@@ -184,8 +185,12 @@ def prefill(b, calls: int, stages: bool) -> None:
     print(f"| one launch | 1 | 1 | {threads0} | {one[0]:.3f} | {one[1]:.3f} | {one[2]:.3f} | "
           f"{one[3]:.3f} | {one[0] / one[2]:.2f} | - |")  # fmt: skip
 
-    def sweep(label: str, xin: np.ndarray, configs: list[tuple[int, int, int | None]]) -> None:
-        """A row per (launches, pieces, copy threads; None: no host copy), checked to the bit."""
+    def sweep(
+        label: str, xin: np.ndarray, configs: list[tuple[int, int, int | None]], edge: float
+    ) -> None:
+        """A row per (launches, pieces, copy threads; None: no host copy), checked to the bit,
+        with PIPE_EDGE ``edge``."""
+        eg.PIPE_EDGE = edge
         for L, P, t in configs:
             eg.PIPE_LAUNCHES, eg.PIPE_PIECES = L, P
             if t is not None:
@@ -195,16 +200,18 @@ def prefill(b, calls: int, stages: bool) -> None:
             print(f"| {label} | {L} | {P} | {'-' if t is None else t} | {c[0]:.3f} | "
                   f"{c[1]:.3f} | {c[2]:.3f} | {c[3]:.3f} | {c[0] / one[2]:.2f} | "
                   f"{'same' if same else 'DIFFER'} |")  # fmt: skip
-        eg.PIPE_LAUNCHES, eg.PIPE_PIECES = keep[0], keep[1]
+        eg.PIPE_LAUNCHES, eg.PIPE_PIECES, eg.PIPE_EDGE = keep[0], keep[1], keep[3]
         pinned.set_copy_threads(threads0)
 
     configs = [(L, P, t) for t in (4, 8) for L in (2, 4, 8) for P in (1, 2, 4)]
     if (keep[0], keep[1], threads0) not in configs:
         configs.insert(0, (keep[0], keep[1], threads0))
-    sweep("pipelined", x, configs)
+    sweep("pipelined" + (f", edge {keep[3]:g}" if keep[3] != 1.0 else ""), x, configs, keep[3])
     xs, seg = _in_segment(b, x)  # the shared-memory path: x in a session's registered segment
     in_segment = [(keep[0], keep[1], None)] + [(L, P, None) for L in (2, 4, 8) for P in (1, 2)]
-    sweep("pipelined, x in a registered segment", xs, in_segment)
+    for edge in (1.0, 0.5, 0.25):  # two runs are both edge runs: the edge changes nothing there
+        runs = in_segment if edge == 1.0 else [c for c in in_segment if c[0] > 2]
+        sweep(f"pipelined, x in a registered segment, edge {edge:g}", xs, runs, edge)
     del xs
     seg.close()
     if not stages:

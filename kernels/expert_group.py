@@ -20,12 +20,14 @@ equal rows, each run's rows go up in ``PIPE_PIECES`` pieces on the arena's up st
 soon as the copy threads have put it into pinned memory (``kernels/pinned.py``), each run's launch
 waits for its last piece, and its outputs go down on the arena's down stream as soon as it
 ends; the copies in, the copies up, the kernels and the copies down of different runs
-overlap. Each run's launch is the whole group's launch (same kernel, tile sizes and grid
-bounds from the whole group's maximum rows and widths) over fewer jobs, and each job is the
-same record: every expert's rows compute exactly as in the one launch, to the bit
-(``tests/kernels/test_expert_group.py``). Direct launches only (never a graph: the arena of
-such a call is freed after it anyway). Smaller groups (decode) keep one H2D, the launches and
-one D2H, as a CUDA graph once seen before.
+overlap. Nothing hides the first run's copy up or the last run's kernel and copy down, so
+those two runs may get ``PIPE_EDGE`` times a middle run's rows (``COLIWORKER_PIPE_EDGE``; 1.0,
+equal runs, until a GPU measures a smaller share faster). Each run's launch is the whole
+group's launch (same kernel, tile sizes and grid bounds from the whole group's maximum rows
+and widths) over fewer jobs, and each job is the same record: every expert's rows compute
+exactly as in the one launch, to the bit (``tests/kernels/test_expert_group.py``). Direct
+launches only (never a graph: the arena of such a call is freed after it anyway). Smaller
+groups (decode) keep one H2D, the launches and one D2H, as a CUDA graph once seen before.
 
 The plan and the tables (``route_plan``, ``plan_group``, ``write_group``, ``pipe_bounds``,
 ``pipe_pieces``, ``pipe_tables``) need no CuPy: they are timed and tested on any machine; the
@@ -425,19 +427,48 @@ PIPE_LAUNCHES = 4
 PIPE_PIECES = 2
 
 
-def pipe_bounds(rows: Sequence[int], launches: int) -> list[int]:
+def _pipe_edge(text: str | None) -> float:
+    """``PIPE_EDGE`` from COLIWORKER_PIPE_EDGE's text (None: unset, 1.0); a ValueError for
+    anything but a number in (0, 1]."""
+    if text is None:
+        return 1.0
+    try:
+        edge = float(text)
+    except ValueError:
+        edge = float("nan")
+    if not 0 < edge <= 1:  # nan too
+        raise ValueError(f"COLIWORKER_PIPE_EDGE={text!r}: must be a number in (0, 1]")
+    return edge
+
+
+#: The first and the last run's rows as a share of a middle run's (``pipe_bounds``): nothing
+#: hides the first run's copy up or the last run's kernel and copy down, so shorter edge runs
+#: shorten the pipeline's fill and drain, at the cost of longer middle runs. 1.0 is equal runs
+#: (as measured in bench/results/prefill-pipeline-2026-12-01.md) until a GPU shows a smaller
+#: share wins; COLIWORKER_PIPE_EDGE sets it, in (0, 1].
+PIPE_EDGE = _pipe_edge(os.environ.get("COLIWORKER_PIPE_EDGE"))
+
+
+def pipe_bounds(rows: Sequence[int], launches: int, edge: float = 1.0) -> list[int]:
     """Expert boundaries [0, ..., len(rows)] cutting a group into at most ``launches`` runs of
-    consecutive experts, run k ending at the first expert where the rows so far reach
-    (k + 1) / launches of all rows; every run has at least one row (zero-row experts join a
-    neighbour)."""
-    n, total = len(rows), sum(rows)
+    consecutive experts, in rows as edge : 1 : ... : 1 : edge (the first and the last run
+    ``edge`` times a middle one; equal runs at 1.0): run k ends at the first expert where the
+    rows so far reach the shares of runs 0..k of all rows. Every run has at least one row
+    (zero-row experts join a neighbour). The targets are compared in Python integers (a float
+    ``edge`` is exactly p / q), so edge 1.0 cuts exactly at (k + 1) / launches of all rows."""
+    n, total = len(rows), int(sum(rows))
+    p, q = edge.as_integer_ratio() if launches > 1 else (1, 1)
+    # Shares in 1 / q of a middle run: p, q, ..., q, p. Run k - 1 ends where acc reaches
+    # total * (shares of runs 0..k-1) / whole, compared as acc * whole >= targets[k - 1].
+    whole = 2 * p + (launches - 2) * q
+    targets = [(p + (k - 1) * q) * total for k in range(1, launches)]
     bounds = [0]
     acc, k = 0, 1
     for c, r in enumerate(rows):
-        acc += r
-        if k < launches and acc * launches >= k * total and 0 < acc < total and c + 1 < n:
+        acc += int(r)  # (NumPy integers would overflow against a fine edge's q)
+        if k < launches and acc * whole >= targets[k - 1] and 0 < acc < total and c + 1 < n:
             bounds.append(c + 1)
-            while k < launches and acc * launches >= k * total:
+            while k < launches and acc * whole >= targets[k - 1]:
                 k += 1
     bounds.append(n)
     return bounds
@@ -462,7 +493,7 @@ def pipe_plan(experts: Sequence[tuple[Any, Any, Any]], rows: Sequence[int], x: A
     plan = plan_group(experts, rows)
     if len(plan.fused) != 1 or plan.unfused:
         return None
-    bounds = pipe_bounds(plan.rows, PIPE_LAUNCHES)
+    bounds = pipe_bounds(plan.rows, PIPE_LAUNCHES, PIPE_EDGE)
     if len(bounds) < 3:
         return None
     subs = [plan_group(experts[c0:c1], plan.rows[c0:c1]) for c0, c1 in pairwise(bounds)]

@@ -6,7 +6,12 @@ pipelined path's runs, pieces and tables against the one table."""
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
 import sys
+from bisect import bisect_left
+from fractions import Fraction
+from itertools import accumulate
 from types import SimpleNamespace
 
 import numpy as np
@@ -296,20 +301,84 @@ def test_pipelined_group_against_reference(cupy_backend, rng, pipelined_calls, f
     assert rel_err(mid.out, reference.expert_group(host, PIPE_ROWS, 2 * x)) < PF_TOL
 
 
-def test_pipe_bounds_cut_by_rows():
+def _bounds_by_definition(rows: list[int], launches: int, edge: float) -> list[int]:
+    """pipe_bounds written out in exact fractions: the k-th cut is the first expert count whose
+    rows reach the k-th cumulative target (shares edge, 1, ..., 1, edge of all rows), kept
+    where it leaves rows on both sides; repeated cuts are one."""
+    share = [Fraction(1)] * launches
+    if launches > 1:
+        share[0] = share[-1] = Fraction(edge)
+    cum = list(accumulate(share))
+    prefix = list(accumulate((int(r) for r in rows), initial=0))  # ascending
+    total = prefix[-1]
+    cuts = set()
+    for k in range(1, launches):
+        j = bisect_left(prefix, total * cum[k - 1] / cum[-1], lo=1)  # first prefix >= target
+        if 0 < prefix[j] < total:
+            cuts.add(j)
+    return [0, *sorted(cuts), len(rows)]
+
+
+@pytest.mark.parametrize("edge", [1.0, 0.5, 0.25, 0.3])
+def test_pipe_bounds_cut_by_rows(edge):
     rng = np.random.default_rng()
     cases = [PIPE_ROWS, [32] * 64, [1] * 3, [5, 0, 0, 7], [0, 0, 9, 1], [9, 0, 0], [1, 1000]]
+    cases += [[0] * 5, [0], [3]]
     cases += [list(rng.integers(0, 50, rng.integers(1, 80))) for _ in range(200)]
+    cases += [[int(r) * (rng.random() < 0.4) for r in rng.integers(1, 9, 40)] for _ in range(50)]
     for rows in cases:
         for launches in (1, 2, 3, 4, 8, 100):
-            bounds = eg.pipe_bounds(rows, launches)
+            bounds = eg.pipe_bounds(rows, launches, edge)
+            assert bounds == _bounds_by_definition(rows, launches, edge), (rows, launches)
             assert bounds[0] == 0 and bounds[-1] == len(rows)
             assert all(a < c for a, c in zip(bounds, bounds[1:], strict=False))
             assert len(bounds) - 1 <= max(1, min(launches, len(rows)))
             if sum(rows):
                 assert all(sum(rows[a:c]) > 0 for a, c in zip(bounds, bounds[1:], strict=False))
-    assert eg.pipe_bounds([32] * 64, 4) == [0, 16, 32, 48, 64]
-    assert eg.pipe_bounds([32] * 64, 8) == list(range(0, 65, 8))
+            if edge == 1.0:  # the default argument is equal runs
+                assert eg.pipe_bounds(rows, launches) == bounds
+    if edge == 1.0:
+        assert eg.pipe_bounds([32] * 64, 4) == [0, 16, 32, 48, 64]
+        assert eg.pipe_bounds([32] * 64, 8) == list(range(0, 65, 8))
+    if edge == 0.5:  # rows as 0.5 : 1 : 1 : 0.5, each cut at the first expert past its target
+        assert eg.pipe_bounds([32] * 64, 4, edge) == [0, 11, 32, 54, 64]
+        assert eg.pipe_bounds([32] * 64, 2, edge) == [0, 32, 64]  # two edges: equal still
+
+
+@pytest.mark.parametrize("edge", [0.25, 0.5, 0.75])
+@pytest.mark.parametrize("launches", [3, 4, 8])
+def test_pipe_bounds_edge_runs_are_shorter(edge, launches):
+    """With many small experts (a cut overshoots its target by less than one expert) every
+    target gets its own cut, the first and the last run are no larger than any middle one, and
+    each run is its share of the rows to within the largest expert."""
+    rng = np.random.default_rng()
+    whole = 2 * edge + launches - 2
+    for _ in range(50):
+        rows = [int(r) for r in rng.integers(0, 9, rng.integers(200, 400))]
+        bounds = eg.pipe_bounds(rows, launches, edge)
+        run = [sum(rows[a:c]) for a, c in zip(bounds, bounds[1:], strict=False)]
+        assert len(run) == launches and all(run)
+        assert max(run[0], run[-1]) <= min(run[1:-1])
+        share = [edge] + [1.0] * (launches - 2) + [edge]
+        for r, sh in zip(run, share, strict=True):
+            assert abs(r - sum(rows) * sh / whole) < max(rows)
+
+
+def test_pipe_edge_from_the_environment():
+    assert eg._pipe_edge(None) == 1.0
+    assert eg._pipe_edge("0.5") == 0.5 and eg._pipe_edge("1") == 1.0
+    for bad in ("0", "-0.5", "1.5", "nan", "inf", "", "half"):
+        with pytest.raises(ValueError, match=f"COLIWORKER_PIPE_EDGE={bad!r}"):
+            eg._pipe_edge(bad)
+    # at import, as the worker reads it
+    code = "from coliworker.kernels import expert_group as eg; print(eg.PIPE_EDGE)"
+    for text, ok in (("0.25", True), ("2", False)):
+        env = {**os.environ, "COLIWORKER_PIPE_EDGE": text}
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        if ok:
+            assert r.returncode == 0 and r.stdout.strip() == text, r.stderr
+        else:
+            assert r.returncode != 0 and "COLIWORKER_PIPE_EDGE='2'" in r.stderr
 
 
 def test_pipe_pieces_cover_each_run():
@@ -345,8 +414,9 @@ def _records(buf: np.ndarray, off: int, n: int) -> np.ndarray:
     return buf[p : p + eg.MOE_JOB.size * n].copy()
 
 
+@pytest.mark.parametrize("edge", [1.0, 0.5])
 @pytest.mark.parametrize("launches", [2, 3, 4, 12])
-def test_pipe_tables_hold_the_one_tables_jobs(monkeypatch, launches):
+def test_pipe_tables_hold_the_one_tables_jobs(monkeypatch, launches, edge):
     """Every run's job records are the one table's, byte for byte (same pointers), and every
     run's launch has the one launch's maxima (so the same kernel and tiles)."""
     gs, ds = _Spec(2), _Spec(2)
@@ -355,9 +425,11 @@ def test_pipe_tables_hold_the_one_tables_jobs(monkeypatch, launches):
                 _Res(ds, dout, 3 << 20 | c << 8)) for c in range(len(PIPE_ROWS))]  # fmt: skip
     x = np.zeros((sum(PIPE_ROWS), d), np.float32)
     monkeypatch.setattr(eg, "PIPE_LAUNCHES", launches)
+    monkeypatch.setattr(eg, "PIPE_EDGE", edge)
     pp = eg.pipe_plan(experts, PIPE_ROWS, x)
     assert pp is not None
     plan, bounds, subs = pp
+    assert bounds == eg.pipe_bounds(PIPE_ROWS, launches, edge)
     assert 2 <= len(bounds) - 1 <= launches
     one = np.full(plan.table_bytes + 64, 0xAB, np.uint8)
     (ln,) = eg.write_group(one, 16, plan, experts, d, dout, 0x10000, 0x20000, 0x30000, 0)
@@ -462,7 +534,8 @@ comp: int
 @pytest.mark.parametrize("eager", [False, True])
 @pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("launches,pieces", [(4, 2), (3, 1), (12, 3), (2, 500)])
-def test_pipelined_issue_on_simulated_streams(monkeypatch, direct, launches, pieces, eager):
+@pytest.mark.parametrize("edge", [1.0, 0.5])
+def test_pipelined_issue_on_simulated_streams(monkeypatch, edge, direct, launches, pieces, eager):
     """issue_pipelined's copies, launches and events without a GPU (``_Sim``): every output
     row is its expert's, whatever order the streams' work runs in (random, or the kernels as
     early as their waits let them)."""
@@ -479,6 +552,7 @@ def test_pipelined_issue_on_simulated_streams(monkeypatch, direct, launches, pie
     monkeypatch.setattr(eg, "PIPE_BYTES", 64 << 10)
     monkeypatch.setattr(eg, "PIPE_LAUNCHES", launches)
     monkeypatch.setattr(eg, "PIPE_PIECES", pieces)
+    monkeypatch.setattr(eg, "PIPE_EDGE", edge)
     gs, ds = _Spec(2), _Spec(2)
     experts = [(_Res(gs, ie, 1 << 20 | c << 8), _Res(gs, ie, 2 << 20 | c << 8),
                 _Res(ds, dout, 3 << 20 | c << 8)) for c in range(len(PIPE_ROWS))]  # fmt: skip
@@ -507,7 +581,7 @@ def test_pipelined_issue_on_simulated_streams(monkeypatch, direct, launches, pie
     want = np.concatenate([x[ro[c] : ro[c + 1], :dout] * 2 + c for c in range(len(PIPE_ROWS))])
     assert np.array_equal(y, want)
     h2d, kern, d2h = call.spans
-    assert len(kern) == len(d2h) == len(eg.pipe_bounds(PIPE_ROWS, launches)) - 1
+    assert len(kern) == len(d2h) == len(eg.pipe_bounds(PIPE_ROWS, launches, edge)) - 1
     assert len(h2d) >= len(kern) and call.done == d2h[-1][1]
     assert all(sim.fired.get(e) == 1 for ph in call.spans for s in ph for e in s)
 
