@@ -1,5 +1,6 @@
-// gemv_tc.cu's gemv_st: the fmt 2 decode GEMV with its weights streamed by the bulk-copy engine
-// into a ring of shared-memory stages, one producer warp feeding eight math warps. gemv_tc.cu
+// gemv_tc.cu's gemv_st: the int4 decode GEMV (fmt 2, and fmt 4 with power of two group sizes
+// 16..256) with its weights streamed by the bulk-copy engine into a ring of shared-memory
+// stages, one producer warp feeding eight math warps. gemv_tc.cu
 // includes this after its helpers, which it uses (host side: kernels/matmul.py, _gemv_st).
 #pragma once
 // ---- gemv_st: persistent, warp-specialized, weights through cp.async.bulk (matmul.STREAM) ----
@@ -127,25 +128,34 @@ __device__ __forceinline__ void st_stage_x(unsigned short *xb, int cstride,
     }
 }
 
-// grid (blocks), block ST_THREADS, dynamic shared ST_BARS + ns * M * ST_STAGE + 4 * M * 8 * 16 *
-// NCOL + 2 * 3 * SB * (in_padded + 16) bytes (M = 2 for DUAL, else 1; the host's _gemv_st):
-// jobs as gemv_tc's (fmt 2), ntr = ceil(max_out / 16) row tiles and nz = ceil(max_rows / SB)
-// activation row groups per job, ns <= ST_MAX_STAGES ring stages. DUAL (an expert's gate and
-// up, w0 / s0 and w1 / s1 of each job, one weight spec): a stage holds the piece of the
-// tile's 16 gate rows and then its 16 up rows, and y = silu(gate x) * (up x).
-template <int SB, bool DUAL>
+// Grouped scales (FMT 4, gs a power of two in 16..256; the host checks): a stage also holds,
+// per weight row, the piece's 2048 / gs scales (ST_SCALES: 16-byte rows 4 floats longer, so the
+// 8 rows a warp reads at once lie in 8 banks), copied beside the row's weights; each mma's
+// 16-k partial is multiplied by its group's scale (as gemv_tc's fmt 4).
+__host__ __device__ constexpr int st_scale_stride(int gs) { return 2048 / gs + 4; }
+
+// grid (blocks), block ST_THREADS, dynamic shared ST_BARS + ns * stage + 4 * M * 8 * 16 * NCOL
+// + 2 * 3 * SB * (in_padded + 16) bytes, stage = M * (ST_STAGE + (FMT 4: 4 * 16 *
+// st_scale_stride(gs))) (M = 2 for DUAL, else 1; the host's _gemv_st): jobs as gemv_tc's
+// (fmt 2 or 4), ntr = ceil(max_out / 16) row tiles and nz = ceil(max_rows / SB) activation
+// row groups per job, ns <= ST_MAX_STAGES ring stages, ngp scales per row (fmt 4). DUAL (an
+// expert's gate and up, w0 / s0 and w1 / s1 of each job, one weight spec): a stage holds the
+// piece of the tile's 16 gate rows and then its 16 up rows, and y = silu(gate x) * (up x).
+template <int FMT, int SB, bool DUAL>
 __global__ void __launch_bounds__(ST_THREADS, 1)
 gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_features,
-        int in_padded, int ld, int ns) {
+        int in_padded, int ld, int ngp, int gs, int gs_shift, int ns) {
     constexpr int NT = TcNT<SB>::value, NCOL = 8 * NT, M = DUAL ? 2 : 1;
-    constexpr int STAGE = M * ST_STAGE;
-    // Shared memory: the mbarriers (full [ns], empty [ns]; ST_BARS bytes), the ring, the k
-    // slices' partials [8][M][16][NCOL], the staged activations.
+    const int sst = FMT == 4 ? st_scale_stride(gs) : 0;  // floats per scale row of a stage
+    const int stage = M * (ST_STAGE + 4 * ST_ROWS * sst);
+    // Shared memory: the mbarriers (full [ns], empty [ns]; ST_BARS bytes), the ring (per
+    // stage: M * 16 weight rows, then M * 16 scale rows), the k slices' partials
+    // [8][M][16][NCOL], the staged activations.
     extern __shared__ float4 smem4[];
     unsigned long long *full = reinterpret_cast<unsigned long long *>(smem4);
     unsigned long long *empty = full + ns;
     unsigned char *ring = reinterpret_cast<unsigned char *>(smem4) + ST_BARS;
-    float *red = reinterpret_cast<float *>(ring + (size_t)ns * STAGE);
+    float *red = reinterpret_cast<float *>(ring + (size_t)ns * stage);
     unsigned short *xb =
         reinterpret_cast<unsigned short *>(red + ST_MATH * M * ST_ROWS * NCOL);
     const int cstride = in_padded + 16;
@@ -170,18 +180,25 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
             GemvJob job;
             int row0, srow0;
             if (!st_tile(jobs, tile, ntr, nz, SB, job, row0, srow0)) continue;
-            const unsigned long long wm = DUAL && lane >= ST_ROWS ? job.w1 : job.w0;
-            const unsigned char *w = reinterpret_cast<const unsigned char *>(wm);
+            const bool up = DUAL && lane >= ST_ROWS;
+            const unsigned char *w = reinterpret_cast<const unsigned char *>(up ? job.w1 : job.w0);
+            const float *sc = reinterpret_cast<const float *>(up ? job.s1 : job.s0);
             const int row = min(row0 + (lane & 15), job.out_rows - 1);
             for (int p = 0; p < pieces; ++p, ++it) {
                 const int slot = it % ns;
                 if (it >= ns) st_wait(empty + slot, ((it / ns) - 1) & 1);
                 const int kb = p * ST_PIECE, nb = min(ST_PIECE, ld - kb);
-                if (lane == 0) st_arrive_tx(full + slot, M * ST_ROWS * nb);
+                const int ns4 = FMT == 4 ? (2 * nb) >> gs_shift : 0;  // the piece's scales
+                if (lane == 0) st_arrive_tx(full + slot, M * ST_ROWS * (nb + 4 * ns4));
                 __syncwarp();
-                if (lane < M * ST_ROWS)
-                    st_copy(ring + (size_t)slot * STAGE + lane * ST_RS,
-                            w + (size_t)row * ld + kb, nb, full + slot);
+                if (lane < M * ST_ROWS) {
+                    unsigned char *dst = ring + (size_t)slot * stage;
+                    st_copy(dst + lane * ST_RS, w + (size_t)row * ld + kb, nb, full + slot);
+                    if (FMT == 4)
+                        st_copy(dst + M * ST_STAGE + 4 * lane * sst,
+                                sc + (size_t)row * ngp + ((2 * kb) >> gs_shift), 4 * ns4,
+                                full + slot);
+                }
             }
         }
         return;
@@ -194,6 +211,7 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
     unsigned long long staged_x = ~0ull;  // what xb holds: x, first row, rows
     int staged_s = -1, staged_n = -1;
     int it = 0;
+    const float zero[4] = {0.f, 0.f, 0.f, 0.f};
     for (int tile = t0; tile < t1; ++tile) {
         GemvJob job;
         int row0, srow0;
@@ -219,7 +237,9 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
         for (int p = 0; p < pieces; ++p, ++it) {
             const int slot = it % ns;
             st_wait(full + slot, (it / ns) & 1);
-            const unsigned char *st = ring + (size_t)slot * STAGE + t * 16;
+            const unsigned char *st = ring + (size_t)slot * stage + t * 16;
+            const float *ss = reinterpret_cast<const float *>(ring + (size_t)slot * stage +
+                                                              M * ST_STAGE) + gid * sst;
             const int nsteps = min(ST_PIECE, ld - p * ST_PIECE) >> 6;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -239,6 +259,8 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
 #pragma unroll
                     for (int nt = 0; nt < NT; ++nt)
                         bv[nt] = *reinterpret_cast<const uint2 *>(xcol[nt] + gst * 128 + q * 16);
+                    // fmt 4: this mma's group within the piece (elements e0 .. e0 + 15)
+                    const int gl = (((sl >> 3) * 1024 + q * 128 + (sl & 7) * 16) >> gs_shift);
 #pragma unroll
                     for (int m = 0; m < M; ++m) {
                         unsigned int a0, a1, a2, a3;
@@ -247,7 +269,18 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
 #pragma unroll
                         for (int nt = 0; nt < NT; ++nt) {
                             float(&c)[4] = acc[m][q & 1][nt];
-                            tc_mma(c, a0, a1, a2, a3, bv[nt], c);
+                            if (FMT == 4) {
+                                float d[4];
+                                tc_mma(d, a0, a1, a2, a3, bv[nt], zero);
+                                const float *sm = ss + m * ST_ROWS * sst + gl;
+                                const float s0 = sm[0], s1 = sm[8 * sst];
+                                c[0] = fmaf(s0, d[0], c[0]);
+                                c[1] = fmaf(s0, d[1], c[1]);
+                                c[2] = fmaf(s1, d[2], c[2]);
+                                c[3] = fmaf(s1, d[3], c[3]);
+                            } else {
+                                tc_mma(c, a0, a1, a2, a3, bv[nt], c);
+                            }
                         }
                     }
                 }
@@ -282,7 +315,8 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
                     const float *pr = red + ((k * M + m) * ST_ROWS + r) * NCOL + 3 * s;
                     sum += (pr[0] + pr[1]) + pr[2];
                 }
-                v[m] = sum * reinterpret_cast<const float *>(m ? job.s1 : job.s0)[row];
+                if (FMT == 2) sum *= reinterpret_cast<const float *>(m ? job.s1 : job.s0)[row];
+                v[m] = sum;
             }
             reinterpret_cast<float *>(job.y)[(size_t)srow * job.y_stride + row] =
                 coli_out<DUAL>(v[0], v[M - 1]);

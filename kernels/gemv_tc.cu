@@ -29,8 +29,9 @@
 // into TC_RG row groups x KS = 8 / TC_RG k slices (steps st = ks, ks + KS, ...: the slices of
 // a row are read side by side); the slices meet in shared memory at the end (fixed order: the
 // same bits on every call). gemv_tc_k / gemv_tc_sk (split-K, below) serve the same jobs with a
-// row tile's K split over the blocks of a thread block cluster; gemv_st (gemv_stream.cuh) the
-// fmt 2 ones with the weights streamed by the bulk-copy engine to one resident block per SM.
+// row tile's K split over the blocks of a thread block cluster; gemv_st (gemv_stream.cuh) them
+// too (fmt 4: power of two group sizes) with the weights streamed by the bulk-copy engine to
+// one resident block per SM.
 #include "common.cuh"
 #include "jobs.cuh"
 #include "tc.cuh"

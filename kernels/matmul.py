@@ -85,13 +85,13 @@ SK_BLOCK_COST = 16  # a block's fixed cost (launch, staging, reductions) in 64-b
 # per setting, and the plans a backend keeps per arena are keyed by ``settings()``;
 # COLIWORKER_MOE_TC_FAST=0 in the environment sets it off from the start.
 MOE_TC_FAST = os.environ.get("COLIWORKER_MOE_TC_FAST", "1") != "0"
-# gemv_st (gemv_stream.cuh): fmt 2 decode gemv jobs (up to TC_MAX_ROWS rows) with the weights
-# streamed by the bulk-copy engine through a ring of ST_STAGES shared-memory stages, one
-# resident block per SM over a contiguous range of 16-row tiles, x staged once per block and
-# job. Taken where the whole of K's staged x fits beside the ring. ``STREAM`` switches it; off
-# by default until measured on the GPU (COLIWORKER_GEMV_STREAM=1 sets it on from the start;
-# the GPU tests run both paths, tests/kernels/test_gemv_stream_cpu.py runs its source on the
-# CPU).
+# gemv_st (gemv_stream.cuh): decode gemv jobs of up to TC_MAX_ROWS rows, fmt 2 and fmt 4 with a
+# power of two group size of 16..256, with the weights (and grouped scales) streamed by the
+# bulk-copy engine through a ring of ST_STAGES shared-memory stages, one resident block per SM
+# over a contiguous range of 16-row tiles, x staged once per block and job. Taken where the
+# whole of K's staged x fits beside the ring. ``STREAM`` switches it; off by default until
+# measured on the GPU (COLIWORKER_GEMV_STREAM=1 sets it on from the start; the GPU tests run
+# both paths, tests/kernels/test_gemv_stream_cpu.py runs its source on the CPU).
 STREAM = os.environ.get("COLIWORKER_GEMV_STREAM", "0") == "1"
 ST_ROWS = 16
 ST_STAGE = ST_ROWS * (1024 + 64)  # one stage: 16 rows of a 1024-byte piece (ST_RS apart)
@@ -112,25 +112,41 @@ TC_VARIANTS = (
     + tuple(f"gemv_tc_k<{f}, 8>" for f in (2, 4))
     + tuple(f"gemv_tc_sk<{f}, {sb}, {c}>" for f in (2, 4) for sb in (1, 4, 8)
             for c in SK_CLUSTERS[1:])
-    + tuple(f"gemv_st<{sb}, {d}>" for sb in (1, 4) for d in ("false", "true"))
+    + tuple(f"gemv_st<{f}, {sb}, {d}>" for f in (2, 4) for sb in (1, 4)
+            for d in ("false", "true"))
 )  # fmt: skip
 
 
-def _st_geometry(max_rows: int, in_padded: int, dual: bool) -> tuple[int, int, int] | None:
+def _st_stage(spec: WeightSpec, dual: bool) -> int:
+    """Bytes of one gemv_st ring stage: 16 rows of a 1024-byte piece per matrix, and for fmt 4
+    their scales (st_scale_stride floats per row: the piece's 2048 / gs, plus 4)."""
+    scales = 4 * ST_ROWS * (2048 // spec.group_size + 4) if spec.fmt == 4 else 0
+    return (2 if dual else 1) * (ST_STAGE + scales)
+
+
+def _st_geometry(spec: WeightSpec, max_rows: int, dual: bool) -> tuple[int, int, int] | None:
     """(SB, ring stages, dynamic shared bytes) of gemv_st, or None where the staged x of all
     of K and ST_STAGES[1] stages do not fit in one block's shared memory (dual: stages and
     partials of two matrices)."""
     sb, m = tc_sb(max_rows), 2 if dual else 1
     nt = (3 * sb + 7) // 8
+    in_padded = spec.layout.in_padded
     rest = ST_BARS + 4 * m * WARPS * ST_ROWS * 8 * nt + 2 * 3 * sb * (in_padded + 16)
-    ns = min(ST_STAGES[0], (227 * 1024 - rest) // (m * ST_STAGE))
-    return None if ns < ST_STAGES[1] else (sb, ns, rest + ns * m * ST_STAGE)
+    stage = _st_stage(spec, dual)
+    ns = min(ST_STAGES[0], (227 * 1024 - rest) // stage)
+    return None if ns < ST_STAGES[1] else (sb, ns, rest + ns * stage)
 
 
 def stream_eligible(spec: WeightSpec, max_rows: int, dual: bool = False) -> bool:
-    """Whether gemv_st serves these jobs (and ``STREAM`` is on); dual: gate and up jobs."""
-    return (STREAM and TENSOR_CORES and spec.fmt == 2 and max_rows <= TC_MAX_ROWS
-            and _st_geometry(max_rows, spec.layout.in_padded, dual) is not None)  # fmt: skip
+    """Whether gemv_st serves these jobs (and ``STREAM`` is on): fmt 2, or fmt 4 with a power
+    of two group size of 16..256 (a piece's scales are whole 16-byte rows); dual: gate and up
+    jobs."""
+    fmt, gs = spec.fmt, spec.group_size
+    if not (STREAM and TENSOR_CORES and max_rows <= TC_MAX_ROWS):
+        return False
+    if not (fmt == 2 or (fmt == 4 and 16 <= gs <= 256 and gs & (gs - 1) == 0)):
+        return False
+    return _st_geometry(spec, max_rows, dual) is not None
 
 
 def _gemv_st(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: int,
@@ -138,14 +154,16 @@ def _gemv_st(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: i
     """gemv_launch's launch on the streamed path (same jobs, same pointer): one block per SM,
     or one per tile where there are fewer tiles."""
     lay = spec.layout
-    geo = _st_geometry(max_rows, lay.in_padded, dual)
+    geo = _st_geometry(spec, max_rows, dual)
     assert geo is not None
     sb, ns, smem = geo
     ntr, nz = -(-max_out // ST_ROWS), -(-max_rows // sb)
-    name = f"gemv_st<{sb}, {'true' if dual else 'false'}>"
+    name = f"gemv_st<{spec.fmt}, {sb}, {'true' if dual else 'false'}>"
     fn = get_function("gemv_tc.cu", name, TC_VARIANTS, smem)
+    gs, shift = gs_args(spec.fmt, spec.group_size)
     tail = (np.int32(n_jobs), np.int32(ntr), np.int32(nz), np.int32(spec.in_features),
-            np.int32(lay.in_padded), np.int32(lay.ld), np.int32(ns))  # fmt: skip
+            np.int32(lay.in_padded), np.int32(lay.ld), np.int32(max(lay.ngp, 1)), gs, shift,
+            np.int32(ns))  # fmt: skip
     return Launch(fn, (min(n_sm, n_jobs * ntr * nz),), ((WARPS + 1) * 32,), tail, smem)
 
 

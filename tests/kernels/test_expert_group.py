@@ -152,16 +152,17 @@ def test_tensor_core_expert_group_matches_both_paths(cupy_backend, rng, fmt, gs,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64), (4, 128)])
 @pytest.mark.parametrize("rows", [[1] * 8, [4] * 8, [2, 1, 4, 3, 1]])
 @pytest.mark.parametrize("d,ie", [(6144, 2048), (2048 + 64, 640)])
-def test_streamed_expert_group(cupy_backend, rng, monkeypatch, rows, d, ie):
-    # matmul.STREAM: fmt 2 groups of up to 4 rows per expert as two gemv_st launches (gate and
-    # up, then down), against float64 and the moe path; routed (one token's 8 experts read one
-    # x row in place) likewise.
+def test_streamed_expert_group(cupy_backend, rng, monkeypatch, fmt, gs, rows, d, ie):
+    # matmul.STREAM: groups of up to 4 rows per expert (fmt 2, fmt 4 with power of two group
+    # sizes) as two gemv_st launches (gate and up, then down), against float64 and the moe
+    # path; routed (one token's 8 experts read one x row in place) likewise.
     from coliworker.kernels import matmul
 
     b = cupy_backend
-    host, dev = _experts(b, rng, len(rows), d, ie, 2, 0)
+    host, dev = _experts(b, rng, len(rows), d, ie, fmt, gs)
     x = rng.standard_normal((sum(rows), d)).astype(np.float32)
     ref = reference.expert_group(host, rows, x)
     moe = b.expert_group(dev, rows, x).out

@@ -6,7 +6,8 @@ read, gives wrong sums), named barrier 1, and the tensor-core pieces of tc.cuh (
 prmt, the nibble magic, mma.m16n8k16 by the PTX manual's fragment layout with the sum in
 float64). Ragged job tables, shared and separate activations, K ending inside a 1024-byte
 piece, rings smaller than a block's stages, plain and DUAL (gate and up: silu(gate) * up)
-jobs, against float64: every output written, nothing else touched, within 1e-5. The GPU tests
+jobs, fmt 2 (per-row scales) and fmt 4 (grouped scales streamed beside the weights), against
+float64: every output written, nothing else touched, within 1e-5. The GPU tests
 of the same kernel: ``test_gemv_splitk.py`` and ``test_expert_group.py``."""
 
 from __future__ import annotations
@@ -135,12 +136,15 @@ inline int code(const unsigned char *row, int e) {
 
 // Jobs of out_rows[j] rows and rows[j] activation rows (same_x: all jobs read one x), K inputs;
 // DUAL: each job an expert's gate (w0, s0) and up (w1, s1), y = silu(gate x) * (up x).
-template <int SB, bool DUAL>
-int check(std::vector<int> outs, std::vector<int> rows, int K, bool same_x, int grid, int ns) {
+// FMT 4: grouped scales of gs (a power of two), ngp = in_padded / gs per row.
+template <int SB, bool DUAL, int FMT = 2>
+int check(std::vector<int> outs, std::vector<int> rows, int K, bool same_x, int grid, int ns,
+          int gs = 0) {
     constexpr int M = DUAL ? 2 : 1;
-    std::mt19937 rng(K * 13 + grid + ns + M);
+    std::mt19937 rng(K * 13 + grid + ns + M + gs);
     std::normal_distribution<float> nd;
     const int nj = (int)outs.size(), inp = (K + 1023) / 1024 * 1024, ld = inp / 2;
+    const int ngp = FMT == 4 ? inp / gs : 1, shift = FMT == 4 ? __builtin_ctz(gs) : 2;
     const int max_out = *std::max_element(outs.begin(), outs.end());
     const int max_rows = *std::max_element(rows.begin(), rows.end());
     const int ntr = (max_out + 15) / 16, nz = (max_rows + SB - 1) / SB, pad = 3;
@@ -151,7 +155,7 @@ int check(std::vector<int> outs, std::vector<int> rows, int K, bool same_x, int 
         for (int m = 0; m < M; ++m) {
             w[j * M + m].resize((size_t)outs[j] * ld + 16);
             for (auto &b : w[j * M + m]) b = rng() & 255;
-            sc[j * M + m].resize(outs[j]);
+            sc[j * M + m].resize((size_t)outs[j] * ngp);
             for (auto &s : sc[j * M + m]) s = 0.001f + 0.01f * std::fabs(nd(rng));
         }
         x[j].resize((size_t)rows[j] * (K + pad));
@@ -166,7 +170,8 @@ int check(std::vector<int> outs, std::vector<int> rows, int K, bool same_x, int 
     }
     g_tick = land;
     launch({grid, 1, 1}, 1, ST_THREADS, [&] {
-        gemv_st<SB, DUAL>(jobs.data(), nj, ntr, nz, K, inp, ld, ns); }, ST_MATH * 32);
+        gemv_st<FMT, SB, DUAL>(jobs.data(), nj, ntr, nz, K, inp, ld, ngp, FMT == 4 ? gs : 4,
+                               shift, ns); }, ST_MATH * 32);
     g_tick = nullptr;
     if (!g_copies.empty()) { std::printf("copies never landed\n"); return 1; }
     double md = 0, mx = 0;
@@ -180,18 +185,20 @@ int check(std::vector<int> outs, std::vector<int> rows, int K, bool same_x, int 
                 double v[M];
                 for (int m = 0; m < M; ++m) {
                     v[m] = 0;
+                    const float *srow = &sc[j * M + m][(size_t)o * ngp];
                     for (int e = 0; e < K; ++e)
                         v[m] += (double)code(&w[j * M + m][(size_t)o * ld], e) *
-                                xp[(size_t)s * (K + pad) + e];
-                    v[m] *= sc[j * M + m][o];
+                                xp[(size_t)s * (K + pad) + e] * (FMT == 4 ? srow[e / gs] : 1.f);
+                    if (FMT == 2) v[m] *= srow[0];
                 }
                 const double ref = DUAL ? v[0] / (1 + std::exp(-v[0])) * v[M - 1] : v[0];
                 if (std::isnan(got)) { ++unwritten; continue; }
                 md = std::max(md, std::fabs(got - ref)); mx = std::max(mx, std::fabs(ref));
             }
     }
-    std::printf("SB %d DUAL %d K %d jobs %d grid %d ns %d: rel err %.2g, unwritten %ld, "
-                "touched %ld\n", SB, (int)DUAL, K, nj, grid, ns, md / mx, unwritten, touched);
+    std::printf("fmt %d gs %d SB %d DUAL %d K %d jobs %d grid %d ns %d: rel err %.2g, "
+                "unwritten %ld, touched %ld\n", FMT, gs, SB, (int)DUAL, K, nj, grid, ns,
+                md / mx, unwritten, touched);
     return unwritten > 0 || touched > 0 || !(md <= 1e-5 * mx);
 }
 
@@ -200,7 +207,8 @@ int main() {
     // one shared x, SB 4 with 3 and 4 rows, one piece per tile, more blocks than some jobs
     // have tiles, and rings of 3 stages refilled with whole 1024-byte pieces while other
     // stages are read (a stage released before its last step is read gives wrong sums); DUAL
-    // (gate and up) likewise, one shared x as a routed token's experts have
+    // (gate and up) likewise, one shared x as a routed token's experts have; fmt 4 with group
+    // sizes 16 to 256 (a 512-byte last piece: 1024 / gs scales per row)
     return check<1, false>({40, 17}, {1, 1}, 3000, false, 2, 3) +
            check<1, false>({33, 16, 5}, {1, 1, 1}, 700, true, 3, 4) +
            check<4, false>({20, 48}, {3, 4}, 2100, false, 3, 3) +
@@ -209,7 +217,11 @@ int main() {
            check<1, false>({64, 48}, {1, 1}, 4096, false, 2, 3) +
            check<4, false>({40, 9}, {4, 2}, 4000, false, 1, 3) +
            check<1, true>({48, 20, 33}, {1, 1, 1}, 4096, true, 3, 3) +
-           check<4, true>({32, 17}, {2, 4}, 3000, false, 2, 3);
+           check<4, true>({32, 17}, {2, 4}, 3000, false, 2, 3) +
+           check<1, false, 4>({40, 17}, {1, 1}, 3000, false, 2, 3, 64) +
+           check<4, false, 4>({33}, {3}, 4096, false, 2, 3, 16) +
+           check<1, true, 4>({48, 20}, {1, 1}, 2100, true, 2, 3, 256) +
+           check<4, true, 4>({32, 9}, {4, 2}, 4096, false, 1, 3, 128);
 }
 """
 
