@@ -109,34 +109,48 @@ class UsageCounts:
             return self._untracked
 
     def _drain(self) -> None:
-        """Count the journal's calls (call with the lock)."""
+        """Count the journal's calls (call with the lock). Tensor calls are counted one by
+        one; the group calls of one expert list are counted together, in one NumPy pass
+        over all their routes or rows: per call and expert the rows (routed: the (token,
+        slot) pairs routed there), then per expert the calls with rows and the rows."""
         journal = self._journal
+        groups: dict[tuple, tuple[int, list[bytes], list]] = {}  # experts -> its calls
         while journal:
             try:
                 kind, device, a, b = journal.popleft()
             except IndexError:  # another thread emptied it meanwhile
-                return
+                break
             if kind == _TENSOR:
                 for h in b:
                     if h:
                         self._add(h, device, a)
                 continue
-            if kind == _ROUTED:
-                n = [0] * len(a)
-                for e in np.frombuffer(b, np.int32).tolist():
-                    n[e] += 1
-            else:
-                n = b.tolist() if isinstance(b, np.ndarray) else b
-            p = self._pending.get(a)
+            g = groups.get(a)
+            if g is None:
+                g = groups[a] = (device, [], [])
+            (g[1] if kind == _ROUTED else g[2]).append(b)
+        for experts, (device, routed, rows) in groups.items():
+            k = len(experts)
+            per_call = []  # int64 [calls, k]: rows of each call on each expert
+            if routed:
+                lens = np.fromiter((len(r) >> 2 for r in routed), np.int64, len(routed))
+                idx = np.repeat(np.arange(len(routed), dtype=np.int64) * k, lens)
+                idx += np.frombuffer(b"".join(routed), np.int32)
+                per_call.append(np.bincount(idx, minlength=len(routed) * k).reshape(-1, k))
+            if rows:
+                per_call.append(np.asarray(rows, np.int64).reshape(-1, k))
+            m = per_call[0] if len(per_call) == 1 else np.concatenate(per_call)
+            calls = np.count_nonzero(m, axis=0).tolist()
+            totals = m.sum(axis=0).tolist()
+            p = self._pending.get(experts)
             if p is None:
                 if len(self._pending) >= PENDING:
                     self._fold_pending()
-                p = self._pending[a] = [device, [0] * len(n), [0] * len(n)]
-            calls, totals = p[1], p[2]
-            for c, r in enumerate(n):  # plain ints: a decode group has a handful of experts
-                if r:
-                    calls[c] += 1
-                    totals[c] += r
+                p = self._pending[experts] = [device, [0] * k, [0] * k]
+            pc, pt = p[1], p[2]
+            for c in range(k):
+                pc[c] += calls[c]
+                pt[c] += totals[c]
 
     def _fold(self) -> None:
         """Count the journal and spread the pending group totals over their handles (call

@@ -175,3 +175,32 @@ def test_counts_recorded_on_many_threads_while_read_lose_nothing() -> None:
             assert got[h] == (want_calls[e], want_rows[e]), (h, e)
     assert got[10] == (3 * (n_calls // 4), 3 * (n_calls // 4) * 2)
     assert c.untracked == 0 and len(c) == 10
+
+
+def test_group_counts_match_a_call_by_call_count() -> None:
+    """Expert groups and routed groups of several expert lists, mixed in one journal (rows of
+    0, routes of 1..9 tokens), against counting each call by itself: an expert gets a call
+    from each group call that gave it rows, and those rows."""
+    rng = np.random.default_rng()
+    c = UsageCounts()
+    lists = [tuple(tuple(int(h) for h in rng.integers(1, 1 << 62, 3)) for _ in range(k))
+             for k in (1, 3, 8)]  # fmt: skip
+    want: dict[int, list[int]] = {}
+    for _ in range(int(rng.integers(50, 300))):
+        experts = lists[int(rng.integers(len(lists)))]
+        k = len(experts)
+        if rng.random() < 0.5:
+            rows = rng.integers(0, 3, k)
+            c.experts(0, experts, rows if rng.random() < 0.5 else rows.tolist())
+        else:
+            routes = rng.integers(0, k, (int(rng.integers(1, 10)), 2)).astype(np.int32)
+            c.routed(0, experts, routes)
+            rows = np.bincount(routes.ravel(), minlength=k)
+        for triple, r in zip(experts, rows.tolist(), strict=True):
+            for h in triple:
+                w = want.setdefault(h, [0, 0])
+                w[0] += r > 0
+                w[1] += r
+    handles = [(h, 0) for h in want]
+    got = {h: (calls, rows) for h, _, calls, rows in c.of(handles)}
+    assert got == {h: (w[0], w[1]) for h, w in want.items()}
