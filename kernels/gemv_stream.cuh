@@ -9,11 +9,12 @@
 // between dependent mma chains; ncu puts them at 18-41% of DRAM bandwidth, latency-bound with
 // 11-23 warps per SM, and every 32-row tile re-stages its activations between two barriers.
 // Here one block per SM stays resident for all its tiles:
-// - warp 8 (the producer) walks the block's tiles and, for each 1024-byte piece of K
-//   (ST_PIECE), asks the bulk-copy engine for the piece of all 16 rows of the tile (16 copies
-//   of one row's piece each) into the next free stage of a ring of NS stages, each tracked by
-//   a full and an empty mbarrier (the full one counts the bytes landing). NS stages of 16 KB
-//   are in flight per SM whatever the math warps do, across tile and job boundaries;
+// - warp 8 (the producer) walks the block's tiles and, for each 1024-byte piece of K (512
+//   where x leaves less room), asks the bulk-copy engine for the piece of all 16 rows of the
+//   tile (16 copies of one row's piece each) into the next free stage of a ring of NS stages,
+//   each tracked by a full and an empty mbarrier (the full one counts the bytes landing). NS
+//   stages of 16 KB are in flight per SM whatever the math warps do, across tile and job
+//   boundaries;
 // - warps 0..7 (k slice ks) wait for a stage, take its steps ks and ks + 8 (64 bytes of each of
 //   the 16 rows per step, 8 quads: one mma.m16n8k16 each, as gemv_tc's tc_compute), release the
 //   stage, and at the tile's end meet in shared memory (fixed order);
@@ -33,9 +34,10 @@
 #define ST_ROWS 16
 #define ST_MATH 8                       // math warps (k slices)
 #define ST_THREADS ((ST_MATH + 1) * 32)  // + the producer warp
-#define ST_PIECE 1024                   // bytes of a row per stage: 16 steps of 64 bytes
-#define ST_RS (ST_PIECE + 64)           // a stage's row stride: rows gid, gid + 1 in other banks
-#define ST_STAGE (ST_ROWS * ST_RS)
+// A piece (the bytes of a row per stage) is 1024 bytes (16 steps of 64 bytes), or 512 where the
+// staged x leaves room for 3 stages only so (the host's choice: the kernel's pc argument); a
+// stage's rows are pc + 64 bytes apart, so rows gid and gid + 1 lie in other banks.
+#define ST_PIECE 1024
 #define ST_MAX_STAGES 8
 #define ST_BARS (16 * ST_MAX_STAGES)  // bytes of the mbarriers before the ring
 
@@ -129,25 +131,27 @@ __device__ __forceinline__ void st_stage_x(unsigned short *xb, int cstride,
 }
 
 // Grouped scales (FMT 4, gs a power of two in 16..256; the host checks): a stage also holds,
-// per weight row, the piece's 2048 / gs scales (ST_SCALES: 16-byte rows 4 floats longer, so the
-// 8 rows a warp reads at once lie in 8 banks), copied beside the row's weights; each mma's
+// per weight row, the piece's 2 * pc / gs scales (rows st_scale_stride floats apart: 4 more, so
+// the 8 rows a warp reads at once lie in 8 banks), copied beside the row's weights; each mma's
 // 16-k partial is multiplied by its group's scale (as gemv_tc's fmt 4).
-__host__ __device__ constexpr int st_scale_stride(int gs) { return 2048 / gs + 4; }
+__host__ __device__ constexpr int st_scale_stride(int pc, int gs) { return 2 * pc / gs + 4; }
 
 // grid (blocks), block ST_THREADS, dynamic shared ST_BARS + ns * stage + 4 * M * 8 * 16 * NCOL
-// + 2 * 3 * SB * (in_padded + 16) bytes, stage = M * (ST_STAGE + (FMT 4: 4 * 16 *
-// st_scale_stride(gs))) (M = 2 for DUAL, else 1; the host's _gemv_st): jobs as gemv_tc's
+// + 2 * 3 * SB * (in_padded + 16) bytes, stage = M * 16 * (pc + 64 + (FMT 4: 4 *
+// st_scale_stride(pc, gs))) (M = 2 for DUAL, else 1; the host's _gemv_st): jobs as gemv_tc's
 // (fmt 2 or 4), ntr = ceil(max_out / 16) row tiles and nz = ceil(max_rows / SB) activation
-// row groups per job, ns <= ST_MAX_STAGES ring stages, ngp scales per row (fmt 4). DUAL (an
+// row groups per job, ns <= ST_MAX_STAGES ring stages of pc-byte pieces (1024 or 512), ngp
+// scales per row (fmt 4). DUAL (an
 // expert's gate and up, w0 / s0 and w1 / s1 of each job, one weight spec): a stage holds the
 // piece of the tile's 16 gate rows and then its 16 up rows, and y = silu(gate x) * (up x).
 template <int FMT, int SB, bool DUAL>
 __global__ void __launch_bounds__(ST_THREADS, 1)
 gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_features,
-        int in_padded, int ld, int ngp, int gs, int gs_shift, int ns) {
+        int in_padded, int ld, int ngp, int gs, int gs_shift, int ns, int pc) {
     constexpr int NT = TcNT<SB>::value, NCOL = 8 * NT, M = DUAL ? 2 : 1;
-    const int sst = FMT == 4 ? st_scale_stride(gs) : 0;  // floats per scale row of a stage
-    const int stage = M * (ST_STAGE + 4 * ST_ROWS * sst);
+    const int rs = pc + 64;  // a stage's weight row stride
+    const int sst = FMT == 4 ? st_scale_stride(pc, gs) : 0;  // floats per scale row of a stage
+    const int wbytes = M * ST_ROWS * rs, stage = wbytes + M * 4 * ST_ROWS * sst;
     // Shared memory: the mbarriers (full [ns], empty [ns]; ST_BARS bytes), the ring (per
     // stage: M * 16 weight rows, then M * 16 scale rows), the k slices' partials
     // [8][M][16][NCOL], the staged activations.
@@ -172,7 +176,7 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
     const int total = n_jobs * ntr * nz;
     const int t0 = (int)((long long)total * blockIdx.x / gridDim.x);
     const int t1 = (int)((long long)total * (blockIdx.x + 1) / gridDim.x);
-    const int pieces = (ld + ST_PIECE - 1) / ST_PIECE;
+    const int pieces = (ld + pc - 1) / pc;
 
     if (warp == ST_MATH) {  // the producer: lane l copies stage row l (M * 16 rows)
         int it = 0;
@@ -187,15 +191,15 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
             for (int p = 0; p < pieces; ++p, ++it) {
                 const int slot = it % ns;
                 if (it >= ns) st_wait(empty + slot, ((it / ns) - 1) & 1);
-                const int kb = p * ST_PIECE, nb = min(ST_PIECE, ld - kb);
+                const int kb = p * pc, nb = min(pc, ld - kb);
                 const int ns4 = FMT == 4 ? (2 * nb) >> gs_shift : 0;  // the piece's scales
                 if (lane == 0) st_arrive_tx(full + slot, M * ST_ROWS * (nb + 4 * ns4));
                 __syncwarp();
                 if (lane < M * ST_ROWS) {
                     unsigned char *dst = ring + (size_t)slot * stage;
-                    st_copy(dst + lane * ST_RS, w + (size_t)row * ld + kb, nb, full + slot);
+                    st_copy(dst + lane * rs, w + (size_t)row * ld + kb, nb, full + slot);
                     if (FMT == 4)
-                        st_copy(dst + M * ST_STAGE + 4 * lane * sst,
+                        st_copy(dst + wbytes + 4 * lane * sst,
                                 sc + (size_t)row * ngp + ((2 * kb) >> gs_shift), 4 * ns4,
                                 full + slot);
                 }
@@ -238,9 +242,9 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
             const int slot = it % ns;
             st_wait(full + slot, (it / ns) & 1);
             const unsigned char *st = ring + (size_t)slot * stage + t * 16;
-            const float *ss = reinterpret_cast<const float *>(ring + (size_t)slot * stage +
-                                                              M * ST_STAGE) + gid * sst;
-            const int nsteps = min(ST_PIECE, ld - p * ST_PIECE) >> 6;
+            const float *ss =
+                reinterpret_cast<const float *>(ring + (size_t)slot * stage + wbytes) + gid * sst;
+            const int nsteps = min(pc, ld - p * pc) >> 6;
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int sl = ks + 8 * h;  // this warp's step of the stage
@@ -248,11 +252,11 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
                 uint4 wa[M], wb[M];
 #pragma unroll
                 for (int m = 0; m < M; ++m) {
-                    const unsigned char *r = st + (m * ST_ROWS + gid) * ST_RS + sl * 64;
+                    const unsigned char *r = st + (m * ST_ROWS + gid) * rs + sl * 64;
                     wa[m] = *reinterpret_cast<const uint4 *>(r);
-                    wb[m] = *reinterpret_cast<const uint4 *>(r + 8 * ST_RS);
+                    wb[m] = *reinterpret_cast<const uint4 *>(r + 8 * rs);
                 }
-                const int gst = p * (ST_PIECE >> 6) + sl;
+                const int gst = p * (pc >> 6) + sl;
 #pragma unroll
                 for (int q = 0; q < 8; ++q) {
                     uint2 bv[NT];

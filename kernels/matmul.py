@@ -94,7 +94,7 @@ MOE_TC_FAST = os.environ.get("COLIWORKER_MOE_TC_FAST", "1") != "0"
 # both paths, tests/kernels/test_gemv_stream_cpu.py runs its source on the CPU).
 STREAM = os.environ.get("COLIWORKER_GEMV_STREAM", "0") == "1"
 ST_ROWS = 16
-ST_STAGE = ST_ROWS * (1024 + 64)  # one stage: 16 rows of a 1024-byte piece (ST_RS apart)
+ST_PIECES = (1024, 512)  # bytes of a row per stage: the first that gives ST_STAGES[1] stages
 ST_BARS = 16 * 8  # the mbarriers before the ring (ST_MAX_STAGES = 8)
 ST_STAGES = (6, 3)  # stages wanted, fewest accepted
 
@@ -117,24 +117,30 @@ TC_VARIANTS = (
 )  # fmt: skip
 
 
-def _st_stage(spec: WeightSpec, dual: bool) -> int:
-    """Bytes of one gemv_st ring stage: 16 rows of a 1024-byte piece per matrix, and for fmt 4
-    their scales (st_scale_stride floats per row: the piece's 2048 / gs, plus 4)."""
-    scales = 4 * ST_ROWS * (2048 // spec.group_size + 4) if spec.fmt == 4 else 0
-    return (2 if dual else 1) * (ST_STAGE + scales)
+def _st_stage(spec: WeightSpec, dual: bool, pc: int) -> int:
+    """Bytes of one gemv_st ring stage of pc-byte pieces: 16 rows of a piece per matrix (pc +
+    64 bytes apart), and for fmt 4 their scales (st_scale_stride floats per row: the piece's
+    2 * pc / gs, plus 4)."""
+    scales = 4 * ST_ROWS * (2 * pc // spec.group_size + 4) if spec.fmt == 4 else 0
+    return (2 if dual else 1) * (ST_ROWS * (pc + 64) + scales)
 
 
-def _st_geometry(spec: WeightSpec, max_rows: int, dual: bool) -> tuple[int, int, int] | None:
-    """(SB, ring stages, dynamic shared bytes) of gemv_st, or None where the staged x of all
-    of K and ST_STAGES[1] stages do not fit in one block's shared memory (dual: stages and
-    partials of two matrices)."""
+def _st_geometry(spec: WeightSpec, max_rows: int, dual: bool) -> tuple[int, int, int, int] | None:
+    """(SB, ring stages, piece bytes, dynamic shared bytes) of gemv_st, or None where the
+    staged x of all of K and ST_STAGES[1] stages do not fit in one block's shared memory
+    (dual: stages and partials of two matrices). Pieces of 1024 bytes, or of 512 where
+    1024-byte stages would not give ST_STAGES[1] of them (4 activation rows: x takes 12 bf16
+    columns of K)."""
     sb, m = tc_sb(max_rows), 2 if dual else 1
     nt = (3 * sb + 7) // 8
     in_padded = spec.layout.in_padded
     rest = ST_BARS + 4 * m * WARPS * ST_ROWS * 8 * nt + 2 * 3 * sb * (in_padded + 16)
-    stage = _st_stage(spec, dual)
-    ns = min(ST_STAGES[0], (227 * 1024 - rest) // stage)
-    return None if ns < ST_STAGES[1] else (sb, ns, rest + ns * stage)
+    for pc in ST_PIECES:
+        stage = _st_stage(spec, dual, pc)
+        ns = min(ST_STAGES[0], (227 * 1024 - rest) // stage)
+        if ns >= ST_STAGES[1]:
+            return sb, ns, pc, rest + ns * stage
+    return None
 
 
 def stream_eligible(spec: WeightSpec, max_rows: int, dual: bool = False) -> bool:
@@ -156,14 +162,14 @@ def _gemv_st(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: i
     lay = spec.layout
     geo = _st_geometry(spec, max_rows, dual)
     assert geo is not None
-    sb, ns, smem = geo
+    sb, ns, pc, smem = geo
     ntr, nz = -(-max_out // ST_ROWS), -(-max_rows // sb)
     name = f"gemv_st<{spec.fmt}, {sb}, {'true' if dual else 'false'}>"
     fn = get_function("gemv_tc.cu", name, TC_VARIANTS, smem)
     gs, shift = gs_args(spec.fmt, spec.group_size)
     tail = (np.int32(n_jobs), np.int32(ntr), np.int32(nz), np.int32(spec.in_features),
             np.int32(lay.in_padded), np.int32(lay.ld), np.int32(max(lay.ngp, 1)), gs, shift,
-            np.int32(ns))  # fmt: skip
+            np.int32(ns), np.int32(pc))  # fmt: skip
     return Launch(fn, (min(n_sm, n_jobs * ntr * nz),), ((WARPS + 1) * 32,), tail, smem)
 
 

@@ -1,6 +1,11 @@
-"""Fixtures of the kernel tests: the CuPy backend, and the kernel paths switched off."""
+"""Fixtures of the kernel tests: the CuPy backend, the kernel paths switched off, and the
+kernels' pure host functions on a machine without CuPy."""
 
 from __future__ import annotations
+
+import importlib
+import sys
+import types
 
 import pytest
 
@@ -21,3 +26,19 @@ def no_tensor_cores():
     matmul.TENSOR_CORES = False
     yield
     matmul.TENSOR_CORES = True
+
+
+@pytest.fixture
+def host_module(monkeypatch):
+    """``load(name)``: ``coliworker.kernels.<name>`` for its pure host functions, importable
+    where CuPy is absent (a stand-in module for the import; the kernel modules imported
+    through it are dropped afterwards)."""
+    before = set(sys.modules)
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
+    yield lambda name: importlib.import_module(f"coliworker.kernels.{name}")
+    for name in set(sys.modules) - before:
+        if name.startswith("coliworker.kernels"):
+            del sys.modules[name]

@@ -300,23 +300,9 @@ def test_flash_clusters_on_cpu(tmp_path):
 
 
 @pytest.fixture
-def attention_host(monkeypatch):
-    """kernels/attention.py's pure host functions where CuPy is absent (a stand-in module
-    for the import; the modules imported through it are dropped afterwards)."""
-    import sys
-    import types
-
-    before = set(sys.modules)
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        monkeypatch.setitem(sys.modules, "cupy", types.ModuleType("cupy"))
-    from coliworker.kernels import attention
-
-    yield attention
-    for name in set(sys.modules) - before:
-        if name.startswith("coliworker.kernels"):
-            del sys.modules[name]
+def attention_host(host_module):
+    """kernels/attention.py's pure host functions where CuPy is absent."""
+    return host_module("attention")
 
 
 def test_cluster_choice_keeps_one_wave(attention_host, rng):

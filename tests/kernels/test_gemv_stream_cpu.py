@@ -139,7 +139,7 @@ inline int code(const unsigned char *row, int e) {
 // FMT 4: grouped scales of gs (a power of two), ngp = in_padded / gs per row.
 template <int SB, bool DUAL, int FMT = 2>
 int check(std::vector<int> outs, std::vector<int> rows, int K, bool same_x, int grid, int ns,
-          int gs = 0) {
+          int gs = 0, int pc = 1024) {
     constexpr int M = DUAL ? 2 : 1;
     std::mt19937 rng(K * 13 + grid + ns + M + gs);
     std::normal_distribution<float> nd;
@@ -171,7 +171,7 @@ int check(std::vector<int> outs, std::vector<int> rows, int K, bool same_x, int 
     g_tick = land;
     launch({grid, 1, 1}, 1, ST_THREADS, [&] {
         gemv_st<FMT, SB, DUAL>(jobs.data(), nj, ntr, nz, K, inp, ld, ngp, FMT == 4 ? gs : 4,
-                               shift, ns); }, ST_MATH * 32);
+                               shift, ns, pc); }, ST_MATH * 32);
     g_tick = nullptr;
     if (!g_copies.empty()) { std::printf("copies never landed\n"); return 1; }
     double md = 0, mx = 0;
@@ -196,9 +196,9 @@ int check(std::vector<int> outs, std::vector<int> rows, int K, bool same_x, int 
                 md = std::max(md, std::fabs(got - ref)); mx = std::max(mx, std::fabs(ref));
             }
     }
-    std::printf("fmt %d gs %d SB %d DUAL %d K %d jobs %d grid %d ns %d: rel err %.2g, "
-                "unwritten %ld, touched %ld\n", FMT, gs, SB, (int)DUAL, K, nj, grid, ns,
-                md / mx, unwritten, touched);
+    std::printf("fmt %d gs %d SB %d DUAL %d K %d jobs %d grid %d ns %d piece %d: rel err "
+                "%.2g, unwritten %ld, touched %ld\n", FMT, gs, SB, (int)DUAL, K, nj, grid, ns,
+                pc, md / mx, unwritten, touched);
     return unwritten > 0 || touched > 0 || !(md <= 1e-5 * mx);
 }
 
@@ -208,7 +208,7 @@ int main() {
     // have tiles, and rings of 3 stages refilled with whole 1024-byte pieces while other
     // stages are read (a stage released before its last step is read gives wrong sums); DUAL
     // (gate and up) likewise, one shared x as a routed token's experts have; fmt 4 with group
-    // sizes 16 to 256 (a 512-byte last piece: 1024 / gs scales per row)
+    // sizes 16 to 256 (a 512-byte last piece: 1024 / gs scales per row); 512-byte pieces
     return check<1, false>({40, 17}, {1, 1}, 3000, false, 2, 3) +
            check<1, false>({33, 16, 5}, {1, 1, 1}, 700, true, 3, 4) +
            check<4, false>({20, 48}, {3, 4}, 2100, false, 3, 3) +
@@ -221,7 +221,10 @@ int main() {
            check<1, false, 4>({40, 17}, {1, 1}, 3000, false, 2, 3, 64) +
            check<4, false, 4>({33}, {3}, 4096, false, 2, 3, 16) +
            check<1, true, 4>({48, 20}, {1, 1}, 2100, true, 2, 3, 256) +
-           check<4, true, 4>({32, 9}, {4, 2}, 4096, false, 1, 3, 128);
+           check<4, true, 4>({32, 9}, {4, 2}, 4096, false, 1, 3, 128) +
+           check<4, true>({40, 17}, {4, 3}, 3000, true, 2, 3, 0, 512) +
+           check<4, true, 4>({32}, {4}, 4096, false, 1, 3, 256, 512) +
+           check<1, false, 4>({20}, {1}, 2100, false, 1, 4, 64, 512);
 }
 """
 
@@ -230,3 +233,40 @@ int main() {
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
 def test_gemv_st_on_cpu(tmp_path):
     build_and_run(tmp_path, _SHIM, without_ptx(sources.source("gemv_tc.cu"), _ASM), 600)
+
+
+@pytest.fixture
+def matmul_host(host_module, monkeypatch):
+    """kernels/matmul.py's pure host functions where CuPy is absent, STREAM on."""
+    mm = host_module("matmul")
+    monkeypatch.setattr(mm, "STREAM", True)
+    return mm
+
+
+@pytest.mark.parametrize(
+    "fmt,gs,k,rows,dual,want",
+    [
+        (2, 0, 16384, 1, False, (1, 6, 1024)),  # o_proj: x of 16384 beside 6 stages
+        (2, 0, 6144, 1, True, (1, 5, 1024)),  # a decode token's gate and up
+        (2, 0, 6144, 4, True, (4, 3, 512)),  # 4 rows: x takes 12 columns, 512-byte pieces
+        (4, 64, 6144, 4, True, (4, 3, 512)),
+        (4, 128, 2048, 1, False, (1, 6, 1024)),  # a down projection
+        (4, 48, 6144, 1, False, None),  # group size not a power of two
+        (4, 512, 6144, 1, False, None),  # a piece's scales under 16 bytes
+        (2, 0, 16384, 4, False, None),  # x of 4 rows x 16384 does not fit
+        (1, 0, 6144, 1, False, None),  # int8: not on this path
+        (2, 0, 6144, 5, False, None),  # more rows than decode
+    ],
+)
+def test_stream_geometry(matmul_host, fmt, gs, k, rows, dual, want):
+    """Where gemv_st serves a shape, and its SB, ring stages and piece size: the shared memory
+    fits one block (227 KiB) with at least ST_STAGES[1] stages."""
+    mm = matmul_host
+    spec = mm.WeightSpec.of(fmt, k, gs)
+    assert mm.stream_eligible(spec, rows, dual) == (want is not None)
+    if want is None:
+        return
+    sb, ns, pc, smem = mm._st_geometry(spec, rows, dual)
+    assert (sb, ns, pc) == want
+    assert smem <= 227 * 1024 and ns >= mm.ST_STAGES[1]
+    assert smem >= ns * mm._st_stage(spec, dual, pc) + 2 * 3 * sb * spec.layout.in_padded
