@@ -193,14 +193,9 @@ void test_multi(void) {
     stats(2, &n2, &b2);
     CHECK(n2 == 1 && b2 == a.wb + a.ns * 4, "device 2 is the second worker's: %zu/%zu", n2, b2);
     float x[60], y[10];
-    double xd[60], ref[10];
-    for (int i = 0; i < 60; i++) xd[i] = x[i] = normal();
-    CHECK(coli_cuda_matmul(&a.t, y, x, NULL, NULL, 4, 2, 30, 5, 2), "matmul on worker 2");
-    ref_matmul(&a, xd, ref, 2);
-    CLOSE("matmul on the second worker", y, ref, 10);
-    CHECK(coli_cuda_matmul(&b.t, y, x, NULL, NULL, 1, 2, 30, 5, 0), "matmul on worker 1");
-    ref_matmul(&b, xd, ref, 2);
-    CLOSE("matmul on the first worker", y, ref, 10);
+    for (int i = 0; i < 60; i++) x[i] = normal();
+    check_matmul(&a, x, 2, 2, "matmul on the second worker");
+    check_matmul(&b, x, 2, 0, "matmul on the first worker");
     CHECK(!coli_cuda_expert_mlp(a.t, b.t, a.t, y, x, 1), "tensors of two workers must fail");
     drop(&a);
     drop(&b);
@@ -216,17 +211,12 @@ void test_idle(void) {
     CHECK(coli_cuda_init(devs, 1), "init");
     Host a = make(2, 30, 5, 0);
     CHECK(upload(&a, 0), "upload");
-    float x[60], y[10];
-    double xd[60], ref[10];
-    for (int i = 0; i < 60; i++) xd[i] = x[i] = normal();
-    CHECK(coli_cuda_matmul(&a.t, y, x, NULL, NULL, 2, 2, 30, 5, 0), "matmul before the pause");
-    ref_matmul(&a, xd, ref, 2);
-    CLOSE("matmul before the pause", y, ref, 10);
+    float x[60];
+    for (int i = 0; i < 60; i++) x[i] = normal();
+    check_matmul(&a, x, 2, 0, "matmul before the pause");
     struct timespec t = {2, 500000000L};
     while (nanosleep(&t, &t) && errno == EINTR) {}
-    CHECK(coli_cuda_matmul(&a.t, y, x, NULL, NULL, 2, 2, 30, 5, 0),
-          "matmul after the worker closed the idle connections");
-    CLOSE("matmul after the pause", y, ref, 10);
+    check_matmul(&a, x, 2, 0, "matmul after the worker closed the idle connections");
     drop(&a);
     coli_cuda_shutdown();
 }

@@ -126,6 +126,19 @@ void ref_mlp(const Host *g, const Host *u, const Host *d, const float *x, double
     free(xd); free(a); free(b);
 }
 
+int check_matmul(Host *h, const float *x, int S, int dev, const char *what) {
+    float *y = malloc((size_t)S * h->O * sizeof *y + 4);
+    double *xd = to_double(x, (size_t)S * h->I), *ref = malloc((size_t)S * h->O * 8 + 8);
+    ref_matmul(h, xd, ref, S);
+    const int f0 = failures;
+    CHECK(coli_cuda_matmul(&h->t, y, x, NULL, NULL, h->fmt, S, h->I, h->O, dev), "%s", what);
+    CLOSE(what, y, ref, (size_t)S * h->O);
+    free(y);
+    free(xd);
+    free(ref);
+    return failures == f0;
+}
+
 double rel_err(const float *y, const double *ref, size_t n) {
     double num = 0, den = 1e-30;
     for (size_t i = 0; i < n; i++) {

@@ -60,6 +60,10 @@ double rel_err(const float *y, const double *ref, size_t n);
         double e_ = rel_err((y), (ref), (n));                                       \
         CHECK(e_ < TOL, "%s: relative error %.3g (tolerance %.1g)", what, e_, TOL); \
     } while (0)
+/* coli_cuda_matmul of resident h (no weights at hand; the call may refresh h->t) over x
+ * [S, I] on device dev: CHECKs that it succeeds and CLOSEs its result to the reference; 1 if
+ * both held. */
+int check_matmul(Host *h, const float *x, int S, int dev, const char *what);
 
 /* MLA absorbed attention: query row s of heads [nh, Q+R] sees rows [0, n[s]) of its cache. */
 void ref_attention(const Host *kvb, const Host *proj, const float *q, const float *const *lat,
