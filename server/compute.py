@@ -31,6 +31,21 @@ from coliworker.wire.codec import INLINE, ArrayIO
 #: Validated expert lists kept per servicer (cleared when full).
 _EXPERT_CACHE = 4096
 
+#: The o_proj field of each op that takes one (a literal, not an f-string per call).
+_O_PROJ_FIELD = {"attention": "attention.o_proj", "attention_ragged": "attention_ragged.o_proj"}
+
+
+def _sequence_fields(i: int) -> tuple[str, str, str]:
+    """The names of ``attention_ragged.sequences[i]`` and of its latent and rope fields."""
+    f = f"attention_ragged.sequences[{i}]"
+    return f, f"{f}.latent", f"{f}.rope"
+
+
+#: ``_sequence_fields`` of the first sequences, built once: the codec takes the field names
+#: on every call (it names them only on an error).
+_PREBUILT = 64
+_SEQUENCE_FIELDS = tuple(_sequence_fields(i) for i in range(_PREBUILT))
+
 
 def _bounds(a: np.ndarray) -> tuple[int, int]:
     """(min, max) of a small integer array (one pass for decode sizes)."""
@@ -298,73 +313,91 @@ class ComputeOps:
     def _o_proj(self, handle: int, kv_b: Handle, heads: int, v_dim: int, op: str, owner: str):
         if handle == 0:
             return None
-        proj = self.store.get(handle, f"{op}.o_proj", owner)
-        validate.same_device([(f"{op}.kv_b", kv_b), (f"{op}.o_proj", proj)], op)
-        validate.o_proj(proj, heads, v_dim, op)
+        proj = self.store.get(handle, _O_PROJ_FIELD[op], owner)
+        spec = proj.data.spec
+        # validate.same_device's and validate.o_proj's checks, made here: those calls (which
+        # build field names and lists) only to raise their errors.
+        if spec.device != kv_b.data.spec.device:
+            validate.same_device([(f"{op}.kv_b", kv_b), (f"{op}.o_proj", proj)], op)
+        if spec.in_features != heads * v_dim:
+            validate.o_proj(proj, heads, v_dim, op)
         return proj.data.resident
 
     @held
     def attention_ragged(
         self, request: pb.AttentionRaggedRequest, owner: str, io: ArrayIO = INLINE
     ) -> pb.AttentionRaggedResponse:
+        # The per-call host path of every decode step: fields are read once, field names
+        # come prebuilt (_SEQUENCE_FIELDS) or are built on the error path only, and a check
+        # whose message validate builds is made here and calls validate only when it fails.
         op = "attention_ragged"
-        kv_b = self._tensor(request.kv_b, f"{op}.kv_b", owner)
-        q = validate.array(request.q, f"{op}.q", 3, io)
-        heads, k = validate.attention_dims(
-            kv_b, q, request.q_dim, request.rope_dim, request.v_dim, request.scale, op
-        )
-        n = len(request.sequences)
-        if n != q.shape[0]:
-            raise InvalidArgument(f"{op}.sequences: expected {q.shape[0]} (one per q row), got {n}")
-        if n > self.config.max_sequences_per_call:
-            raise ResourceExhausted(
-                f"{op}.sequences: expected at most {self.config.max_sequences_per_call}, got {n}"
-            )
+        kv_b = self._tensor(request.kv_b, "attention_ragged.kv_b", owner)
+        q_msg = request.q
+        q = validate.array(q_msg, "attention_ragged.q", 3, io)
+        q_dim, rope_dim, v_dim = request.q_dim, request.rope_dim, request.v_dim
+        scale = request.scale
+        heads, k = validate.attention_dims(kv_b, q, q_dim, rope_dim, v_dim, scale, op)
+        sequences = request.sequences
+        n, q_rows = len(sequences), q.shape[0]
+        if n != q_rows:
+            raise InvalidArgument(f"{op}.sequences: expected {q_rows} (one per q row), got {n}")
+        limit = self.config.max_sequences_per_call
+        if n > limit:
+            raise ResourceExhausted(f"{op}.sequences: expected at most {limit}, got {n}")
         rows: list[RowsIn] = []
+        new_rows: list[tuple[np.ndarray, np.ndarray]] = []  # (latent, rope) per sequence
         seen: dict[int, int] = {}
-        for i, s in enumerate(request.sequences):
-            f = f"{op}.sequences[{i}]"
-            if s.sequence_id in seen:
+        for i, s in enumerate(sequences):
+            f, f_latent, f_rope = _SEQUENCE_FIELDS[i] if i < _PREBUILT else _sequence_fields(i)
+            sid, start = s.sequence_id, s.start
+            if sid in seen:
                 raise InvalidArgument(
-                    f"{f}.sequence_id: {s.sequence_id} already appears in "
-                    f"sequences[{seen[s.sequence_id]}]"
+                    f"{f}.sequence_id: {sid} already appears in sequences[{seen[sid]}]"
                 )
-            seen[s.sequence_id] = i
-            if s.start < 0:
-                raise InvalidArgument(f"{f}.start: expected >= 0, got {s.start}")
+            seen[sid] = i
+            if start < 0:
+                raise InvalidArgument(f"{f}.start: expected >= 0, got {start}")
             try:
-                lat = io.decode_rows(s.latent, f"{f}.latent", k)
-                rop = io.decode_rows(s.rope, f"{f}.rope", request.rope_dim)
+                lat = io.decode_rows(s.latent, f_latent, k)
+                rop = io.decode_rows(s.rope, f_rope, rope_dim)
             except codec.CodecError as exc:
                 raise InvalidArgument(str(exc)) from None
-            validate.columns(lat, k, f"{f}.latent", "kv_b in_features")
-            validate.columns(rop, request.rope_dim, f"{f}.rope", "rope_dim")
+            if lat.shape[-1] != k:
+                validate.columns(lat, k, f_latent, "kv_b in_features")
+            if rop.shape[-1] != rope_dim:
+                validate.columns(rop, rope_dim, f_rope, "rope_dim")
             if len(rop) != len(lat):
                 raise InvalidArgument(
                     f"{f}.rope: expected {len(lat)} rows (latent rows), got {len(rop)}"
                 )
-            rows.append(RowsIn(s.sequence_id, s.start, lat, rop))
-        proj = self._o_proj(request.o_proj, kv_b, heads, request.v_dim, op, owner)
-        self._begin_compute(op)
-        with self.sequences.ordered(kv_b):  # calls on one (owner, kv_b) in turn
+            rows.append(RowsIn(sid, start, lat, rop))
+            new_rows.append((lat, rop))
+        o_proj = request.o_proj
+        proj = self._o_proj(o_proj, kv_b, heads, v_dim, op, owner)
+        if self.config.fail_after is not None:  # (the call only where it can inject a fault)
+            self._begin_compute(op)
+        seqs = self.sequences
+        with seqs.ordered(kv_b):  # calls on one (owner, kv_b) in turn
             t0 = time.perf_counter_ns()  # the KV growth is backend work too
-            caches = self.sequences.prepare(kv_b, rows, k, request.rope_dim)
+            caches = seqs.prepare(kv_b, rows, k, rope_dim)
             r = self.backend.attention_ragged(
                 kv_b.data.resident,
                 proj,
                 q,
                 caches,
-                request.q_dim,
-                request.rope_dim,
-                request.v_dim,
-                request.scale,
-                rows=[(s.latent, s.rope) for s in rows],
+                q_dim,
+                rope_dim,
+                v_dim,
+                scale,
+                rows=new_rows,
             )
-            r.wall_ns = time.perf_counter_ns() - t0
-            lengths = [c.length for c in caches]
-        self.tensor_counts.tensor(kv_b.spec.device, q.shape[0], kv_b.id, request.o_proj)
+            r.wall_ns = wall_ns = time.perf_counter_ns() - t0
+            lengths = []  # (a loop: a comprehension is one function call more)
+            for c in caches:
+                lengths.append(c.length)
+        self.tensor_counts.tensor(kv_b.data.spec.device, q_rows, kv_b.id, o_proj)
         return pb.AttentionRaggedResponse(
-            out=self._out(r, request.output_dtype, request.q.dtype, io),
+            out=io.encode(r.out, output_dtype(request.output_dtype, q_msg.dtype)),
             lengths=lengths,
-            backend_ns=r.backend_ns,
+            backend_ns=wall_ns or r.backend_ns,  # r.backend_ns without its property call
         )

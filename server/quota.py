@@ -86,9 +86,11 @@ class Quota:
 
     def check(self, owner: str, nbytes: int, what: str) -> None:
         """Raise if ``owner`` cannot take ``nbytes`` more (charges nothing)."""
+        if not self.limit:  # unlimited (``limit`` is fixed at construction): no lock needed
+            return
         with self._lock:
-            self._add(owner, nbytes, what)
-            self._sub(owner, nbytes)
+            if self._used.get(owner, 0) + nbytes > self.limit:
+                self._add(owner, nbytes, what)  # raises, naming the numbers
 
     def charge(self, owner: str, nbytes: int) -> bool:
         """Account bytes already allocated; False when the owner is now over its quota."""

@@ -40,34 +40,6 @@ from coliworker.server.store import Budget, Handle
 Key = tuple[str, int, int]  # (owner, kv_b handle id, sequence id)
 
 
-class _Ordered:
-    """``SequenceStore.ordered``'s context: a plain class, the hot path of every ragged call
-    (a generator-based context manager costs about twice as much)."""
-
-    __slots__ = ("_store", "_key", "_turn")
-
-    def __init__(self, store: SequenceStore, key: tuple[str, int]) -> None:
-        self._store, self._key = store, key
-
-    def __enter__(self) -> None:
-        store = self._store
-        with store.lock:
-            turn = store._turns.get(self._key)
-            if turn is None:
-                turn = store._turns[self._key] = _Turn()
-            turn.users += 1
-        self._turn = turn
-        turn.lock.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        turn, store = self._turn, self._store
-        turn.lock.release()
-        with store.lock:
-            turn.users -= 1
-            if not turn.users:
-                del store._turns[self._key]
-
-
 @dataclass(frozen=True)
 class _KvB:
     """What ``ordered`` needs of a kv_b handle (owner and id), for a freed sequence."""
@@ -83,24 +55,62 @@ class Sequence_:
     k: int
     r: int
     last_used: float = field(default_factory=time.monotonic)
+    # The cache's exact ``growth`` (None where the backend's caches have none), looked up
+    # once rather than on every call.
+    growth: Callable[[int], int] | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.growth = getattr(self.cache, "growth", None)
 
 
 class _Turn:
-    __slots__ = ("lock", "users")
+    """The turn of one (owner, kv_b), and ``ordered``'s context for the calls in it.
 
-    def __init__(self) -> None:
+    ``ordered`` counts a call in (``users``: the calls holding or waiting for the turn), the
+    body of its ``with`` holds ``lock``, and the turn goes once no call is left in it. It keeps
+    nothing of one call, so the calls of one (owner, kv_b) share it. A plain class on the hot
+    path of every ragged call (a generator-based context manager costs about twice as much).
+    Here, in ``ordered`` and in ``prepare`` the store's lock is taken with acquire / release
+    in ``try``: the same as a ``with`` block in about half the instructions.
+    """
+
+    __slots__ = ("lock", "users", "store", "key")
+
+    def __init__(self, store: SequenceStore) -> None:
         self.lock = threading.Lock()
-        self.users = 0  # calls holding or waiting for the turn
+        self.users = 0
+        self.store = store
+        self.key: tuple[str, int] = ("", 0)  # set by ``ordered``
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        self.lock.release()
+        store = self.store
+        store.lock.acquire()
+        try:
+            self.users -= 1
+            if not self.users:
+                del store._turns[self.key]
+                # No call holds or waits for it and none can find it now: the next new turn
+                # reuses it rather than making a _Turn and its lock per call.
+                store._spare_turn = self
+        finally:
+            store.lock.release()
 
 
-@dataclass(frozen=True)
 class RowsIn:
-    """One sequence's part of a ragged call, decoded and shape-checked."""
+    """One sequence's part of a ragged call, decoded and shape-checked (a plain class with
+    slots: made for every sequence of every call, it costs a third of a frozen dataclass)."""
 
-    sequence_id: int
-    start: int
-    latent: np.ndarray  # float32 [n, K]
-    rope: np.ndarray  # float32 [n, R]
+    __slots__ = ("sequence_id", "start", "latent", "rope")
+
+    def __init__(self, sequence_id: int, start: int, latent: np.ndarray, rope: np.ndarray) -> None:
+        self.sequence_id = sequence_id
+        self.start = start
+        self.latent = latent  # float32 [n, K]
+        self.rope = rope  # float32 [n, R]
 
 
 class SequenceStore:
@@ -123,13 +133,31 @@ class SequenceStore:
         self._seqs: dict[Key, Sequence_] = {}
         self._evicted: collections.OrderedDict[Key, None] = collections.OrderedDict()
         self._turns: dict[tuple[str, int], _Turn] = {}
+        self._spare_turn: _Turn | None = None  # one freed turn, unlocked, for the next
 
-    def ordered(self, kv_b: Handle | _KvB) -> _Ordered:
+    def ordered(self, kv_b: Handle | _KvB) -> _Turn:
         """The turn of (owner, kv_b) for the body of a ``with``: ragged calls on one kv_b of
         one owner run one at a time (each rolls back or appends its caches), others side by
         side. Hold it around ``prepare`` and the attention that reads the caches, and around
-        ``drop_handle`` (a kv_b freed while a call on it runs waits for it)."""
-        return _Ordered(self, (kv_b.owner, kv_b.id))
+        ``drop_handle`` (a kv_b freed while a call on it runs waits for it). Call it only as
+        the ``with``'s expression: it counts the call in the turn, the ``with`` ends it."""
+        key = (kv_b.owner, kv_b.id)
+        lock = self.lock
+        lock.acquire()
+        try:
+            turn = self._turns.get(key)
+            if turn is None:
+                turn = self._spare_turn
+                if turn is None:
+                    turn = _Turn(self)
+                else:
+                    self._spare_turn = None
+                turn.key = key
+                self._turns[key] = turn
+            turn.users += 1
+        finally:
+            lock.release()
+        return turn
 
     def prepare(self, kv_b: Handle, rows: Sequence[RowsIn], k: int, r: int) -> list[KVCache]:
         """Roll back each sequence to its ``start`` and make room for its rows; returns the
@@ -140,60 +168,113 @@ class SequenceStore:
         Everything is checked and admitted before any cache changes: a refusal leaves every
         sequence, and the owner's and device's accounting, as they were.
         """
+        lock = self.lock
+        lock.acquire()
+        try:
+            caches = self._resident(kv_b, rows, k, r)
+            return caches if caches is not None else self._prepare(kv_b, rows, k, r)
+        finally:
+            lock.release()
+
+    def _resident(
+        self, kv_b: Handle, rows: Sequence[RowsIn], k: int, r: int
+    ) -> list[KVCache] | None:
+        """``prepare``'s common case, a decode step: every sequence is resident with this
+        call's K and R, ``start`` is within its rows, ``start`` + rows within --max-kv-rows,
+        and its cache has room for them already (the backend's exact ``growth`` is 0). Then
+        ``_prepare`` would create, grow and evict nothing, and of its checks only the owner's
+        quota and the device's budget for 0 more bytes can refuse (either may be over its
+        limit after a charge that went past it). Decides as ``_prepare`` does, with less
+        work; returns None, having changed nothing, where any of that does not hold (or
+        the device is over its budget: ``_admit`` evicts or refuses), for ``_prepare`` to
+        decide. Call with the lock."""
+        owner, kv_id, max_rows, seqs = kv_b.owner, kv_b.id, self.max_rows, self._seqs
+        caches: list[KVCache] = []
+        # (sequence, start) in call order: zip(strict=True) over rows would cost ~3k
+        # instructions (a call with a keyword)
+        hit: list[tuple[Sequence_, int]] = []
+        for s in rows:
+            seq = seqs.get((owner, kv_id, s.sequence_id))
+            if seq is None or seq.k != k or seq.r != r:
+                return None
+            cache, start = seq.cache, s.start
+            total = start + len(s.latent)
+            if start > cache.length or total < 1 or total > max_rows:
+                return None
+            grow = seq.growth
+            if grow is None or grow(total):
+                return None
+            caches.append(cache)
+            hit.append((seq, start))
+        # (Neither is called when unlimited, where it could not refuse.)
+        if self.quota.limit:
+            self.quota.check(owner, 0, "attention_ragged")  # the refusal _admit's gives
+        if self.budget.limit and not self.budget.fits(kv_b.data.spec.device, 0):
+            return None
+        now = time.monotonic()
+        for seq, start in hit:
+            seq.last_used = now
+            cache = seq.cache
+            if start < cache.length:
+                cache.truncate(start)
+        return caches
+
+    def _prepare(self, kv_b: Handle, rows: Sequence[RowsIn], k: int, r: int) -> list[KVCache]:
+        """``prepare`` in general: new sequences, growth, eviction, and every refusal with
+        its message. Call with the lock."""
         owner, device = kv_b.owner, kv_b.spec.device
         keys = [(owner, kv_b.id, s.sequence_id) for s in rows]
-        with self.lock:
-            plan: list[tuple[Key, RowsIn, Sequence_ | None, int]] = []
-            for i, (key, s) in enumerate(zip(keys, rows, strict=True)):
-                seq = self._seqs.get(key)
-                if seq is not None and (seq.k, seq.r) != (k, r):
-                    raise InvalidArgument(
-                        f"attention_ragged.sequences[{i}]: sequence {s.sequence_id} holds "
-                        f"K={seq.k}, R={seq.r} rows, this call sends K={k}, R={r}"
-                    )
-                resident = seq.cache.length if seq is not None else 0
-                if s.start > resident:
-                    why = (
-                        " (it was evicted under memory pressure; resend its rows from start 0)"
-                        if seq is None and key in self._evicted
-                        else ""
-                    )
-                    raise FailedPrecondition(
-                        f"attention_ragged.sequences[{i}].start: expected <= {resident} "
-                        f"(resident rows of sequence {s.sequence_id}), got {s.start}{why}"
-                    )
-                total = s.start + len(s.latent)
-                if total < 1:
-                    raise InvalidArgument(
-                        f"attention_ragged.sequences[{i}]: sequence {s.sequence_id} would "
-                        f"attend 0 rows (start 0 and no rows sent)"
-                    )
-                if total > self.max_rows:
-                    raise ResourceExhausted(
-                        f"attention_ragged.sequences[{i}]: sequence {s.sequence_id} would hold "
-                        f"{total} rows, limit {self.max_rows} (--max-kv-rows)"
-                    )
-                plan.append((key, s, seq, total))
-            fresh = [
-                self.backend.new_kv(device, k, r) if seq is None else None for _, _, seq, _ in plan
-            ]
-            try:
-                caches = self._admit(kv_b, plan, fresh, k, r)
-            except BaseException:
-                for c in fresh:
-                    if c is not None:
-                        self._drop_fresh(owner, device, c)
-                raise
-            now = time.monotonic()
-            for (key, s, seq, _), cache in zip(plan, caches, strict=True):
-                if seq is None:
-                    seq = Sequence_(cache, device, k, r)
-                    self._seqs[key] = seq
-                    self._evicted.pop(key, None)
-                seq.last_used = now
-                if s.start < cache.length:
-                    cache.truncate(s.start)
-            return caches
+        plan: list[tuple[Key, RowsIn, Sequence_ | None, int]] = []
+        for i, (key, s) in enumerate(zip(keys, rows, strict=True)):
+            seq = self._seqs.get(key)
+            if seq is not None and (seq.k, seq.r) != (k, r):
+                raise InvalidArgument(
+                    f"attention_ragged.sequences[{i}]: sequence {s.sequence_id} holds "
+                    f"K={seq.k}, R={seq.r} rows, this call sends K={k}, R={r}"
+                )
+            resident = seq.cache.length if seq is not None else 0
+            if s.start > resident:
+                why = (
+                    " (it was evicted under memory pressure; resend its rows from start 0)"
+                    if seq is None and key in self._evicted
+                    else ""
+                )
+                raise FailedPrecondition(
+                    f"attention_ragged.sequences[{i}].start: expected <= {resident} "
+                    f"(resident rows of sequence {s.sequence_id}), got {s.start}{why}"
+                )
+            total = s.start + len(s.latent)
+            if total < 1:
+                raise InvalidArgument(
+                    f"attention_ragged.sequences[{i}]: sequence {s.sequence_id} would "
+                    f"attend 0 rows (start 0 and no rows sent)"
+                )
+            if total > self.max_rows:
+                raise ResourceExhausted(
+                    f"attention_ragged.sequences[{i}]: sequence {s.sequence_id} would hold "
+                    f"{total} rows, limit {self.max_rows} (--max-kv-rows)"
+                )
+            plan.append((key, s, seq, total))
+        fresh = [
+            self.backend.new_kv(device, k, r) if seq is None else None for _, _, seq, _ in plan
+        ]
+        try:
+            caches = self._admit(kv_b, plan, fresh, k, r)
+        except BaseException:
+            for c in fresh:
+                if c is not None:
+                    self._drop_fresh(owner, device, c)
+            raise
+        now = time.monotonic()
+        for (key, s, seq, _), cache in zip(plan, caches, strict=True):
+            if seq is None:
+                seq = Sequence_(cache, device, k, r)
+                self._seqs[key] = seq
+                self._evicted.pop(key, None)
+            seq.last_used = now
+            if s.start < cache.length:
+                cache.truncate(s.start)
+        return caches
 
     def _admit(
         self,

@@ -94,23 +94,25 @@ def attention_dims(
     kv_b: Handle, q: np.ndarray, q_dim: int, rope_dim: int, v_dim: int, scale: float, op: str
 ) -> tuple[int, int]:
     """Checks dims against q [S, H, Q+R] and kv_b [H*(Q+V), K]; returns (H, K)."""
-    for name, value in (("q_dim", q_dim), ("rope_dim", rope_dim), ("v_dim", v_dim)):
-        if value < 1:
-            raise InvalidArgument(f"{op}.{name}: expected >= 1, got {value}")
+    if q_dim < 1 or rope_dim < 1 or v_dim < 1:  # the loop, naming the field, on an error only
+        for name, value in (("q_dim", q_dim), ("rope_dim", rope_dim), ("v_dim", v_dim)):
+            if value < 1:
+                raise InvalidArgument(f"{op}.{name}: expected >= 1, got {value}")
     if not math.isfinite(scale) or scale == 0:
         raise InvalidArgument(f"{op}.scale: expected a finite non-zero number, got {scale}")
-    if q.shape[2] != q_dim + rope_dim:
+    shape = q.shape
+    heads, width = shape[1], shape[2]
+    if width != q_dim + rope_dim:
         raise InvalidArgument(
-            f"{op}.q: expected {q_dim + rope_dim} values per head (q_dim + rope_dim), "
-            f"got {q.shape[2]}"
+            f"{op}.q: expected {q_dim + rope_dim} values per head (q_dim + rope_dim), got {width}"
         )
-    heads = q.shape[1]
-    if kv_b.spec.out_features != heads * (q_dim + v_dim):
+    s = kv_b.data.spec
+    if s.out_features != heads * (q_dim + v_dim):
         raise InvalidArgument(
             f"{op}.kv_b: expected {heads * (q_dim + v_dim)} out_features (heads {heads} x "
-            f"(q_dim {q_dim} + v_dim {v_dim})), got {kv_b.spec.out_features}"
+            f"(q_dim {q_dim} + v_dim {v_dim})), got {s.out_features}"
         )
-    return heads, kv_b.spec.in_features
+    return heads, s.in_features
 
 
 def o_proj(proj: Handle, heads: int, v_dim: int, op: str) -> None:
