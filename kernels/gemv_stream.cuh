@@ -94,42 +94,6 @@ __device__ __forceinline__ bool st_tile(const GemvJob *__restrict__ jobs, int ti
     return row0 < job.out_rows && srow0 < job.rows;
 }
 
-// Activation rows [srow0, srow0 + SB) of x, all of K (in_padded elements), into xb as tc_stage
-// lays them out (columns cstride apart), by the 256 math threads.
-template <int SB>
-__device__ __forceinline__ void st_stage_x(unsigned short *xb, int cstride,
-                                           const float *__restrict__ x, int x_stride, int rows,
-                                           int srow0, int in_features, int in_padded) {
-    const bool vec = ((x_stride & 3) == 0) && ((reinterpret_cast<size_t>(x) & 15) == 0);
-    constexpr int NT = ST_MATH * 32, NL = TC_STAGE_LOADS;
-#pragma unroll
-    for (int s = 0; s < SB; ++s) {
-        const bool ok = srow0 + s < rows;
-        const float *xr = x + (size_t)(srow0 + s) * x_stride;
-        unsigned short *d = xb + 3 * s * cstride;
-        for (int e0 = threadIdx.x * 4; e0 < in_padded; e0 += NT * 4 * NL) {
-            float4 v[NL];
-#pragma unroll
-            for (int j = 0; j < NL; ++j) {
-                v[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-                const int e = e0 + j * NT * 4;
-                if (ok && e < in_padded) tc_load4(v[j], xr, e, in_features, vec);
-            }
-#pragma unroll
-            for (int j = 0; j < NL; ++j) {
-                const int e = e0 + j * NT * 4;
-                if (e >= in_padded) break;
-                unsigned short p[3][4];
-                tc_split<3>(v[j], p);
-                const int i = tc_stage_index(e);
-#pragma unroll
-                for (int c = 0; c < 3; ++c)
-                    *reinterpret_cast<uint2 *>(d + c * cstride + i) = tc_slot(p[c]);
-            }
-        }
-    }
-}
-
 // Grouped scales (FMT 4, gs a power of two in 16..256; the host checks): a stage also holds,
 // per weight row, the piece's 2 * pc / gs scales (rows st_scale_stride floats apart: 4 more, so
 // the 8 rows a warp reads at once lie in 8 banks), copied beside the row's weights; each mma's
@@ -141,9 +105,9 @@ __host__ __device__ constexpr int st_scale_stride(int pc, int gs) { return 2 * p
 // st_scale_stride(pc, gs))) (M = 2 for DUAL, else 1; the host's _gemv_st): jobs as gemv_tc's
 // (fmt 2 or 4), ntr = ceil(max_out / 16) row tiles and nz = ceil(max_rows / SB) activation
 // row groups per job, ns <= ST_MAX_STAGES ring stages of pc-byte pieces (1024 or 512), ngp
-// scales per row (fmt 4). DUAL (an
-// expert's gate and up, w0 / s0 and w1 / s1 of each job, one weight spec): a stage holds the
-// piece of the tile's 16 gate rows and then its 16 up rows, and y = silu(gate x) * (up x).
+// scales per row (fmt 4). DUAL (an expert's gate and up, w0 / s0 and w1 / s1 of each job, one
+// weight spec): a stage holds the piece of the tile's 16 gate rows and then its 16 up rows, and
+// y = silu(gate x) * (up x).
 template <int FMT, int SB, bool DUAL>
 __global__ void __launch_bounds__(ST_THREADS, 1)
 gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_features,
@@ -222,8 +186,9 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
         if (!st_tile(jobs, tile, ntr, nz, SB, job, row0, srow0)) continue;
         if (job.x != staged_x || srow0 != staged_s || job.rows != staged_n) {
             st_math_sync();  // every math warp is done with the staged x
-            st_stage_x<SB>(xb, cstride, reinterpret_cast<const float *>(job.x), job.x_stride,
-                           job.rows, srow0, in_features, in_padded);
+            tc_stage<SB, TC_STAGE_LOADS, ST_MATH * 32>(
+                xb, cstride, reinterpret_cast<const float *>(job.x), job.x_stride, job.rows,
+                srow0, in_features, 0, in_padded);
             st_math_sync();
             staged_x = job.x;
             staged_s = srow0;

@@ -56,29 +56,31 @@ __device__ __forceinline__ int tc_stage_index(int e) {
 // its loads (up to TC_STAGE_LOADS float4) before converting any: the staging costs one L2
 // round trip, not one per element. The 4 values of a float4 (k0..k3 of one quad and lane)
 // are one 8-byte slot of each column, stored as (k0, k2, k1, k3).
+// NTHREADS: the threads staging (threads 0 .. NTHREADS - 1; 0: the whole block).
 #define TC_STAGE_LOADS 4
-template <int SB, int NL = TC_STAGE_LOADS>
+template <int SB, int NL = TC_STAGE_LOADS, int NTHREADS = 0>
 __device__ __forceinline__ void tc_stage(unsigned short *xb, int cstride,
                                          const float *__restrict__ x, int x_stride, int rows,
                                          int srow0, int in_features, int k0, int ktile) {
     const bool vec = ((x_stride & 3) == 0) && ((reinterpret_cast<size_t>(x) & 15) == 0);
+    const int nt = NTHREADS ? NTHREADS : (int)blockDim.x;
 #pragma unroll
     for (int s = 0; s < SB; ++s) {
         const bool ok = srow0 + s < rows;
         const float *xr = x + (size_t)(srow0 + s) * x_stride;
         unsigned short *d = xb + 3 * s * cstride;
-        for (int e0 = threadIdx.x * 4; e0 < ktile; e0 += blockDim.x * 4 * NL) {
+        for (int e0 = threadIdx.x * 4; e0 < ktile; e0 += nt * 4 * NL) {
             float4 v[NL];
 #pragma unroll
             for (int j = 0; j < NL; ++j) {
-                const int gi = k0 + e0 + j * blockDim.x * 4;
+                const int gi = k0 + e0 + j * nt * 4;
                 v[j] = make_float4(0.f, 0.f, 0.f, 0.f);
-                if (!ok || e0 + j * (int)blockDim.x * 4 >= ktile) continue;
+                if (!ok || e0 + j * nt * 4 >= ktile) continue;
                 tc_load4(v[j], xr, gi, in_features, vec);
             }
 #pragma unroll
             for (int j = 0; j < NL; ++j) {
-                const int e = e0 + j * blockDim.x * 4;
+                const int e = e0 + j * nt * 4;
                 if (e >= ktile) break;
                 unsigned short p[3][4];  // hi, mid, lo
                 tc_split<3>(v[j], p);
