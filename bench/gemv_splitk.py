@@ -200,6 +200,14 @@ def bench_case(rng, spin, spec: tuple, iters: int, warmup: int, sweep: bool) -> 
             f"{'' if same else '  NOT BIT-IDENTICAL'}",
             flush=True,
         )
+    if iters > 0:  # the machine's limit at this size: a plain read of the same bytes
+        reads = [[w, sc] for w, sc in zip(case.w, case.sc, strict=True)]
+        r = gpu_timing.time_launch(gpu_timing.read_launcher(reads), spin, iters, warmup)
+        out["read"] = r
+        print(
+            f"  {name:38s} read  {r['median_us']:8.2f} us  (plain read of the same bytes)",
+            flush=True,
+        )
     on = out["paths"]["on"].get("median_us", np.nan)
     off = out["paths"]["off"].get("median_us", np.nan)
     out["roofline_pct_on"] = out["floor_us"] / on * 100
@@ -217,13 +225,14 @@ def render(meta: dict, rows: list[dict]) -> str:
         f"Kernel time between CUDA events, median of {meta['iters']} launches after "
         f"{meta['warmup']} warm-up, each alone (a spin kernel ahead of its events), weight sets "
         "rotated past the L2. Floor: weight bytes read (row padding and scales included) at "
-        f"{gpu_timing.READ_BW / 1e12:.2f} TB/s. Error: max over rows of max|y - ref| / max|ref| "
-        "against float64.",
+        f"{gpu_timing.READ_BW / 1e12:.2f} TB/s; read: a plain streaming-read kernel of the same "
+        "bytes, timed alike (the machine's limit at this size). Error: max over rows of "
+        "max|y - ref| / max|ref| against float64.",
         "",
-        "| shape | MB | floor us | off us | on us | C | speedup | % roofline off | "
+        "| shape | MB | floor us | read us | off us | on us | C | speedup | % roofline off | "
         "% roofline on | stream us | % roofline stream | rel err off | rel err on | "
         "rel err stream | same bits |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         p = r["paths"]
@@ -231,6 +240,7 @@ def render(meta: dict, rows: list[dict]) -> str:
         err = {k: f"{v['rel_err']:.1e}" if "rel_err" in v else "error" for k, v in p.items()}
         md.append(
             f"| {r['name']} | {r['bytes'] / 1e6:.1f} | {r['floor_us']:.1f} | "
+            f"{gpu_timing.us(r['read']) if 'read' in r else '-'} | "
             f"{gpu_timing.us(p['off'])} | {gpu_timing.us(p['on'])} | "
             f"{p['on'].get('cluster', '-')} | "
             f"{r['speedup']:.2f}x | {r['roofline_pct_off']:.0f} | {r['roofline_pct_on']:.0f} | "
