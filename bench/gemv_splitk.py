@@ -53,6 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import gpu_timing, harness  # noqa: E402  (run from anywhere: bench/ is beside the package)
 
+# gemv_st's other forms timed beside its defaults: (math warps, blocks per SM)
+ST_FORMS = ((16, 1), (8, 2), (16, 2))
 # (name, fmt, group size, activation rows, in_features, output rows per job, jobs)
 SHAPES = [
     ("dense S=1 6144x6144 int4", 2, 0, 1, 6144, 6144, 1),
@@ -133,15 +135,20 @@ class Case:
             ]
         )
 
-    def launch(self, split: bool, force: int | None, stream: bool = False):
+    def launch(self, split: bool, force: int | None, stream: bool | tuple[int, int] = False):
+        """stream: True for gemv_st as set, or (math warps, blocks per SM) for it."""
         from coliworker.kernels import matmul
 
-        saved = matmul.SPLIT_K, matmul.SPLIT_K_FORCE, matmul.STREAM
-        matmul.SPLIT_K, matmul.SPLIT_K_FORCE, matmul.STREAM = split, force, stream
+        names = ("SPLIT_K", "SPLIT_K_FORCE", "STREAM", "ST_WARPS", "ST_BLOCKS")
+        saved = [getattr(matmul, n) for n in names]
+        form = stream if isinstance(stream, tuple) else (matmul.ST_WARPS, matmul.ST_BLOCKS)
+        for n, v in zip(names, (split, force, bool(stream), *form), strict=True):
+            setattr(matmul, n, v)
         try:
             return matmul.gemv_launch(self.spec, self.n_jobs, self.s, self.o)
         finally:
-            matmul.SPLIT_K, matmul.SPLIT_K_FORCE, matmul.STREAM = saved
+            for n, v in zip(names, saved, strict=True):
+                setattr(matmul, n, v)
 
     def call(self, ln, k: int) -> None:
         """Launch ``ln`` on weight set ``k`` (modulo the sets)."""
@@ -167,6 +174,8 @@ def bench_case(rng, spin, spec: tuple, iters: int, warmup: int, sweep: bool) -> 
     if sweep:
         paths += [(f"C={c}", True, c, False) for c in matmul.SK_CLUSTERS]
     paths.append(("stream", True, None, True))
+    # gemv_st's math warps and blocks per SM (matmul.ST_WARPS, ST_BLOCKS) beside its defaults
+    paths += [(f"st{w}b{b}", True, None, (w, b)) for w, b in ST_FORMS]
     out: dict = dict(
         name=name, fmt=fmt, gs=gs, rows=s, in_features=i, out_features=o, n_jobs=n_jobs,
         bytes=case.bytes, floor_us=case.bytes / gpu_timing.READ_BW * 1e6, sets=len(case.tables),
@@ -265,6 +274,23 @@ def render(meta: dict, rows: list[dict]) -> str:
                 f"| {r['name']} | "
                 + " | ".join(gpu_timing.us(p[k]) for k in sweep)
                 + (f" | {best}: {tuple(p[best]['grid'])} |" if best else " | - |")
+            )
+    forms = [k for k in rows[0]["paths"] if k.startswith("st")] if rows else []
+    if forms:
+        md += [
+            "",
+            'gemv_st\'s forms, stWbB: W math warps, B blocks per SM (median us; "stream" is '
+            'the default form; a form that does not serve a shape falls back as "on"):',
+            "",
+            "| shape | stream | " + " | ".join(forms) + " |",
+            "|---|---|" + "---|" * len(forms),
+        ]
+        for r in rows:
+            p = r["paths"]
+            md.append(
+                f"| {r['name']} | {gpu_timing.us(p['stream'])} | "
+                + " | ".join(gpu_timing.us(p[k]) for k in forms)
+                + " |"
             )
     return "\n".join(md) + "\n"
 

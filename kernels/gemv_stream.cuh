@@ -1,6 +1,6 @@
 // gemv_tc.cu's gemv_st: the int4 decode GEMV (fmt 2, and fmt 4 with power of two group sizes
 // 16..256) with its weights streamed by the bulk-copy engine into a ring of shared-memory
-// stages, one producer warp feeding eight math warps. gemv_tc.cu
+// stages, one producer warp feeding 8 or 16 math warps. gemv_tc.cu
 // includes this after its helpers, which it uses (host side: kernels/matmul.py, _gemv_st).
 #pragma once
 // ---- gemv_st: persistent, warp-specialized, weights through cp.async.bulk (matmul.STREAM) ----
@@ -8,15 +8,15 @@
 // Why: gemv_tc and its split-K forms load weights into registers, a few 16-byte loads per lane
 // between dependent mma chains; ncu puts them at 18-41% of DRAM bandwidth, latency-bound with
 // 11-23 warps per SM, and every 32-row tile re-stages its activations between two barriers.
-// Here one block per SM stays resident for all its tiles:
-// - warp 8 (the producer) walks the block's tiles and, for each 1024-byte piece of K (512
+// Here one block per SM (or two: the host's ST_BLOCKS) stays resident for all its tiles:
+// - warp MW (the producer) walks the block's tiles and, for each 1024-byte piece of K (512
 //   where x leaves less room), asks the bulk-copy engine for the piece of all 16 rows of the
 //   tile (16 copies of one row's piece each) into the next free stage of a ring of NS stages,
 //   each tracked by a full and an empty mbarrier (the full one counts the bytes landing). NS
 //   stages of 16 KB are in flight per SM whatever the math warps do, across tile and job
 //   boundaries;
-// - warps 0..7 (k slice ks) wait for a stage, take its steps ks and ks + 8 (64 bytes of each of
-//   the 16 rows per step, 8 quads: one mma.m16n8k16 each, as gemv_tc's tc_compute), release the
+// - warps 0..MW-1 (k slice ks) wait for a stage, take its steps ks, ks + MW, ... (64 bytes of
+//   each of the 16 rows per step, 8 quads: one mma.m16n8k16 each, as gemv_tc's tc_compute), release the
 //   stage, and at the tile's end meet in shared memory (fixed order);
 // - the activations are staged once per block and job (all of K: the host launches gemv_st
 //   only where that fits beside the ring), not once per tile; the producer keeps streaming
@@ -29,11 +29,11 @@
 //
 // Numerics as gemv_tc (A: codes as bf16, B: each activation split in three bf16 parts, fp32
 // accumulation; per-row scale on the final sum), in another order: each math warp keeps two
-// accumulators (even and odd quads: two independent mma chains), and 8 k slices meet per row.
+// accumulators (even and odd quads: two independent mma chains), and MW k slices meet per row.
 // Fixed order everywhere: the same bits on every call, not the same bits as gemv_tc.
 #define ST_ROWS 16
-#define ST_MATH 8                       // math warps (k slices)
-#define ST_THREADS ((ST_MATH + 1) * 32)  // + the producer warp
+// MW (a template argument, 8 or 16): the math warps, each a k slice; the block has MW + 1
+// warps, the last the producer.
 // A piece (the bytes of a row per stage) is 1024 bytes (16 steps of 64 bytes), or 512 where the
 // staged x leaves room for 3 stages only so (the host's choice: the kernel's pc argument); a
 // stage's rows are pc + 64 bytes apart, so rows gid and gid + 1 lie in other banks.
@@ -78,9 +78,9 @@ __device__ __forceinline__ void st_copy(void *dst, const void *src, unsigned nby
         : "memory");
 }
 
-// The 256 threads of the math warps (named barrier 1; the producer never waits on it).
-__device__ __forceinline__ void st_math_sync() {
-    asm volatile("bar.sync 1, %0;" ::"n"(ST_MATH * 32) : "memory");
+// The MW * 32 threads of the math warps (named barrier 1; the producer never waits on it).
+template <int MW> __device__ __forceinline__ void st_math_sync() {
+    asm volatile("bar.sync 1, %0;" ::"n"(MW * 32) : "memory");
 }
 
 // Tile `tile` of the launch -> (job, first output row, first activation row); false where the
@@ -100,7 +100,7 @@ __device__ __forceinline__ bool st_tile(const GemvJob *__restrict__ jobs, int ti
 // 16-k partial is multiplied by its group's scale (as gemv_tc's fmt 4).
 __host__ __device__ constexpr int st_scale_stride(int pc, int gs) { return 2 * pc / gs + 4; }
 
-// grid (blocks), block ST_THREADS, dynamic shared ST_BARS + ns * stage + 4 * M * 8 * 16 * NCOL
+// grid (blocks), block (MW + 1) * 32, dynamic shared ST_BARS + ns * stage + 4 * M * MW * 16 * NCOL
 // + 2 * 3 * SB * (in_padded + 16) bytes, stage = M * 16 * (pc + 64 + (FMT 4: 4 *
 // st_scale_stride(pc, gs))) (M = 2 for DUAL, else 1; the host's _gemv_st): jobs as gemv_tc's
 // (fmt 2 or 4), ntr = ceil(max_out / 16) row tiles and nz = ceil(max_rows / SB) activation
@@ -108,8 +108,8 @@ __host__ __device__ constexpr int st_scale_stride(int pc, int gs) { return 2 * p
 // scales per row (fmt 4). DUAL (an expert's gate and up, w0 / s0 and w1 / s1 of each job, one
 // weight spec): a stage holds the piece of the tile's 16 gate rows and then its 16 up rows, and
 // y = silu(gate x) * (up x).
-template <int FMT, int SB, bool DUAL>
-__global__ void __launch_bounds__(ST_THREADS, 1)
+template <int FMT, int SB, bool DUAL, int MW>
+__global__ void __launch_bounds__((MW + 1) * 32, 1)
 gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_features,
         int in_padded, int ld, int ngp, int gs, int gs_shift, int ns, int pc) {
     constexpr int NT = TcNT<SB>::value, NCOL = 8 * NT, M = DUAL ? 2 : 1;
@@ -118,20 +118,20 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
     const int wbytes = M * ST_ROWS * rs, stage = wbytes + M * 4 * ST_ROWS * sst;
     // Shared memory: the mbarriers (full [ns], empty [ns]; ST_BARS bytes), the ring (per
     // stage: M * 16 weight rows, then M * 16 scale rows), the k slices' partials
-    // [8][M][16][NCOL], the staged activations.
+    // [MW][M][16][NCOL], the staged activations.
     extern __shared__ float4 smem4[];
     unsigned long long *full = reinterpret_cast<unsigned long long *>(smem4);
     unsigned long long *empty = full + ns;
     unsigned char *ring = reinterpret_cast<unsigned char *>(smem4) + ST_BARS;
     float *red = reinterpret_cast<float *>(ring + (size_t)ns * stage);
     unsigned short *xb =
-        reinterpret_cast<unsigned short *>(red + ST_MATH * M * ST_ROWS * NCOL);
+        reinterpret_cast<unsigned short *>(red + MW * M * ST_ROWS * NCOL);
     const int cstride = in_padded + 16;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (threadIdx.x == 0) {
         for (int i = 0; i < ns; ++i) {
             st_bar_init(full + i, 1);
-            st_bar_init(empty + i, ST_MATH);
+            st_bar_init(empty + i, MW);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n\t"
                      "fence.proxy.async.shared::cta;" ::: "memory");
@@ -142,7 +142,7 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
     const int t1 = (int)((long long)total * (blockIdx.x + 1) / gridDim.x);
     const int pieces = (ld + pc - 1) / pc;
 
-    if (warp == ST_MATH) {  // the producer: lane l copies stage row l (M * 16 rows)
+    if (warp == MW) {  // the producer: lane l copies stage row l (M * 16 rows)
         int it = 0;
         for (int tile = t0; tile < t1; ++tile) {
             GemvJob job;
@@ -185,11 +185,11 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
         int row0, srow0;
         if (!st_tile(jobs, tile, ntr, nz, SB, job, row0, srow0)) continue;
         if (job.x != staged_x || srow0 != staged_s || job.rows != staged_n) {
-            st_math_sync();  // every math warp is done with the staged x
-            tc_stage<SB, TC_STAGE_LOADS, ST_MATH * 32>(
+            st_math_sync<MW>();  // every math warp is done with the staged x
+            tc_stage<SB, TC_STAGE_LOADS, MW * 32>(
                 xb, cstride, reinterpret_cast<const float *>(job.x), job.x_stride, job.rows,
                 srow0, in_features, 0, in_padded);
-            st_math_sync();
+            st_math_sync<MW>();
             staged_x = job.x;
             staged_s = srow0;
             staged_n = job.rows;
@@ -211,8 +211,8 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
                 reinterpret_cast<const float *>(ring + (size_t)slot * stage + wbytes) + gid * sst;
             const int nsteps = min(pc, ld - p * pc) >> 6;
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int sl = ks + 8 * h;  // this warp's step of the stage
+            for (int h = 0; h < 16 / MW; ++h) {
+                const int sl = ks + MW * h;  // this warp's step of the stage
                 if (sl >= nsteps) break;
                 uint4 wa[M], wb[M];
 #pragma unroll
@@ -258,7 +258,7 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
             if (lane == 0) st_arrive(empty + slot);
         }
         // Partials [ks][m][16 rows][NCOL] (c0, c1: row gid; c2, c3: row gid + 8).
-        st_math_sync();  // the previous tile's sums are read
+        st_math_sync<MW>();  // the previous tile's sums are read
 #pragma unroll
         for (int m = 0; m < M; ++m)
 #pragma unroll
@@ -270,8 +270,8 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
                 pr[(gid + 8) * NCOL] = a[2] + b[2];
                 pr[(gid + 8) * NCOL + 1] = a[3] + b[3];
             }
-        st_math_sync();
-        for (int o = threadIdx.x; o < ST_ROWS * SB; o += ST_MATH * 32) {
+        st_math_sync<MW>();
+        for (int o = threadIdx.x; o < ST_ROWS * SB; o += MW * 32) {
             const int s = o / ST_ROWS, r = o - s * ST_ROWS;
             const int row = row0 + r, srow = srow0 + s;
             if (row >= job.out_rows || srow >= job.rows) continue;
@@ -280,7 +280,7 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
             for (int m = 0; m < M; ++m) {
                 float sum = 0.f;
 #pragma unroll
-                for (int k = 0; k < ST_MATH; ++k) {
+                for (int k = 0; k < MW; ++k) {
                     const float *pr = red + ((k * M + m) * ST_ROWS + r) * NCOL + 3 * s;
                     sum += (pr[0] + pr[1]) + pr[2];
                 }

@@ -97,13 +97,19 @@ ST_ROWS = 16
 ST_PIECES = (1024, 512)  # bytes of a row per stage: the first that gives ST_STAGES[1] stages
 ST_BARS = 16 * 8  # the mbarriers before the ring (ST_MAX_STAGES = 8)
 ST_STAGES = (6, 3)  # stages wanted, fewest accepted
+# Math warps per block (its k slices: 8 or 16; 16 only with 1024-byte pieces, whose 16 steps
+# give each one) and blocks per SM (1 or 2; each then has half the SM's shared memory).
+# COLIWORKER_ST_WARPS / COLIWORKER_ST_BLOCKS set them from the start.
+ST_WARPS = int(os.environ.get("COLIWORKER_ST_WARPS", "8"))
+ST_BLOCKS = int(os.environ.get("COLIWORKER_ST_BLOCKS", "1"))
+ST_SMEM_SM = 228 * 1024  # shared memory of an SM; each resident block reserves 1 KiB of it
 
 
 def settings() -> tuple:
     """The switches that pick launches (TENSOR_CORES, SPLIT_K, SPLIT_K_FORCE, MOE_TC_FAST,
-    STREAM): part of every cached plan's key, so a plan made under other settings is not
-    reused."""
-    return (TENSOR_CORES, SPLIT_K, SPLIT_K_FORCE, MOE_TC_FAST, STREAM)
+    STREAM, ST_WARPS, ST_BLOCKS): part of every cached plan's key, so a plan made under other
+    settings is not reused."""
+    return (TENSOR_CORES, SPLIT_K, SPLIT_K_FORCE, MOE_TC_FAST, STREAM, ST_WARPS, ST_BLOCKS)
 
 
 TC_VARIANTS = (
@@ -112,8 +118,8 @@ TC_VARIANTS = (
     + tuple(f"gemv_tc_k<{f}, 8>" for f in (2, 4))
     + tuple(f"gemv_tc_sk<{f}, {sb}, {c}>" for f in (2, 4) for sb in (1, 4, 8)
             for c in SK_CLUSTERS[1:])
-    + tuple(f"gemv_st<{f}, {sb}, {d}>" for f in (2, 4) for sb in (1, 4)
-            for d in ("false", "true"))
+    + tuple(f"gemv_st<{f}, {sb}, {d}, {mw}>" for f in (2, 4) for sb in (1, 4)
+            for d in ("false", "true") for mw in (8, 16))
 )  # fmt: skip
 
 
@@ -125,21 +131,26 @@ def _st_stage(spec: WeightSpec, dual: bool, pc: int) -> int:
     return (2 if dual else 1) * (ST_ROWS * (pc + 64) + scales)
 
 
-def _st_geometry(spec: WeightSpec, max_rows: int, dual: bool) -> tuple[int, int, int, int] | None:
-    """(SB, ring stages, piece bytes, dynamic shared bytes) of gemv_st, or None where the
-    staged x of all of K and ST_STAGES[1] stages do not fit in one block's shared memory
-    (dual: stages and partials of two matrices). Pieces of 1024 bytes, or of 512 where
-    1024-byte stages would not give ST_STAGES[1] of them (4 activation rows: x takes 12 bf16
-    columns of K)."""
+def _st_geometry(
+    spec: WeightSpec, max_rows: int, dual: bool
+) -> tuple[int, int, int, int, int] | None:
+    """(SB, ring stages, piece bytes, dynamic shared bytes, math warps) of gemv_st, or None
+    where the staged x of all of K and ST_STAGES[1] stages do not fit in a block's share of the
+    SM's shared memory (ST_BLOCKS blocks per SM; dual: stages and partials of two matrices).
+    Pieces of 1024 bytes, or of 512 where 1024-byte stages would not give ST_STAGES[1] of them
+    (4 activation rows: x takes 12 bf16 columns of K); ST_WARPS math warps with 1024-byte
+    pieces, 8 with 512."""
     sb, m = tc_sb(max_rows), 2 if dual else 1
     nt = (3 * sb + 7) // 8
     in_padded = spec.layout.in_padded
-    rest = ST_BARS + 4 * m * WARPS * ST_ROWS * 8 * nt + 2 * 3 * sb * (in_padded + 16)
+    room = min(227 * 1024, ST_SMEM_SM // ST_BLOCKS - 1024)
     for pc in ST_PIECES:
+        mw = ST_WARPS if pc == 1024 else 8
+        rest = ST_BARS + 4 * m * mw * ST_ROWS * 8 * nt + 2 * 3 * sb * (in_padded + 16)
         stage = _st_stage(spec, dual, pc)
-        ns = min(ST_STAGES[0], (227 * 1024 - rest) // stage)
+        ns = min(ST_STAGES[0], (room - rest) // stage)
         if ns >= ST_STAGES[1]:
-            return sb, ns, pc, rest + ns * stage
+            return sb, ns, pc, rest + ns * stage, mw
     return None
 
 
@@ -157,20 +168,22 @@ def stream_eligible(spec: WeightSpec, max_rows: int, dual: bool = False) -> bool
 
 def _gemv_st(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: int,
              dual: bool = False) -> Launch:  # fmt: skip
-    """gemv_launch's launch on the streamed path (same jobs, same pointer): one block per SM,
-    or one per tile where there are fewer tiles."""
+    """gemv_launch's launch on the streamed path (same jobs, same pointer): ST_BLOCKS blocks
+    per SM, or one per tile where there are fewer tiles."""
     lay = spec.layout
     geo = _st_geometry(spec, max_rows, dual)
     assert geo is not None
-    sb, ns, pc, smem = geo
+    sb, ns, pc, smem, mw = geo
     ntr, nz = -(-max_out // ST_ROWS), -(-max_rows // sb)
-    name = f"gemv_st<{spec.fmt}, {sb}, {'true' if dual else 'false'}>"
+    name = f"gemv_st<{spec.fmt}, {sb}, {'true' if dual else 'false'}, {mw}>"
     fn = get_function("gemv_tc.cu", name, TC_VARIANTS, smem)
+    if ST_BLOCKS > 1:  # all of the SM's shared memory (the driver sizes it for one block)
+        fn.preferred_shared_memory_carveout = 100
     gs, shift = gs_args(spec.fmt, spec.group_size)
     tail = (np.int32(n_jobs), np.int32(ntr), np.int32(nz), np.int32(spec.in_features),
             np.int32(lay.in_padded), np.int32(lay.ld), np.int32(max(lay.ngp, 1)), gs, shift,
             np.int32(ns), np.int32(pc))  # fmt: skip
-    return Launch(fn, (min(n_sm, n_jobs * ntr * nz),), ((WARPS + 1) * 32,), tail, smem)
+    return Launch(fn, (min(ST_BLOCKS * n_sm, n_jobs * ntr * nz),), ((mw + 1) * 32,), tail, smem)
 
 
 def tc_eligible(spec: WeightSpec, max_rows: int, most: int = TC_MAX_ROWS) -> bool:
@@ -372,7 +385,7 @@ def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int,
         return Launch(fn, grid, (WARPS * 32,), (*spec.geom(), np.int32(kt)), 4 * sb * kt)
 
     key = (dev, "gemv", id(spec), n_jobs, max_rows, max_out, TENSOR_CORES, SPLIT_K,
-           SPLIT_K_FORCE, STREAM, dual)  # fmt: skip
+           SPLIT_K_FORCE, STREAM, ST_WARPS, ST_BLOCKS, dual)  # fmt: skip
     return _cached(key, make)
 
 

@@ -17,7 +17,9 @@ def without_ptx(src: str, helpers: tuple[str, ...]) -> str:
     every other asm statement dropped; ``extern __shared__ float4 smem4[]`` made the fiber's
     block memory."""
     for name in helpers:
-        m = re.search(r"__device__ __forceinline__ [\w ]+ " + name + r"\(", src)
+        m = re.search(
+            r"(?:template <[^>]*> )?__device__ __forceinline__ [\w ]+ " + name + r"\(", src
+        )
         assert m, name
         depth, k = 0, src.index("{", m.start())
         while True:

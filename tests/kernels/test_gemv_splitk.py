@@ -112,13 +112,15 @@ def check_all_paths(jobs: Jobs, tol: float = TC_TOL) -> dict[str, list[np.ndarra
     saved_stream = matmul.STREAM
     for name, split, force, stream in paths():
         ln = jobs.launch(split, force, stream)
-        if stream:  # gemv_st (its producer warp: 9 warps) exactly where it serves the jobs
+        if stream:  # gemv_st (its math warps and a producer) exactly where it serves the jobs
             matmul.STREAM = True
             try:
                 served = matmul.stream_eligible(jobs.spec, jobs.max_rows)
+                geo = matmul._st_geometry(jobs.spec, jobs.max_rows, False)
             finally:
                 matmul.STREAM = saved_stream
-            assert (ln.block[0] == 9 * 32) == served, (name, ln.block)
+            st_block = (geo[4] + 1) * 32 if served else None
+            assert (ln.block[0] == st_block) == served, (name, ln.block)
         ys = jobs.run(ln)
         for j, (y, r) in enumerate(zip(ys, ref, strict=True)):
             assert not np.isnan(y).any(), (name, j)

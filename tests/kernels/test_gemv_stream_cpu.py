@@ -109,7 +109,7 @@ inline void st_copy(void *dst, const void *src, unsigned n, unsigned long long *
     }
     g_copies.push_back({dst, src, n, b, g_round + 1 + (long)(g_lag() % 3)});
 }
-inline void st_math_sync() { tl_blk->named->arrive_and_wait(); }
+template <int MW> inline void st_math_sync() { tl_blk->named->arrive_and_wait(); }
 bool land() {  // copies whose round has come, in random order
     ++g_round;
     bool any = false;
@@ -137,7 +137,7 @@ inline int code(const unsigned char *row, int e) {
 // Jobs of out_rows[j] rows and rows[j] activation rows (same_x: all jobs read one x), K inputs;
 // DUAL: each job an expert's gate (w0, s0) and up (w1, s1), y = silu(gate x) * (up x).
 // FMT 4: grouped scales of gs (a power of two), ngp = in_padded / gs per row.
-template <int SB, bool DUAL, int FMT = 2>
+template <int SB, bool DUAL, int FMT = 2, int MW = 8>
 int check(std::vector<int> outs, std::vector<int> rows, int K, bool same_x, int grid, int ns,
           int gs = 0, int pc = 1024) {
     constexpr int M = DUAL ? 2 : 1;
@@ -169,9 +169,9 @@ int check(std::vector<int> outs, std::vector<int> rows, int K, bool same_x, int 
                    outs[j], K + pad, outs[j] + pad};
     }
     g_tick = land;
-    launch({grid, 1, 1}, 1, ST_THREADS, [&] {
-        gemv_st<FMT, SB, DUAL>(jobs.data(), nj, ntr, nz, K, inp, ld, ngp, FMT == 4 ? gs : 4,
-                               shift, ns, pc); }, ST_MATH * 32);
+    launch({grid, 1, 1}, 1, (MW + 1) * 32, [&] {
+        gemv_st<FMT, SB, DUAL, MW>(jobs.data(), nj, ntr, nz, K, inp, ld, ngp,
+                                   FMT == 4 ? gs : 4, shift, ns, pc); }, MW * 32);
     g_tick = nullptr;
     if (!g_copies.empty()) { std::printf("copies never landed\n"); return 1; }
     double md = 0, mx = 0;
@@ -196,9 +196,9 @@ int check(std::vector<int> outs, std::vector<int> rows, int K, bool same_x, int 
                 md = std::max(md, std::fabs(got - ref)); mx = std::max(mx, std::fabs(ref));
             }
     }
-    std::printf("fmt %d gs %d SB %d DUAL %d K %d jobs %d grid %d ns %d piece %d: rel err "
-                "%.2g, unwritten %ld, touched %ld\n", FMT, gs, SB, (int)DUAL, K, nj, grid, ns,
-                pc, md / mx, unwritten, touched);
+    std::printf("fmt %d gs %d SB %d DUAL %d MW %d K %d jobs %d grid %d ns %d piece %d: rel err "
+                "%.2g, unwritten %ld, touched %ld\n", FMT, gs, SB, (int)DUAL, MW, K, nj, grid,
+                ns, pc, md / mx, unwritten, touched);
     return unwritten > 0 || touched > 0 || !(md <= 1e-5 * mx);
 }
 
@@ -208,7 +208,9 @@ int main() {
     // have tiles, and rings of 3 stages refilled with whole 1024-byte pieces while other
     // stages are read (a stage released before its last step is read gives wrong sums); DUAL
     // (gate and up) likewise, one shared x as a routed token's experts have; fmt 4 with group
-    // sizes 16 to 256 (a 512-byte last piece: 1024 / gs scales per row); 512-byte pieces
+    // sizes 16 to 256 (a 512-byte last piece: 1024 / gs scales per row); 512-byte pieces;
+    // 16 math warps (one step of each 1024-byte piece each; in a 512-byte last piece, half of
+    // them idle but still release the stage)
     return check<1, false>({40, 17}, {1, 1}, 3000, false, 2, 3) +
            check<1, false>({33, 16, 5}, {1, 1, 1}, 700, true, 3, 4) +
            check<4, false>({20, 48}, {3, 4}, 2100, false, 3, 3) +
@@ -224,7 +226,12 @@ int main() {
            check<4, true, 4>({32, 9}, {4, 2}, 4096, false, 1, 3, 128) +
            check<4, true>({40, 17}, {4, 3}, 3000, true, 2, 3, 0, 512) +
            check<4, true, 4>({32}, {4}, 4096, false, 1, 3, 256, 512) +
-           check<1, false, 4>({20}, {1}, 2100, false, 1, 4, 64, 512);
+           check<1, false, 4>({20}, {1}, 2100, false, 1, 4, 64, 512) +
+           check<1, false, 2, 16>({40, 17}, {1, 1}, 3000, false, 2, 3) +
+           check<4, false, 2, 16>({20, 48}, {3, 4}, 2100, false, 3, 3) +
+           check<1, true, 2, 16>({48, 20, 33}, {1, 1, 1}, 4096, true, 3, 3) +
+           check<4, true, 4, 16>({32, 9}, {4, 2}, 4096, false, 1, 3, 128) +
+           check<1, false, 4, 16>({33}, {1}, 4096, false, 2, 4, 16);
 }
 """
 
@@ -266,7 +273,40 @@ def test_stream_geometry(matmul_host, fmt, gs, k, rows, dual, want):
     assert mm.stream_eligible(spec, rows, dual) == (want is not None)
     if want is None:
         return
-    sb, ns, pc, smem = mm._st_geometry(spec, rows, dual)
-    assert (sb, ns, pc) == want
+    sb, ns, pc, smem, mw = mm._st_geometry(spec, rows, dual)
+    assert (sb, ns, pc, mw) == (*want, 8)
     assert smem <= 227 * 1024 and ns >= mm.ST_STAGES[1]
     assert smem >= ns * mm._st_stage(spec, dual, pc) + 2 * 3 * sb * spec.layout.in_padded
+
+
+@pytest.mark.parametrize(
+    "fmt,gs,k,rows,dual,warps,blocks,want",
+    [
+        (2, 0, 6144, 1, False, 16, 1, (1, 6, 1024, 16)),  # dense: 16 warps, 16 partials
+        (2, 0, 6144, 1, False, 8, 2, (1, 4, 1024, 8)),  # two blocks: half the SM each
+        (2, 0, 6144, 1, True, 16, 2, (1, 3, 512, 8)),  # gate and up: 512-byte pieces, 8 warps
+        (2, 0, 2048, 1, False, 16, 2, (1, 5, 1024, 16)),  # a down projection
+        (4, 64, 6144, 1, False, 16, 2, (1, 3, 1024, 16)),
+        (2, 0, 16384, 1, False, 16, 2, None),  # o_proj's x: over half an SM with 3 stages
+        (2, 0, 6144, 4, True, 8, 2, None),  # x of 4 rows and 3 stages: over half an SM
+    ],
+)
+def test_stream_geometry_warps_blocks(
+    matmul_host, monkeypatch, fmt, gs, k, rows, dual, warps, blocks, want
+):
+    """ST_WARPS math warps where pieces are 1024 bytes (8 with 512), and ST_BLOCKS blocks per
+    SM: each block's shared memory within its share of the SM's, less the 1 KiB each
+    reserves."""
+    mm = matmul_host
+    monkeypatch.setattr(mm, "ST_WARPS", warps)
+    monkeypatch.setattr(mm, "ST_BLOCKS", blocks)
+    spec = mm.WeightSpec.of(fmt, k, gs)
+    geo = mm._st_geometry(spec, rows, dual)
+    assert (geo is None) == (want is None)
+    if want is None:
+        return
+    sb, ns, pc, smem, mw = geo
+    assert (sb, ns, pc, mw) == want
+    assert blocks * (smem + 1024) <= mm.ST_SMEM_SM and ns >= mm.ST_STAGES[1]
+    partials = 4 * (2 if dual else 1) * mw * 16 * 8 * ((3 * sb + 7) // 8)
+    assert smem >= ns * mm._st_stage(spec, dual, pc) + partials + 6 * sb * spec.layout.in_padded
