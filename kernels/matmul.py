@@ -89,10 +89,18 @@ MOE_TC_FAST = os.environ.get("COLIWORKER_MOE_TC_FAST", "1") != "0"
 # power of two group size of 16..256, with the weights (and grouped scales) streamed by the
 # bulk-copy engine through a ring of ST_STAGES shared-memory stages, one resident block per SM
 # over a contiguous range of 16-row tiles, x staged once per block and job. Taken where the
-# whole of K's staged x fits beside the ring. ``STREAM`` switches it; off by default until
-# measured on the GPU (COLIWORKER_GEMV_STREAM=1 sets it on from the start; the GPU tests run
-# both paths, tests/kernels/test_gemv_stream_cpu.py runs its source on the CPU).
-STREAM = os.environ.get("COLIWORKER_GEMV_STREAM", "0") == "1"
+# whole of K's staged x fits beside the ring. ``STREAM``: True takes it wherever it serves,
+# False never, "auto" (the default) where bench/gemv_splitk.py measured it faster on the H200
+# (bench/results/gemv-stream-2026-12-01.md): 2 to 4 rows (SB 4) of plain jobs of K >=
+# ST_AUTO_MIN_K (dense S=4 6144 x 6144: 18.9 against 20.5 us in int4, 25.0 against 37.7 us
+# with gs=64 scales); at one row it ties or loses (gs=128, o_proj), on the value projection's
+# 64 small jobs it loses, and expert groups stay on moe_tc_f (74 against 86 us at 8x1).
+# COLIWORKER_GEMV_STREAM=1 / 0 / auto sets it from the start (the GPU tests run every path,
+# tests/kernels/test_gemv_stream_cpu.py runs its source on the CPU).
+STREAM: bool | str = {"1": True, "0": False}.get(
+    os.environ.get("COLIWORKER_GEMV_STREAM", "auto"), "auto"
+)
+ST_AUTO_MIN_K = 4096
 ST_ROWS = 16
 ST_PIECES = (1024, 512)  # bytes of a row per stage: the first that gives ST_STAGES[1] stages
 ST_BARS = 16 * 8  # the mbarriers before the ring (ST_MAX_STAGES = 8)
@@ -155,11 +163,13 @@ def _st_geometry(
 
 
 def stream_eligible(spec: WeightSpec, max_rows: int, dual: bool = False) -> bool:
-    """Whether gemv_st serves these jobs (and ``STREAM`` is on): fmt 2, or fmt 4 with a power
-    of two group size of 16..256 (a piece's scales are whole 16-byte rows); dual: gate and up
-    jobs."""
+    """Whether gemv_st serves these jobs (and ``STREAM`` takes it: True, or "auto" for plain
+    jobs of 2 to 4 rows and K >= ST_AUTO_MIN_K): fmt 2, or fmt 4 with a power of two group
+    size of 16..256 (a piece's scales are whole 16-byte rows); dual: gate and up jobs."""
     fmt, gs = spec.fmt, spec.group_size
     if not (STREAM and TENSOR_CORES and max_rows <= TC_MAX_ROWS):
+        return False
+    if STREAM == "auto" and (dual or max_rows == 1 or spec.layout.in_padded < ST_AUTO_MIN_K):
         return False
     if not (fmt == 2 or (fmt == 4 and 16 <= gs <= 256 and gs & (gs - 1) == 0)):
         return False

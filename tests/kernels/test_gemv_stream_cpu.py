@@ -310,3 +310,24 @@ def test_stream_geometry_warps_blocks(
     assert blocks * (smem + 1024) <= mm.ST_SMEM_SM and ns >= mm.ST_STAGES[1]
     partials = 4 * (2 if dual else 1) * mw * 16 * 8 * ((3 * sb + 7) // 8)
     assert smem >= ns * mm._st_stage(spec, dual, pc) + partials + 6 * sb * spec.layout.in_padded
+
+
+@pytest.mark.parametrize(
+    "fmt,gs,k,rows,dual,taken",
+    [
+        (2, 0, 6144, 4, False, True),  # dense S=4: measured faster
+        (2, 0, 6144, 2, False, True),
+        (4, 64, 6144, 4, False, True),
+        (2, 0, 6144, 1, False, False),  # one row: ties or loses
+        (4, 128, 6144, 1, False, False),
+        (2, 0, 512, 4, False, False),  # the value projection's small K
+        (2, 0, 6144, 1, True, False),  # expert groups stay on moe_tc_f
+        (2, 0, 6144, 4, True, False),
+        (2, 0, 16384, 4, False, False),  # served nowhere: x does not fit
+    ],
+)
+def test_stream_auto(matmul_host, monkeypatch, fmt, gs, k, rows, dual, taken):
+    """STREAM "auto" (the default) takes gemv_st only where the H200 measured it faster."""
+    mm = matmul_host
+    monkeypatch.setattr(mm, "STREAM", "auto")
+    assert mm.stream_eligible(mm.WeightSpec.of(fmt, k, gs), rows, dual) == taken
