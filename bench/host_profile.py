@@ -13,7 +13,7 @@ no results file.
 ``--prefill`` instead takes apart the prefill expert group (64 GLM-5.2 int4 experts x 32 rows,
 x float32 [2048, 6144]: 50 MB in, 50 MB out): the host copy into pinned memory by copy
 threads, the copy engines up, down and both at once, then the call on the one-launch path and
-pipelined (``kernels/expert_group.py``: PIPE_LAUNCHES x PIPE_PIECES, copy threads) swept, each
+pipelined (``kernels/expert_group_pipe.py``: PIPE_LAUNCHES x PIPE_PIECES, copy threads) swept, each
 checked to the bit against the one-launch result, and pipelined with x in a registered
 shared-memory segment (a session's: x goes up from where it lies, no copy into pinned
 memory), swept over PIPE_EDGE too (the first and the last run's share of a middle run's rows:
@@ -37,7 +37,7 @@ from bench.kernels import make_tensor  # noqa: E402  (run from the repository ro
 def _stage_timers() -> dict[str, int]:
     """Wrap the CuPy backend's per-call steps with wall-time accumulators (ns, by step).
     Nested steps count in both (``finish`` includes the wait for the GPU)."""
-    from coliworker.kernels import attention, expert_group, launch, pinned, route
+    from coliworker.kernels import attention, expert_group, expert_group_pipe, launch, pinned, route
     from coliworker.kernels import graphs as cupy_graphs
     from coliworker.server import cupy_calls
 
@@ -55,9 +55,10 @@ def _stage_timers() -> dict[str, int]:
 
         setattr(owner, name, timed)
 
-    for name in ("plan_group", "write_group", "route_plan", "prepare", "pipe_plan",
-                 "pipe_tables", "issue_pipelined"):  # fmt: skip
+    for name in ("plan_group", "write_group", "route_plan", "prepare"):
         wrap(expert_group, name, f"expert_group.{name}")
+    for name in ("pipe_plan", "pipe_tables", "issue_pipelined"):
+        wrap(expert_group_pipe, name, f"expert_group_pipe.{name}")
     for mod in (expert_group, cupy_calls):  # each imported put_host by name
         wrap(mod, "put_host", "put_host")
     wrap(pinned, "copy_async", "pinned.copy_async (started)")  # issue_pipelined's, at the call
@@ -149,6 +150,7 @@ def _in_segment(b, x: np.ndarray) -> tuple[np.ndarray, object]:
 def prefill(b, calls: int, stages: bool) -> None:
     """--prefill (module docstring)."""
     from coliworker.kernels import expert_group as eg
+    from coliworker.kernels import expert_group_pipe as pipe
     from coliworker.kernels import pinned
 
     rng = np.random.default_rng(0)
@@ -173,7 +175,7 @@ def prefill(b, calls: int, stages: bool) -> None:
         m = np.median(np.array(ph), axis=0) / 1e6
         return float(np.median(walls)) / 1e6, float(m[0]), float(m[1]), float(m[2])
 
-    keep = (eg.PIPE_LAUNCHES, eg.PIPE_PIECES, eg.PIPELINE, eg.PIPE_EDGE)
+    keep = (pipe.PIPE_LAUNCHES, pipe.PIPE_PIECES, eg.PIPELINE, eg.PIPE_EDGE)
     threads0 = pinned.COPY_THREADS
     eg.PIPELINE = False
     want = b.expert_group(experts, rl, x).out.copy()
@@ -192,7 +194,7 @@ def prefill(b, calls: int, stages: bool) -> None:
         with PIPE_EDGE ``edge``."""
         eg.PIPE_EDGE = edge
         for L, P, t in configs:
-            eg.PIPE_LAUNCHES, eg.PIPE_PIECES = L, P
+            pipe.PIPE_LAUNCHES, pipe.PIPE_PIECES = L, P
             if t is not None:
                 pinned.set_copy_threads(t)
             same = bool(np.array_equal(b.expert_group(experts, rl, xin).out, want))
@@ -200,7 +202,7 @@ def prefill(b, calls: int, stages: bool) -> None:
             print(f"| {label} | {L} | {P} | {'-' if t is None else t} | {c[0]:.3f} | "
                   f"{c[1]:.3f} | {c[2]:.3f} | {c[3]:.3f} | {c[0] / one[2]:.2f} | "
                   f"{'same' if same else 'DIFFER'} |")  # fmt: skip
-        eg.PIPE_LAUNCHES, eg.PIPE_PIECES, eg.PIPE_EDGE = keep[0], keep[1], keep[3]
+        pipe.PIPE_LAUNCHES, pipe.PIPE_PIECES, eg.PIPE_EDGE = keep[0], keep[1], keep[3]
         pinned.set_copy_threads(threads0)
 
     configs = [(L, P, t) for t in (4, 8) for L in (2, 4, 8) for P in (1, 2, 4)]

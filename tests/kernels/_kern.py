@@ -1,4 +1,5 @@
-"""Shared by the kernel tests: random quantized tensors, the error measure and tolerances."""
+"""Shared by the kernel tests: random quantized tensors, expert groups of them placed on a
+backend, stand-ins for residents (host-only table tests), the error measure and tolerances."""
 
 from __future__ import annotations
 
@@ -33,3 +34,28 @@ def row_rel_err(y: np.ndarray, ref: np.ndarray) -> float:
         den = max(float(np.abs(ref[k]).max()), 1e-30)
         worst = max(worst, float(np.abs(y[k] - ref[k]).max()) / den)
     return worst
+
+
+def place_experts(b, rng: np.random.Generator, n: int, d: int, ie: int, fmt: int, gs: int):
+    """n random experts (gate and up [ie, d], down [d, ie]) on the host and placed on b's
+    device 0: (host triples, device triples)."""
+    host = [
+        tuple(make_tensor(rng, fmt, *sh, gs) for sh in ((ie, d), (ie, d), (d, ie)))
+        for _ in range(n)
+    ]
+    dev = [tuple(b.place(t, 0) for t in e) for e in host]
+    return host, dev
+
+
+class Spec:
+    """A weight spec's stand-in (specs compare by identity) for the host-only table tests."""
+
+    def __init__(self, fmt: int) -> None:
+        self.fmt = fmt
+
+
+class Res:
+    """A resident's stand-in: spec, fmt, out_features and two fake device pointers."""
+
+    def __init__(self, spec: Spec, out: int, ptr: int) -> None:
+        self.spec, self.fmt, self.out_features, self.ptrs = spec, spec.fmt, out, (ptr, ptr + 8)
