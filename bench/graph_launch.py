@@ -1,7 +1,8 @@
 """What one CUDA graph launch costs from Python on this machine, by what the graph holds.
 
 The CuPy backend replays each call's device work as a graph (kernels/graphs.py): the
-copies between the arena's pinned and device halves, the kernels and four timing events.
+copies between the arena's pinned and device halves, the kernels, and four timing events (or,
+where both copies are copy kernels that stamp the phases, one event after all).
 This bench takes that apart with a trivial kernel (so the GPU time is near zero): the host
 time of ``cudaGraphLaunch`` alone and of launch + wait, for graphs of a kernel alone, with
 the event-record nodes, with the two copies (copy engine, or the copy kernel of
@@ -59,35 +60,44 @@ def main() -> None:
 
     copy_k = copy_launch(n)
     hp, dp = np.uint64(host.ctypes.data), np.uint64(dev.data.ptr)
+    none = (np.uint64(0), np.uint64(0))  # a copy kernel's stamp arguments: none
+    # stamped copies (server/cupy_calls.py's decode calls): two CopyStamp records, their out
+    stamp_dev = cupy.asarray(np.array([np.iinfo(np.uint64).max, 0, 0] * 2, np.uint64))
+    stamp_out = cupyx.empty_pinned((4,), np.uint64)
+    up = (np.uint64(stamp_dev.data.ptr), np.uint64(stamp_out.ctypes.data))
+    down = (np.uint64(stamp_dev.data.ptr + 24), np.uint64(stamp_out.ctypes.data + 16))
 
-    def work(events: bool, copies: str, kernels: int, capturing: bool) -> None:
-        if events:
+    def work(events: int, copies: str, kernels: int, capturing: bool) -> None:
+        """events: 4 (the phases framed by events) or 1 (one after all: stamped copies)."""
+        if events == 4:
             mark(0, capturing)
         if copies == "engine":
             rt.memcpyAsync(dev.data.ptr, host.ctypes.data, n, 1, sp)
-        elif copies == "kernel":
-            copy_k(dp, hp)
-        if events:
+        elif copies:
+            copy_k(dp, hp, *(up if copies == "stamped" else none))
+        if events == 4:
             mark(1, capturing)
         kern(kernels)
-        if events:
+        if events == 4:
             mark(2, capturing)
         if copies == "engine":
             rt.memcpyAsync(host.ctypes.data, dev.data.ptr, n, 2, sp)
-        elif copies == "kernel":
-            copy_k(hp, dp)
+        elif copies:
+            copy_k(hp, dp, *(down if copies == "stamped" else none))
         if events:
             mark(3, capturing)
 
     variants = [
-        ("kernel", False, "", 1),
-        ("kernel + 4 events", True, "", 1),
-        ("kernel + 2 copies", False, "engine", 1),
-        ("kernel + 2 copies + 4 events (a call)", True, "engine", 1),
-        ("5 kernels + 2 copies + 4 events (attention)", True, "engine", 5),
-        ("kernel + 2 copy kernels", False, "kernel", 1),
-        ("kernel + 2 copy kernels + 4 events (a call)", True, "kernel", 1),
-        ("5 kernels + 2 copy kernels + 4 events (attention)", True, "kernel", 5),
+        ("kernel", 0, "", 1),
+        ("kernel + 4 events", 4, "", 1),
+        ("kernel + 2 copies", 0, "engine", 1),
+        ("kernel + 2 copies + 4 events (a call, copy engine)", 4, "engine", 1),
+        ("5 kernels + 2 copies + 4 events (attention, copy engine)", 4, "engine", 5),
+        ("kernel + 2 copy kernels", 0, "kernel", 1),
+        ("kernel + 2 copy kernels + 4 events (a call, before)", 4, "kernel", 1),
+        ("5 kernels + 2 copy kernels + 4 events (attention, before)", 4, "kernel", 5),
+        ("kernel + 2 stamped copy kernels + 1 event (a call, now)", 1, "stamped", 1),
+        ("5 kernels + 2 stamped copy kernels + 1 event (attention, now)", 1, "stamped", 5),
     ]
     rows = []
     with s:
@@ -132,7 +142,7 @@ def main() -> None:
             )
     back = host.copy()
     host[:] = 0
-    copy_k(hp, dp)
+    copy_k(hp, dp, *none)
     s.synchronize()
     assert np.array_equal(host, cupy.asnumpy(dev)), "copy kernel: device -> host differs"
     del back

@@ -384,9 +384,7 @@ def run(
     host[j_off : j_off + len(jobs)] = jobs
     absorb, attend, merge, value, proj = launches
     u64 = np.uint64
-    call.mark(0)
     call.send(in_end)
-    call.mark(1)
     call.launch(absorb, u64(qfull), u64(base), u64(kv_b.ptrs[0]), u64(kv_b.ptrs[1]),
                 u64(base + d_off), u64(base + l_off), u64(base + r_off),
                 np.int32(scatter))  # fmt: skip
@@ -400,9 +398,7 @@ def run(
         call.launch(value, u64(base + j_off))
     if proj is not None:
         call.launch(proj, u64(base + j_off + 64 * H))
-    call.mark(2)
     call.receive(out_off, (S, dout) if o_proj is not None else (S, H, V))
-    call.mark(3)
     return call.finish()
 
 

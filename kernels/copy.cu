@@ -8,7 +8,26 @@
 // blocks of 256 threads for n / 16 lanes of 16 bytes, at most COPY_BLOCKS; the tail below 16
 // bytes by the first threads. A copy into host memory is fenced system-wide before the
 // kernel ends, so the event after it sees every byte.
-__global__ void coli_copy(uint4 *__restrict__ dst, const uint4 *__restrict__ src, long long n) {
+//
+// Phase stamps (a call's H2D and D2H copies, in place of timing events; null: none): stamp is
+// a CopyStamp in device memory, {~0, 0, 0} between launches, and out two u64 in mapped host
+// memory. Each block's thread 0 takes %globaltimer as the block starts (atomicMin into first)
+// and once every thread of the block has copied (atomicMax into last); the block that counts
+// last writes (first, last) to out, fenced system-wide, and resets the CopyStamp for the next
+// launch, so a launch that runs at all leaves it as it found it.
+struct CopyStamp {
+    unsigned long long first, last, done;
+};
+
+__device__ __forceinline__ unsigned long long copy_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+__global__ void coli_copy(uint4 *__restrict__ dst, const uint4 *__restrict__ src,
+                          CopyStamp *stamp, unsigned long long *out, long long n) {
+    if (stamp != nullptr && threadIdx.x == 0) atomicMin(&stamp->first, copy_now());
     const long long n16 = n >> 4;
     const long long stride = (long long)gridDim.x * blockDim.x;
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -26,5 +45,18 @@ __global__ void coli_copy(uint4 *__restrict__ dst, const uint4 *__restrict__ src
         reinterpret_cast<unsigned char *>(dst)[n16 * 16 + t] =
             reinterpret_cast<const unsigned char *>(src)[n16 * 16 + t];
     }
+    __threadfence_system();
+    if (stamp == nullptr) return;
+    __syncthreads();  // every thread of the block has copied
+    if (threadIdx.x != 0) return;
+    atomicMax(&stamp->last, copy_now());
+    __threadfence();
+    if (atomicAdd(&stamp->done, 1ull) != gridDim.x - 1) return;
+    __threadfence();  // the last block: every block's first and last are in
+    out[0] = atomicAdd(&stamp->first, 0ull);
+    out[1] = atomicAdd(&stamp->last, 0ull);
+    stamp->first = ~0ull;
+    stamp->last = 0;
+    stamp->done = 0;
     __threadfence_system();
 }

@@ -452,14 +452,10 @@ def issue(
     N = x.shape[0]
     dout = experts[0][2].out_features
     _, calls, off = prepare(call, experts, rows, x, n_sm)
-    call.mark(0)
     call.send(off["in_end"])
-    call.mark(1)
     for go, args in calls:
         call.launch(go, *args)
-    call.mark(2)
     call.receive(off["y"], (N, dout))
-    call.mark(3)
     call.issue()
 
 
@@ -488,16 +484,12 @@ def routed(
         put_host(a.host, o2, rp.src, 4 * n, np.int32)
     combine = route.combine_launch(T, K, d_out)
     u64 = np.uint64
-    call.mark(0)
     call.send(off["in_end"])
-    call.mark(1)
     if rp.x_rows is None:
         call.launch(route.gather_launch(n, D), u64(base + off["xp"]), u64(base), u64(base + o2))
     for go, args in calls:
         call.launch(go, *args)
     call.launch(combine, u64(base + off["out"]), u64(base + off["y"]), u64(base + o0),
                 u64(base + o1))  # fmt: skip
-    call.mark(2)
     call.receive(off["out"], (T, d_out))
-    call.mark(3)
     return call.finish()

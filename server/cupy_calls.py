@@ -88,6 +88,8 @@ DETACH_BYTES = 1 << 20
 # to the device straight from it (registered with CUDA on the first such input), not through
 # a copy into the pinned buffer.
 DIRECT_BYTES = 8 << 20
+_NEVER = np.iinfo(np.uint64).max  # a CopyStamp's first between launches (kernels/copy.cu)
+_NO_STAMP = (np.uint64(0), np.uint64(0))  # a copy kernel's stamp arguments: none
 
 
 class Arena:
@@ -97,7 +99,8 @@ class Arena:
     size (several in flight) get fresh arenas."""
 
     __slots__ = ("dev", "dptr", "host", "hptr", "events", "eptr", "home", "graphs", "plans",
-                 "side", "pipe", "pptr")  # fmt: skip
+                 "side", "pipe", "pptr", "stamp_dev", "stamps", "h2d_stamp",
+                 "d2h_stamp")  # fmt: skip
 
     def __init__(self, home: list[Arena]) -> None:
         self.dev: Any = None  # cupy.ndarray uint8, set by reserve()
@@ -111,6 +114,15 @@ class Arena:
         self.side: tuple[Any, Any] | None = None  # the copy streams (up, down), once made
         self.pipe: list[Any] = []  # a pipelined call's events, made as needed
         self.pptr: list[int] = []
+        # The phase stamps of the call's two copy kernels (kernels/copy.cu): their CopyStamp
+        # records on the device, and what they leave in pinned memory, [H2D first, H2D last,
+        # D2H first, D2H last] (ns of the GPU's global timer); the copy kernels' stamp
+        # arguments, H2D and D2H.
+        self.stamp_dev = cupy.asarray(np.array([_NEVER, 0, 0] * 2, np.uint64))
+        self.stamps = pinned(32, "call stamps").view(np.uint64)
+        sd, sh = self.stamp_dev.data.ptr, self.stamps.ctypes.data
+        self.h2d_stamp = (np.uint64(sd), np.uint64(sh))
+        self.d2h_stamp = (np.uint64(sd + 24), np.uint64(sh + 16))
 
     def streams(self) -> tuple[Any, Any]:
         """This arena's two copy streams (inputs up, outputs down), made on first use on the
@@ -176,12 +188,19 @@ class Call:
     and an arena. Layout of the arena: [inputs | outputs] mirrored on host and device (the
     inputs go up in one copy, the outputs come back in one), then device-only scratch.
 
-    The device work (``send``, ``launch``, ``mark``, ``receive``) is listed, not issued;
-    ``issue`` (or ``finish``) issues the list, as a CUDA graph once the arena has seen it
-    before (``kernels/graphs.py``)."""
+    The device work (``send``, ``launch``, ``receive``) is listed, not issued; ``issue`` (or
+    ``finish``) issues the list, as a CUDA graph once the arena has seen it before
+    (``kernels/graphs.py``).
+
+    Phases (H2D, kernels, D2H): where both copies are copy kernels (a decode call's few
+    hundred KB) the kernels stamp them (``kernels/copy.cu``: the first block's start and the
+    last block's end of each copy, by the GPU's global timer) and one event after the D2H
+    tells the call it is done; where a copy is on the copy engine the arena's four events
+    frame the phases instead (each event record costs a graph node, about 1 us of launch and
+    of GPU time)."""
 
     __slots__ = ("backend", "device", "what", "stream", "arena", "_prev", "out", "direct",
-                 "work", "graphable", "spans", "done")  # fmt: skip
+                 "work", "graphable", "spans", "done", "stamped", "_h2d")  # fmt: skip
 
     def __init__(self, backend: Any, device: int, what: str) -> None:
         """``backend``: the CuPy backend (its per-thread ``_stream`` and ``_arenas``, and
@@ -199,6 +218,8 @@ class Call:
         # arena's four phase events (module docstring).
         self.spans: tuple[list[tuple[int, int]], ...] | None = None
         self.done = 0
+        self.stamped = False  # the phases are the copy kernels' stamps
+        self._h2d = -1  # where send's first event lies in work, when its copy is stamped
 
     def __enter__(self) -> Call:
         self._prev = cupy.cuda.runtime.getDevice()
@@ -248,9 +269,11 @@ class Call:
 
     def send(self, nbytes: int) -> None:
         """The inputs, bytes [0, nbytes) of the arena, host -> device (the ranges ``put``
-        left in a registered segment from there)."""
+        left in a registered segment from there), between the H2D phase's events (which
+        ``receive`` drops again where both copies are stamped)."""
         a = self.arena
         work = self.work
+        work.append((MARK, 0))
         pos = 0
         if self.direct:
             self.graphable = False
@@ -260,33 +283,49 @@ class Call:
             work.append((COPY, a.dptr + off, ptr, n, H2D))
             pos = off + n
         if pos < nbytes:
-            self._copy(a.dptr + pos, a.hptr + pos, nbytes - pos, H2D)
+            one = pos == 0  # the whole input in one copy: a kernel stamps it
+            stamp = a.h2d_stamp if one else _NO_STAMP
+            if self._copy(a.dptr + pos, a.hptr + pos, nbytes - pos, H2D, stamp) and one:
+                self._h2d = len(work) - 2
         self.direct = []
+        work.append((MARK, 1))
 
-    def _copy(self, dst: int, src: int, n: int, direction: int) -> None:
+    def _copy(self, dst: int, src: int, n: int, direction: int, stamp: tuple = _NO_STAMP) -> bool:
         """Between the arena's halves: a copy kernel when small and both ends are 16-byte
-        aligned (``kernels/copy.py``), else the copy engine (the part of the inputs after an
-        array read from a client's segment can start anywhere)."""
+        aligned (``kernels/copy.py``; ``stamp``: its stamp arguments), else the copy engine
+        (the part of the inputs after an array read from a client's segment can start
+        anywhere). True: a kernel."""
         aligned = not (dst | src) & 15  # the kernel moves 16-byte lanes
         go = copy_launch(n, self.device) if aligned else None
         if go is None:
             self.work.append((COPY, dst, src, n, direction))
-        else:
-            self.work.append((LAUNCH, go, (np.uint64(dst), np.uint64(src))))
+            return False
+        self.work.append((LAUNCH, go, (np.uint64(dst), np.uint64(src), *stamp)))
+        return True
 
     def launch(self, go: Any, *args: Any) -> None:
         """Launch ``go(*args)`` (a prepared ``Launch`` or a CuPy kernel) in order."""
         self.work.append((LAUNCH, go, args))
 
     def receive(self, off: int, shape: tuple[int, ...]) -> None:
-        """The output float32 ``shape`` at ``off`` device -> host (same offset)."""
+        """The output float32 ``shape`` at ``off`` device -> host (same offset), then the
+        event that ends the call's work. Where the inputs went up in one stamped copy kernel
+        and this copy is a kernel too, it is stamped and the H2D phase's events go (the
+        phases are the stamps); else the D2H phase's events frame it."""
         a = self.arena
         n = 4 * math.prod(shape)
-        self._copy(a.hptr + off, a.dptr + off, n, D2H)
         self.out = (off, n, shape)
-
-    def mark(self, i: int) -> None:
-        self.work.append((MARK, i))
+        work = self.work
+        i = self._h2d
+        if self._copy(a.hptr + off, a.dptr + off, n, D2H, a.d2h_stamp if i >= 0 else _NO_STAMP):
+            if i >= 0:
+                del work[i + 2], work[i]  # send's two events around its stamped copy
+                self.stamped = True
+            else:
+                work.insert(len(work) - 1, (MARK, 2))
+        else:
+            work.insert(len(work) - 1, (MARK, 2))
+        work.append((MARK, 3))
 
     def issue(self) -> None:
         """Issue the listed device work on the call's stream (a graph replay where it can)."""
@@ -310,7 +349,10 @@ class Call:
             a.forget()
         else:
             out = a.host[off : off + n].view(np.float32).reshape(shape).copy()  # arena reused
-        if spans is None:
+        if self.stamped:
+            h0, h1, d0, d1 = a.stamps.tolist()
+            phases = Phases(h1 - h0, max(0, d0 - h1), d1 - d0)
+        elif spans is None:
             phases = Phases(*(int(rt.eventElapsedTime(ev[i], ev[i + 1]) * 1e6) for i in range(3)))
         else:
             ms = rt.eventElapsedTime
