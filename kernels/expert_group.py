@@ -412,10 +412,10 @@ PIPELINE = os.environ.get("COLIWORKER_PREFILL_PIPELINE", "1") != "0"
 
 
 def _pipe_edge(text: str | None) -> float:
-    """``PIPE_EDGE`` from COLIWORKER_PIPE_EDGE's text (None: unset, 1.0); a ValueError for
+    """``PIPE_EDGE`` from COLIWORKER_PIPE_EDGE's text (None: unset, 0.5); a ValueError for
     anything but a number in (0, 1]."""
     if text is None:
-        return 1.0
+        return 0.5
     try:
         edge = float(text)
     except ValueError:
@@ -428,8 +428,9 @@ def _pipe_edge(text: str | None) -> float:
 #: The first and the last pipelined run's rows as a share of a middle run's
 #: (``expert_group_pipe.pipe_bounds``): nothing hides the first run's copy up or the last run's
 #: kernel and copy down, so shorter edge runs shorten the pipeline's fill and drain, at the cost
-#: of longer middle runs. 1.0 is equal runs (as measured in
-#: bench/results/prefill-pipeline-2026-12-01.md) until a GPU shows a smaller share wins;
+#: of longer middle runs. 0.5: on the H200 (bench/results/prefill-edge-2026-12-01.md) the
+#: 64 x 32 prefill group with x in a registered segment took 2.33-2.42 ms at 0.5 against
+#: 2.69-2.74 ms with equal runs (1.0) and 2.46-2.50 ms at 0.25, the same bits at every share;
 #: COLIWORKER_PIPE_EDGE sets it, in (0, 1]. Read here, at import, so that a bad value stops the
 #: worker at its start (the pipe module is imported at the first prefill call only).
 PIPE_EDGE = _pipe_edge(os.environ.get("COLIWORKER_PIPE_EDGE"))

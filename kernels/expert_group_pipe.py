@@ -11,8 +11,8 @@ put it into pinned memory (``kernels/pinned.py``), each run's launch waits for i
 and its outputs go down on the arena's down stream as soon as it ends; the copies in, the copies
 up, the kernels and the copies down of different runs overlap. Nothing hides the first run's
 copy up or the last run's kernel and copy down, so those two runs may get
-``expert_group.PIPE_EDGE`` times a middle run's rows (``COLIWORKER_PIPE_EDGE``; 1.0, equal
-runs, until a GPU measures a smaller share faster). Each run's launch is the whole group's
+``expert_group.PIPE_EDGE`` times a middle run's rows (``COLIWORKER_PIPE_EDGE``; 0.5, as
+measured fastest on the H200; 1.0 is equal runs). Each run's launch is the whole group's
 launch (same kernel, tile sizes and grid bounds from the whole group's maximum rows and widths)
 over fewer jobs, and each job is the same record: every expert's rows compute exactly as in the
 one launch, to the bit (``tests/kernels/test_expert_group_pipe.py``). Direct launches only

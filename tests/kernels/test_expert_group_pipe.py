@@ -158,7 +158,7 @@ def test_pipe_bounds_edge_runs_are_shorter(edge, launches):
 
 
 def test_pipe_edge_from_the_environment():
-    assert eg._pipe_edge(None) == 1.0
+    assert eg._pipe_edge(None) == 0.5  # unset: the measured default
     assert eg._pipe_edge("0.5") == 0.5 and eg._pipe_edge("1") == 1.0
     for bad in ("0", "-0.5", "1.5", "nan", "inf", "", "half"):
         with pytest.raises(ValueError, match=f"COLIWORKER_PIPE_EDGE={bad!r}"):
