@@ -443,6 +443,39 @@ def _status(context: grpc.ServicerContext, default: grpc.StatusCode) -> grpc.Sta
     return default
 
 
+def _settled(context: grpc.ServicerContext, code: grpc.StatusCode) -> grpc.StatusCode:
+    """The status of a call that has ended: CANCELLED where grpc saw the client cancel (its
+    server context keeps the client side's state as ``_state.client``, "cancelled" once a
+    cancel has come), else ``code``; where a grpc keeps no such state, ``code``."""
+    client = getattr(getattr(context, "_state", None), "client", None)
+    return grpc.StatusCode.CANCELLED if client == "cancelled" else code
+
+
+def _finish(
+    m: Metrics,
+    context: grpc.ServicerContext,
+    method: str,
+    started: float,
+    code: grpc.StatusCode,
+    service: str,
+    kind: str,
+) -> None:
+    """Record a call's end. A request-streaming call whose handler returned normally is
+    recorded when the call ends (``add_callback``): a cancel that reaches grpc while the
+    handler waits for its next request can surface as the end of the requests (the request
+    iterator stops) before grpc marks the call cancelled, so only the call's end settles
+    whether the client saw OK or CANCELLED."""
+    if code is grpc.StatusCode.OK and kind in ("client_stream", "bidi_stream"):
+
+        def settle() -> None:
+            m._end(method, started, _settled(context, code), service, kind)
+
+        if context.add_callback(settle):
+            return
+        code = _settled(context, code)  # the call has already ended
+    m._end(method, started, code, service, kind)
+
+
 class _MetricsInterceptor(grpc.ServerInterceptor):
     def __init__(self, metrics: Metrics) -> None:
         self._m = metrics
@@ -499,7 +532,7 @@ class _MetricsInterceptor(grpc.ServerInterceptor):
                 code = _status(context, grpc.StatusCode.UNKNOWN)
                 raise
             finally:
-                m._end(method, started, code, service, kind)
+                _finish(m, context, method, started, code, service, kind)
 
         return wrapped
 
@@ -522,7 +555,7 @@ class _MetricsInterceptor(grpc.ServerInterceptor):
                 code = _status(context, grpc.StatusCode.UNKNOWN)
                 raise
             finally:
-                m._end(method, started, code, service, kind)
+                _finish(m, context, method, started, code, service, kind)
 
         return wrapped
 

@@ -274,6 +274,19 @@ def test_interceptor_unary_codes(served) -> None:
     assert value(m, "coliworker_compute_errors_total", code="NOT_FOUND") == 0
 
 
+def ended(m: Metrics, *methods: str) -> None:
+    """Wait (30 s at most, however loaded the machine) until no call of ``methods`` is in
+    flight: a request-streaming call that ends normally is counted when grpc ends it, which
+    can be just after its client has its last response."""
+    import time
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if all(value(m, "grpc_server_in_flight_requests", grpc_method=x) == 0 for x in methods):
+            return
+        time.sleep(0.01)
+
+
 def test_interceptor_streams(served) -> None:
     m, channel = served
     chunks = [bytes(random.randint(1, 100)) for _ in range(5)]
@@ -288,6 +301,7 @@ def test_interceptor_streams(served) -> None:
     assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert len(list(channel.unary_stream(_path("Watch"))(b"3", timeout=5))) == 3
 
+    ended(m, "Upload", "Session")
     assert handled(m, "Upload", "OK") == 1
     assert handled(m, "Session", "OK") == 1
     assert handled(m, "Session", "RESOURCE_EXHAUSTED") == 1
@@ -381,8 +395,9 @@ def test_nvml_without_a_driver_exports_nothing(caplog) -> None:
 
 
 def test_interceptor_counts_a_cancelled_stream(served) -> None:
+    # A cancel that grpc first surfaces as the end of the requests (the handler then returns
+    # normally) still counts as CANCELLED: the interceptor settles the code at the call's end.
     import threading
-    import time
 
     m, channel = served
     gate = threading.Event()
@@ -394,11 +409,7 @@ def test_interceptor_counts_a_cancelled_stream(served) -> None:
     call = channel.stream_stream(_path("Session"))(requests(), timeout=60)
     assert next(call) == b"a"
     call.cancel()
-    deadline = time.monotonic() + 30  # the handler's end, however loaded the machine
-    while time.monotonic() < deadline:
-        if value(m, "grpc_server_in_flight_requests", grpc_method="Session") == 0:
-            break
-        time.sleep(0.02)
+    ended(m, "Session")
     # The requests end only now: ended before the cancel reached the worker, they would
     # end the stream normally (OK), which a loaded machine showed once.
     gate.set()
