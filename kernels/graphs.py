@@ -2,7 +2,8 @@
 
 A call (``Call`` in ``server/cupy_calls.py``) does not issue its device work as it goes: it
 lists it (copies between its arena's pinned host half and its device half, kernel launches,
-its four timing events) and issues the list at the end. The list is a value: the same operation with
+its timing events: one after all where the copy kernels stamp the phases, else four) and
+issues the list at the end. The list is a value: the same operation with
 the same shapes in the same arena gives the same list, since every pointer in it lies in
 that arena or a resident tensor, and every per-call value (activations, job tables, KV
 descriptors) is data the inputs' copy brings. So the list is the key of a CUDA graph: the

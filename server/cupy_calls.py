@@ -5,7 +5,8 @@ Host time per call is kept near the floor: every buffer of a call (inputs, outpu
 on the device and pinned on the host) lies in one reusable ``Arena`` with its own timing
 events, graphs and plans; a ``Call`` makes the device current (only when it differs), takes
 the thread's stream and an arena, lists its device work (the inputs up in one copy, the
-launches between phase events, the outputs back in one copy) and issues it at the end, as a
+launches, the outputs back in one copy, the phases stamped by the copy kernels or framed by
+events: ``Call``) and issues it at the end, as a
 CUDA graph once the arena has seen it before (``kernels/graphs.py``). Large inputs are
 copied into pinned memory on several threads (``kernels/pinned.py``), or read by the device
 straight from a session's shared-memory segment once CUDA has it registered
