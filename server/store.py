@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import secrets
 import threading
 import time
@@ -506,18 +507,30 @@ class TensorStore:
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
+#: The parameters of a handler ``held`` wraps (the wrapper takes exactly these).
+_HANDLER_PARAMS = ("self", "request", "owner", "io")
+
+
 def held(op: _F) -> _F:
     """Decorate a handler method of an object with a ``store``: the call holds every tensor
     it resolves until it returns (``TensorStore.begin_call``), so a concurrent free or update
-    can never leave it reading released or half-written memory."""
+    can never leave it reading released or half-written memory.
 
-    @functools.wraps(op)
-    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+    The handler takes ``(self, request, owner, io)``, and so does the wrapper, with the
+    handler's default for ``io`` (if any): a fixed signature, so a call builds no ``*args``
+    tuple and ``**kwargs`` dict on its way in."""
+    code = op.__code__
+    extra = code.co_kwonlyargcount or code.co_flags & (inspect.CO_VARARGS | inspect.CO_VARKEYWORDS)
+    if code.co_varnames[: code.co_argcount] != _HANDLER_PARAMS or extra:
+        raise TypeError(f"held: {op.__qualname__} must take exactly {_HANDLER_PARAMS}")
+
+    def run(self: Any, request: Any, owner: str, io: Any) -> Any:
         store = self.store
         epoch = store.begin_call()
         try:
-            return op(self, *args, **kwargs)
+            return op(self, request, owner, io)
         finally:
             store.end_call(epoch)
 
-    return run  # type: ignore[return-value]
+    run.__defaults__ = op.__defaults__  # io's default where the handler has one
+    return functools.update_wrapper(run, op)  # type: ignore[return-value]

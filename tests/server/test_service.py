@@ -6,6 +6,7 @@ cross-device validation is exercised without GPUs.
 
 from __future__ import annotations
 
+import grpc
 import numpy as np
 import pytest
 
@@ -17,13 +18,14 @@ from coliworker.client import (
     ResourceExhausted,
     Unavailable,
     WorkerClient,
+    requests,
 )
 from coliworker.kernels import reference as ref
 from coliworker.kernels.qtensor import QTensor, row_bytes, scale_count, scale_shape
 from coliworker.server.app import build_server
 from coliworker.server.config import Config
 from coliworker.v1 import worker_pb2 as pb
-from coliworker.wire import codec
+from coliworker.wire import calls, codec
 
 TOL = 1e-5  # NumPy backend vs float64 reference, float32 results
 
@@ -324,6 +326,85 @@ def test_attention_ragged_append_rollback_free(w, rng):
     with pytest.raises(FailedPrecondition, match="expected <= 0"):
         call([(7, 1, 2)])
     w.free(hk)  # freeing kv_b drops its caches too
+    w.free(ho)
+
+
+def _update(w: WorkerClient, h, t: QTensor) -> None:
+    shape = scale_shape(t.fmt, t.in_features, t.out_features, t.group_size)
+    w.update(h, t.weights.reshape(t.out_features, -1), t.scales.reshape(shape) if shape else None)
+
+
+def test_attention_ragged_weights_follow_free_and_update(w, rng):
+    """The servicer keeps a ragged call's resolved kv_b and o_proj for the next call on the
+    same handles: an update or a free in between is seen by that call as it would be
+    without the cache. Each replacement points the handle at content another handle holds
+    (a new resident copy, not the old one overwritten), and each free leaves that content
+    resident, so a stale entry would answer with the old weights instead of failing."""
+    (kv_b, o_proj), (hk, ho), dims = mla(w, rng)
+    kv_b2, o_proj2 = random_tensor(rng, 2, 10, 3 * (8 + 6)), random_tensor(rng, 1, 18, 7)
+    hk2, ho2 = upload(w, kv_b2), upload(w, o_proj2)
+    lat = rng.standard_normal((8, 10)).astype(np.float32)
+    rope = rng.standard_normal((8, 4)).astype(np.float32)
+    q = rng.standard_normal((1, 3, 12)).astype(np.float32)
+
+    def call(k, o, kv, op, n):  # append row n - 1 of sequence 3, attend its n rows
+        seq = (3, n - 1, lat[n - 1 : n], rope[n - 1 : n])
+        out = w.attention_ragged(k, o, q, sequences=[seq], scale=0.3, **dims)
+        want = ref.attention_ragged(kv, op, q, [lat[:n]], [rope[:n]], scale=0.3, **dims)
+        assert rel_err(out, want) < TOL
+        assert w.last_call.lengths == [n]
+
+    call(hk, ho, kv_b, o_proj, 1)
+    call(hk, ho, kv_b, o_proj, 2)  # the same handles again
+    _update(w, ho, o_proj2)  # ho now on ho2's copy
+    call(hk, ho, kv_b, o_proj2, 3)
+    _update(w, hk, kv_b2)  # hk now on hk2's copy
+    call(hk, ho, kv_b2, o_proj2, 4)
+    call(hk, 0, kv_b2, None, 5)  # no o_proj: the context
+    # o_proj checked against this call's heads x v_dim (6 x 6, kv_b's 42 rows as 6 x (1 + 6))
+    q6 = rng.standard_normal((1, 6, 5)).astype(np.float32)
+    with pytest.raises(InvalidArgument, match=r"attention_ragged.o_proj: expected 36 in_features"):
+        w.attention_ragged(hk, ho, q6, sequences=[(3, 5, lat[5:6], rope[5:6])], scale=0.3,
+                           q_dim=1, rope_dim=4, v_dim=6)  # fmt: skip
+    w.free(ho)  # its content stays resident: ho2 holds it
+    with pytest.raises(NotFound, match="attention_ragged.o_proj: unknown tensor handle"):
+        call(hk, ho, kv_b2, o_proj2, 6)
+    call(hk, ho2, kv_b2, o_proj2, 6)
+    w.free(hk)  # its content stays resident: hk2 holds it
+    for o in (ho2, 0):
+        with pytest.raises(NotFound, match="attention_ragged.kv_b: unknown tensor handle"):
+            call(hk, o, kv_b2, o_proj2, 1)
+    w.free(hk2)
+    w.free(ho2)
+
+
+def test_attention_ragged_weights_are_per_owner(server, w, rng):
+    """Another owner naming this owner's handles is told they are unknown, after this
+    owner's calls on them as before (the resolved handles are kept per owner)."""
+    (kv_b, o_proj), (hk, ho), dims = mla(w, rng)
+    lat = rng.standard_normal((1, 10)).astype(np.float32)
+    rope = rng.standard_normal((1, 4)).astype(np.float32)
+    q = rng.standard_normal((1, 3, 12)).astype(np.float32)
+
+    def inline(a, field, ndim):  # the unary client's encoder: every array in its message
+        return codec.encode(a)
+
+    req = requests.attention_ragged(
+        inline, hk, ho, q, sequences=[(4, 0, lat, rope)], scale=0.3, **dims
+    )
+    run = server.servicer.dispatch.run
+    call = calls.BY_KIND["attention_ragged"]
+    for owner in ("", "", "someone else", ""):
+        out = run(call, req, owner)
+        if owner:
+            assert out.code == grpc.StatusCode.NOT_FOUND
+            assert out.message == f"attention_ragged.kv_b: unknown tensor handle {hk.handle}"
+        else:
+            assert out.ok, out.message
+            want = ref.attention_ragged(kv_b, o_proj, q, [lat], [rope], scale=0.3, **dims)
+            assert rel_err(codec.decode(out.response.out, "out"), want) < TOL
+    w.free_sequence(4)
+    w.free(hk)
     w.free(ho)
 
 

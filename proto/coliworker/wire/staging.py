@@ -124,8 +124,9 @@ def source(
 
     def get(a: pb.Array) -> Any:
         if a.HasField("staged") and view is not None:
-            off = a.staged.offset
-            return view[off : off + a.staged.length]
+            staged = a.staged  # (each read of a message field makes its wrapper: read once)
+            off = staged.offset
+            return view[off : off + staged.length]
         if a.HasField("shm"):
             if shm_view is not None and a.dtype == pb.DTYPE_FLOAT32:
                 return shm_view(a.shm.offset, a.shm.length, field)
