@@ -154,7 +154,8 @@ class ComputeOps:
             raise (InvalidArgument if n == 0 else ResourceExhausted)(
                 f"{op}.experts: expected 1..{self.config.max_experts} experts, got {n}"
             )
-        key = (owner, *[(e.gate, e.up, e.down) for e in experts])
+        key = (owner, *[(e.gate, e.up, e.down) for e in experts[:]])  # [:]: one list, no
+        # iteration of the repeated field to its IndexError
         gen = self.store.generation
         hit = self._expert_cache.get(key)
         if hit is not None and hit[0] == gen:
@@ -208,13 +209,13 @@ class ComputeOps:
         self.store.record_group(device, experts, rows, r.phases)
         self.hooks.record_group(device, experts, rows, r.phases)
         p = r.phases
-        return pb.ExpertGroupResponse(
-            y=io.encode(r.out, output_dtype(out_dtype)),
-            backend_ns=r.backend_ns,
-            h2d_ns=p.h2d_ns,
-            kernel_ns=p.kernel_ns,
-            d2h_ns=p.d2h_ns,
-        )
+        resp = pb.ExpertGroupResponse()  # field by field: no message argument to copy
+        io.encode_into(resp.y, r.out, output_dtype(out_dtype))
+        resp.backend_ns = r.backend_ns
+        resp.h2d_ns = p.h2d_ns
+        resp.kernel_ns = p.kernel_ns
+        resp.d2h_ns = p.d2h_ns
+        return resp
 
     @held
     def expert_group(
