@@ -2,7 +2,9 @@
 
 The unary client and the Session stream send the same requests; they differ only in how an
 activation array becomes an ``Array`` (inline bytes, or staged for chunks / shared memory),
-which is the ``enc`` argument: ``enc(array, field name, ndim) -> pb.Array``.
+which is the ``enc`` argument: ``enc(field, array, field name, ndim)`` fills the request's
+unset Array ``field`` in place. Requests are filled field by field: a message passed to a
+constructor (or to ``CopyFrom``) is serialized and parsed again.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.wire import codec
 
-Encoder = Callable[[np.ndarray, str, int], pb.Array]
+Encoder = Callable[[pb.Array, np.ndarray, str, int], None]
 
 
 def handle_id(t: Any) -> int:
@@ -54,13 +56,15 @@ def _with_experts(cls: Any, experts: Iterable[Sequence[Any]]) -> Any:
 
 
 def matmul(enc: Encoder, t: Any, x: np.ndarray) -> pb.MatmulRequest:
-    return pb.MatmulRequest(handle=handle_id(t), x=enc(x, "x", 2))
+    msg = pb.MatmulRequest(handle=handle_id(t))
+    enc(msg.x, x, "x", 2)
+    return msg
 
 
 def expert_mlp(enc: Encoder, gate: Any, up: Any, down: Any, x: np.ndarray) -> pb.ExpertMlpRequest:
-    return pb.ExpertMlpRequest(
-        gate=handle_id(gate), up=handle_id(up), down=handle_id(down), x=enc(x, "x", 2)
-    )
+    msg = pb.ExpertMlpRequest(gate=handle_id(gate), up=handle_id(up), down=handle_id(down))
+    enc(msg.x, x, "x", 2)
+    return msg
 
 
 def expert_group(
@@ -68,7 +72,7 @@ def expert_group(
 ) -> pb.ExpertGroupRequest:
     msg = _with_experts(pb.ExpertGroupRequest, experts)
     msg.rows.extend([int(r) for r in rows])
-    msg.x.CopyFrom(enc(x, "x", 2))
+    enc(msg.x, x, "x", 2)
     return msg
 
 
@@ -80,9 +84,9 @@ def expert_group_routed(
     weights: np.ndarray,
 ) -> pb.ExpertGroupRoutedRequest:
     msg = _with_experts(pb.ExpertGroupRoutedRequest, experts)
-    msg.x.CopyFrom(enc(x, "x", 2))
-    msg.routes.CopyFrom(codec.encode(np.asarray(routes, np.int32), pb.DTYPE_INT32))
-    msg.weights.CopyFrom(codec.encode(np.asarray(weights, np.float32), pb.DTYPE_FLOAT32))
+    enc(msg.x, x, "x", 2)
+    codec.encode_into(msg.routes, np.asarray(routes, np.int32), pb.DTYPE_INT32)
+    codec.encode_into(msg.weights, np.asarray(weights, np.float32), pb.DTYPE_FLOAT32)
     return msg
 
 
@@ -99,17 +103,18 @@ def attention(
     scale: float,
     o_proj: Any = None,
 ) -> pb.AttentionRequest:
-    return pb.AttentionRequest(
+    msg = pb.AttentionRequest(
         kv_b=handle_id(kv_b),
         o_proj=handle_id(o_proj),
-        q=enc(q, "q", 3),
-        latent=enc(latent, "latent", 2),
-        rope=enc(rope, "rope", 2),
         q_dim=q_dim,
         rope_dim=rope_dim,
         v_dim=v_dim,
         scale=scale,
     )
+    enc(msg.q, q, "q", 3)
+    enc(msg.latent, latent, "latent", 2)
+    enc(msg.rope, rope, "rope", 2)
+    return msg
 
 
 def attention_ragged(
@@ -124,26 +129,30 @@ def attention_ragged(
     v_dim: int,
     scale: float,
 ) -> pb.AttentionRaggedRequest:
-    """sequences[s] = (sequence id, start, latent rows [n, K], rope rows [n, R]); n may be 0."""
-    seqs = []
-    for sid, start, lat, rop in sequences:
-        lat = np.asarray(lat, np.float32)
-        rop = np.asarray(rop, np.float32)
-        seqs.append(
-            pb.SequenceRows(
-                sequence_id=int(sid),
-                start=int(start),
-                latent=enc(lat, "latent", 2) if lat.size else pb.Array(),
-                rope=enc(rop, "rope", 2) if rop.size else pb.Array(),
-            )
-        )
-    return pb.AttentionRaggedRequest(
+    """sequences[s] = (sequence id, start, latent rows [n, K], rope rows [n, R]); n may be 0
+    (its latent and rope then present and empty)."""
+    msg = pb.AttentionRaggedRequest(
         kv_b=handle_id(kv_b),
         o_proj=handle_id(o_proj),
-        q=enc(q, "q", 3),
-        sequences=seqs,
         q_dim=q_dim,
         rope_dim=rope_dim,
         v_dim=v_dim,
         scale=scale,
     )
+    add = msg.sequences.add
+    for sid, start, lat, rop in sequences:  # staged in this order, then q (as always)
+        lat = np.asarray(lat, np.float32)
+        rop = np.asarray(rop, np.float32)
+        row = add()
+        row.sequence_id = int(sid)
+        row.start = int(start)
+        if lat.size:
+            enc(row.latent, lat, "latent", 2)
+        else:
+            row.latent.SetInParent()
+        if rop.size:
+            enc(row.rope, rop, "rope", 2)
+        else:
+            row.rope.SetInParent()
+    enc(msg.q, q, "q", 3)
+    return msg

@@ -141,9 +141,10 @@ class SessionCalls:
 
     # -- the calls, defined once for every session transport ------------------------------
 
-    def _enc(self, x: np.ndarray, name: str, ndim: int) -> pb.Array:
-        """An Array whose bytes are placed later by ``_place``: until then ``staged``
-        holds the index of the wire-typed NumPy array in this thread's side list."""
+    def _enc(self, msg: pb.Array, x: np.ndarray, name: str, ndim: int) -> None:
+        """Fill ``msg`` (an unset Array field) as an Array whose bytes are placed later by
+        ``_place``: until then ``staged`` holds the index of the wire-typed NumPy array in this
+        thread's side list."""
         a = np.asarray(x, dtype=np.float32)
         if a.ndim != ndim:
             raise ValueError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
@@ -157,11 +158,11 @@ class SessionCalls:
         if side is None:
             side = self._tls.side = []
         side.append(raw)
-        return pb.Array(
-            dtype=self.wire_dtype,
-            shape=list(a.shape),
-            staged=pb.Slice(offset=len(side) - 1, length=raw.nbytes),
-        )
+        msg.dtype = self.wire_dtype
+        msg.shape.extend(a.shape)
+        staged = msg.staged
+        staged.offset = len(side) - 1
+        staged.length = raw.nbytes
 
     @staticmethod
     def _decoder(field: str) -> Decoder:

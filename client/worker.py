@@ -254,11 +254,11 @@ class WorkerClient:
             if key == INSTANCE_METADATA_KEY:
                 self.instance_id = value
 
-    def _enc(self, x: np.ndarray, name: str, ndim: int) -> pb.Array:
+    def _enc(self, msg: pb.Array, x: np.ndarray, name: str, ndim: int) -> None:
         a = np.asarray(x, dtype=np.float32)
         if a.ndim != ndim:
             raise ValueError(f"{name}: expected {ndim} dimensions, got shape {a.shape}")
-        return codec.encode(a, self.wire_dtype)
+        codec.encode_into(msg, a, self.wire_dtype)
 
     # -- info and lifecycle -------------------------------------------------------------
 

@@ -386,8 +386,8 @@ def test_attention_ragged_weights_are_per_owner(server, w, rng):
     rope = rng.standard_normal((1, 4)).astype(np.float32)
     q = rng.standard_normal((1, 3, 12)).astype(np.float32)
 
-    def inline(a, field, ndim):  # the unary client's encoder: every array in its message
-        return codec.encode(a)
+    def inline(msg, a, field, ndim):  # the unary client's encoder: every array in its message
+        codec.encode_into(msg, a)
 
     req = requests.attention_ragged(
         inline, hk, ho, q, sequences=[(4, 0, lat, rope)], scale=0.3, **dims
