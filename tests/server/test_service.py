@@ -9,6 +9,16 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
+from _service import (
+    TOL,
+    device_stats,
+    host_arrays,
+    make_expert,
+    mla,
+    random_tensor,
+    rel_err,
+    upload,
+)
 
 from coliworker.client import (
     FailedPrecondition,
@@ -21,50 +31,11 @@ from coliworker.client import (
     requests,
 )
 from coliworker.kernels import reference as ref
-from coliworker.kernels.qtensor import QTensor, row_bytes, scale_count, scale_shape
+from coliworker.kernels.qtensor import QTensor
 from coliworker.server.app import build_server
 from coliworker.server.config import Config
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.wire import calls, codec
-
-TOL = 1e-5  # NumPy backend vs float64 reference, float32 results
-
-
-def rel_err(y: np.ndarray, want: np.ndarray) -> float:
-    return float(np.max(np.abs(y - want)) / max(float(np.max(np.abs(want))), 1e-30))
-
-
-def random_tensor(rng: np.random.Generator, fmt: int, i: int, o: int, gs: int = 0) -> QTensor:
-    if fmt == 0:
-        w = rng.standard_normal((o, i)).astype(np.float32).view(np.uint8).reshape(-1)
-    else:
-        w = rng.integers(0, 256, size=o * row_bytes(fmt, i), dtype=np.uint8)
-    s = (rng.random(scale_count(fmt, i, o, gs)) * 0.05 + 0.01).astype(np.float32)
-    return QTensor(fmt, i, o, gs, w, s)
-
-
-def upload(w: WorkerClient, t: QTensor, device: int = 0):
-    shape = scale_shape(t.fmt, t.in_features, t.out_features, t.group_size)
-    scales = t.scales.reshape(shape) if shape else None
-    return w.upload(
-        t.weights.reshape(t.out_features, -1),
-        scales,
-        fmt=t.fmt,
-        in_features=t.in_features,
-        out_features=t.out_features,
-        group_size=t.group_size,
-        device=device,
-    )
-
-
-@pytest.fixture(scope="module")
-def server():
-    srv = build_server(
-        Config(host="127.0.0.1", port=0, backend="numpy", devices=(0, 1), metrics_port=None)
-    ).start()
-    yield srv
-    srv.stop(grace=None)
-
 
 # -- info, test vectors, formats -----------------------------------------------------------
 
@@ -138,18 +109,14 @@ def test_large_upload_is_chunked_and_exact(w, rng):
 # -- dedup, update, free -------------------------------------------------------------------
 
 
-def _device_stats(w, device=0):
-    return next(d for d in w.stats() if d.device == device)
-
-
 def test_identical_upload_is_shared_and_reference_counted(w, rng):
     t = random_tensor(rng, 2, 64, 32)
-    before = _device_stats(w)
+    before = device_stats(w)
     a = upload(w, t)
     b = upload(w, t)
     assert not a.deduplicated and b.deduplicated
     assert a.handle != b.handle and a.content_hash == b.content_hash
-    mid = _device_stats(w)
+    mid = device_stats(w)
     assert mid.tensors == before.tensors + 1
     assert mid.tensor_bytes == before.tensor_bytes + t.nbytes
     assert mid.handles == before.handles + 2
@@ -161,7 +128,7 @@ def test_identical_upload_is_shared_and_reference_counted(w, rng):
     assert rel_err(w.matmul(b, x), ref.matmul(t, x)) < TOL
     assert w.free(b) == t.nbytes
     w.free(c)
-    assert _device_stats(w).tensor_bytes == before.tensor_bytes
+    assert device_stats(w).tensor_bytes == before.tensor_bytes
 
 
 def test_lookup_probe_without_acquire(w, rng):
@@ -202,14 +169,6 @@ def test_freed_handle_is_not_found(w, rng):
 # -- experts -------------------------------------------------------------------------------
 
 
-def make_expert(w, rng, d, ie, fmts=(2, 2, 2), gs=0, device=0):
-    g = random_tensor(rng, fmts[0], d, ie, gs if fmts[0] == 4 else 0)
-    u = random_tensor(rng, fmts[1], d, ie, gs if fmts[1] == 4 else 0)
-    dn = random_tensor(rng, fmts[2], ie, d, gs if fmts[2] == 4 else 0)
-    hosts = (g, u, dn)
-    return hosts, tuple(upload(w, t, device) for t in hosts)
-
-
 def test_expert_mlp_mixed_formats(w, rng):
     hosts, hs = make_expert(w, rng, 21, 11, fmts=(4, 1, 3), gs=5)
     x = rng.standard_normal((3, 21)).astype(np.float32)
@@ -239,7 +198,7 @@ def test_expert_group_sync_async_and_routed(w, rng):
     xt = rng.standard_normal((5, d)).astype(np.float32)
     yr = w.expert_group_routed(hs, xt, routes, weights)
     assert rel_err(yr, ref.expert_group_routed(hosts, xt, routes, weights)) < TOL
-    stats = _device_stats(w).group
+    stats = device_stats(w).group
     assert stats.calls >= 5 and stats.rows >= 4 * sum(rows)
     for e in hs:
         for h in e:
@@ -259,12 +218,6 @@ def test_expert_group_glm52_decode_shape(w, rng):
 
 
 # -- attention -----------------------------------------------------------------------------
-
-
-def mla(w, rng, heads=3, q=8, r=4, v=6, k=10, d_out=7, fmt=2):
-    kv_b = random_tensor(rng, fmt, k, heads * (q + v))
-    o_proj = random_tensor(rng, 1, heads * v, d_out)
-    return (kv_b, o_proj), (upload(w, kv_b), upload(w, o_proj)), dict(q_dim=q, rope_dim=r, v_dim=v)
 
 
 def test_attention_causal_batch_with_and_without_o_proj(w, rng):
@@ -321,7 +274,7 @@ def test_attention_ragged_append_rollback_free(w, rng):
     with pytest.raises(FailedPrecondition, match=r"sequences\[0\].start: expected <= 8"):
         call([(7, 9, 10)])
     call([(7, 8, 9), (9, 4, 5)])  # the rejected call changed nothing
-    assert _device_stats(w).kv_sequences >= 2
+    assert device_stats(w).kv_sequences >= 2
     assert w.free_sequence(7) > 0
     with pytest.raises(FailedPrecondition, match="expected <= 0"):
         call([(7, 1, 2)])
@@ -330,8 +283,7 @@ def test_attention_ragged_append_rollback_free(w, rng):
 
 
 def _update(w: WorkerClient, h, t: QTensor) -> None:
-    shape = scale_shape(t.fmt, t.in_features, t.out_features, t.group_size)
-    w.update(h, t.weights.reshape(t.out_features, -1), t.scales.reshape(shape) if shape else None)
+    w.update(h, *host_arrays(t))
 
 
 def test_attention_ragged_weights_follow_free_and_update(w, rng):
@@ -404,146 +356,6 @@ def test_attention_ragged_weights_are_per_owner(server, w, rng):
             want = ref.attention_ragged(kv_b, o_proj, q, [lat], [rope], scale=0.3, **dims)
             assert rel_err(codec.decode(out.response.out, "out"), want) < TOL
     w.free_sequence(4)
-    w.free(hk)
-    w.free(ho)
-
-
-# -- bad input: typed errors naming the field, nothing resident changes -------------------
-
-
-@pytest.fixture
-def resident(w, rng):
-    """A tensor whose results are re-checked after each rejected call."""
-    t = random_tensor(rng, 2, 16, 4)
-    h = upload(w, t)
-    x = rng.standard_normal((2, 16)).astype(np.float32)
-    y = w.matmul(h, x)
-    before = w.stats()
-    yield h
-    np.testing.assert_array_equal(w.matmul(h, x), y)
-    after = w.stats()
-    assert [(d.tensors, d.tensor_bytes, d.handles) for d in after] == [
-        (d.tensors, d.tensor_bytes, d.handles) for d in before
-    ]
-    w.free(h)
-
-
-def raw_upload(w, header, chunks):
-    msgs = [pb.UploadChunk(header=header)] + [pb.UploadChunk(data=c) for c in chunks]
-    return w._call(w._stub.Upload, iter(msgs))
-
-
-def header(fmt=2, i=8, o=2, gs=0, device=0, wbytes=None, sbytes=None, digest=b"\0" * 32):
-    spec = pb.TensorSpec(fmt=fmt, in_features=i, out_features=o, group_size=gs, device=device)
-    valid = 0 <= fmt <= 4 and i > 0 and o > 0
-    wb = row_bytes(fmt, i) * o if wbytes is None and valid else (wbytes or 0)
-    sb = 4 * max(o, 0) if sbytes is None else sbytes
-    return pb.UploadHeader(spec=spec, content_hash=digest, weight_bytes=wb, scale_bytes=sb)
-
-
-@pytest.mark.parametrize(
-    "hdr,match",
-    [
-        (header(fmt=5), r"upload.header.spec.fmt: expected 0..4, got 5"),
-        (header(fmt=-1), r"spec.fmt: expected 0..4, got -1"),
-        (header(i=0), r"spec.in_features: expected >= 1, got 0"),
-        (header(o=-3), r"spec.out_features: expected >= 1, got -3"),
-        (header(fmt=4, gs=0), r"spec.group_size: expected >= 1 for fmt 4"),
-        (header(fmt=2, gs=64), r"spec.group_size: expected 0 for fmt 2"),
-        (header(device=7), r"spec.device: expected one of 0, 1, got 7"),
-        (header(wbytes=7), r"header.weight_bytes: expected 8 .*got 7"),
-        (header(sbytes=4), r"header.scale_bytes: expected 8 .*got 4"),
-        (header(digest=b"short"), r"header.content_hash: expected 32 bytes"),
-    ],
-)
-def test_bad_upload_headers(w, resident, hdr, match):
-    with pytest.raises(InvalidArgument, match=match):
-        raw_upload(w, hdr, [b"\0" * 16])
-
-
-def test_bad_upload_data(w, resident):
-    with pytest.raises(InvalidArgument, match=r"expected 16 bytes, stream ended after 10"):
-        raw_upload(w, header(), [b"\1" * 10])
-    with pytest.raises(InvalidArgument, match=r"expected 16 bytes in all, got more"):
-        raw_upload(w, header(), [b"\1" * 10, b"\1" * 10])
-    with pytest.raises(InvalidArgument, match=r"content_hash: expected [0-9a-f]{64}"):
-        raw_upload(w, header(), [b"\1" * 16])
-    with pytest.raises(InvalidArgument, match="expected a header as the first message"):
-        w._call(w._stub.Upload, iter([pb.UploadChunk(data=b"x")]))
-
-
-def test_bad_compute_requests(w, rng, resident):
-    x = np.ones((2, 16), np.float32)
-    with pytest.raises(InvalidArgument, match=r"matmul.x: expected 16 columns .*got 15"):
-        w.matmul(resident, np.ones((2, 15), np.float32))
-    bad = pb.MatmulRequest(
-        handle=resident.handle, x=pb.Array(dtype=pb.DTYPE_FLOAT32, shape=[2, 16], data=b"\0" * 100)
-    )
-    with pytest.raises(InvalidArgument, match=r"matmul.x.data: expected 128 bytes .*got 100"):
-        w._call(w._stub.Matmul, bad)
-    bad = pb.MatmulRequest(
-        handle=resident.handle, x=pb.Array(dtype=pb.DTYPE_FLOAT32, shape=[0, 16], data=b"")
-    )
-    with pytest.raises(InvalidArgument, match=r"matmul.x.shape\[0\]: expected >= 1, got 0"):
-        w._call(w._stub.Matmul, bad)
-    bad = pb.MatmulRequest(
-        handle=resident.handle, x=pb.Array(dtype=pb.DTYPE_INT32, shape=[2, 16], data=b"\0" * 128)
-    )
-    with pytest.raises(InvalidArgument, match=r"matmul.x.dtype: expected float32"):
-        w._call(w._stub.Matmul, bad)
-    with pytest.raises(InvalidArgument, match="expected a tensor handle, got 0"):
-        w.matmul(0, x)
-    _, e = make_expert(w, rng, 16, 8)
-    _, e1 = make_expert(w, rng, 16, 8, device=1)
-    with pytest.raises(InvalidArgument, match=r"expert_group.rows: expected 1 entries"):
-        w.expert_group(experts=[e], rows=[1, 1], x=x)
-    with pytest.raises(InvalidArgument, match=r"expert_group.rows\[0\]: expected >= 1, got 0"):
-        w.expert_group(experts=[e], rows=[0], x=x)
-    with pytest.raises(InvalidArgument, match=r"expert_group.x: expected 3 rows"):
-        w.expert_group(experts=[e], rows=[3], x=x)
-    with pytest.raises(InvalidArgument, match="different devices: expert_group.experts"):
-        w.expert_group(experts=[e, e1], rows=[1, 1], x=x)
-    with pytest.raises(ResourceExhausted, match=r"expected 1..64 experts, got 65"):
-        w.expert_group(experts=[e] * 65, rows=[1] * 65, x=np.ones((65, 16), np.float32))
-    with pytest.raises(InvalidArgument, match=r"expert_group.experts: expected 1..64 experts"):
-        w.expert_group(experts=[], rows=[], x=x)
-    with pytest.raises(InvalidArgument, match=r"expert_mlp.down.in_features: expected 8"):
-        w.expert_mlp(e[0], e[1], resident, x)
-    with pytest.raises(InvalidArgument, match=r"routes\[1, 0\]: expected 0..0"):
-        w.expert_group_routed([e], x, np.array([[0], [3]]), np.ones((2, 1), np.float32))
-    with pytest.raises(NotFound, match="ticket"):
-        w._call(w._stub.ExpertGroupTake, pb.ExpertGroupTakeRequest(ticket=999999))
-    for h in (*e, *e1):
-        w.free(h)
-
-
-def test_bad_attention_requests(w, rng, resident):
-    (kv_b, _), (hk, ho), dims = mla(w, rng)
-    q = rng.standard_normal((2, 3, 12)).astype(np.float32)
-    lat = rng.standard_normal((4, 10)).astype(np.float32)
-    rope = rng.standard_normal((4, 4)).astype(np.float32)
-    with pytest.raises(InvalidArgument, match=r"attention.q: expected 13 values per head"):
-        w.attention(hk, q, lat, rope, q_dim=9, rope_dim=4, v_dim=6, scale=0.1)
-    with pytest.raises(InvalidArgument, match=r"attention.kv_b: expected 54 out_features"):
-        w.attention(hk, q, lat, rope, q_dim=8, rope_dim=4, v_dim=10, scale=0.1)
-    with pytest.raises(InvalidArgument, match=r"attention.latent: expected 10 columns"):
-        w.attention(hk, q, lat[:, :9], rope, scale=0.1, **dims)
-    with pytest.raises(InvalidArgument, match=r"attention.latent: expected >= 2 rows"):
-        w.attention(hk, q, lat[:1], rope[:1], scale=0.1, **dims)
-    with pytest.raises(InvalidArgument, match=r"attention.o_proj: expected 18 in_features"):
-        w.attention(hk, q, lat, rope, scale=0.1, o_proj=resident, **dims)
-    with pytest.raises(InvalidArgument, match=r"attention.v_dim: expected >= 1, got 0"):
-        w.attention(hk, q, lat, rope, q_dim=8, rope_dim=4, v_dim=0, scale=0.1)
-    seq = (1, 0, lat[:2], rope[:2])
-    with pytest.raises(InvalidArgument, match=r"sequence_id: 1 already appears"):
-        w.attention_ragged(hk, ho, q, sequences=[seq, seq], scale=0.1, **dims)
-    with pytest.raises(InvalidArgument, match=r"attention_ragged.sequences: expected 2"):
-        w.attention_ragged(hk, ho, q, sequences=[seq], scale=0.1, **dims)
-    with pytest.raises(InvalidArgument, match=r"sequences\[1\].rope: expected 2 rows"):
-        w.attention_ragged(hk, ho, q, sequences=[seq, (2, 0, lat[:2], rope[:1])], scale=0.1, **dims)
-    with pytest.raises(InvalidArgument, match=r"would attend 0 rows"):
-        w.attention_ragged(hk, ho, q, sequences=[seq, (2, 0, lat[:0], rope[:0])], scale=0.1, **dims)
-    assert _device_stats(w).kv_sequences == 0  # nothing was created by rejected calls
     w.free(hk)
     w.free(ho)
 
