@@ -318,13 +318,11 @@ class Call:
         self.out = (off, n, shape)
         work = self.work
         i = self._h2d
-        if self._copy(a.hptr + off, a.dptr + off, n, D2H, a.d2h_stamp if i >= 0 else _NO_STAMP):
-            if i >= 0:
-                del work[i + 2], work[i]  # send's two events around its stamped copy
-                self.stamped = True
-            else:
-                work.insert(len(work) - 1, (MARK, 2))
-        else:
+        stamp = a.d2h_stamp if i >= 0 else _NO_STAMP
+        if self._copy(a.hptr + off, a.dptr + off, n, D2H, stamp) and i >= 0:
+            del work[i + 2], work[i]  # send's two events around its stamped copy
+            self.stamped = True
+        else:  # the D2H phase's first event, before its copy
             work.insert(len(work) - 1, (MARK, 2))
         work.append((MARK, 3))
 

@@ -80,15 +80,21 @@ def test_copy_kernels_beyond_the_limit_stay_on_the_copy_engine():
     assert copy.copy_launch(copy.KERNEL_BYTES + 1) is None
 
 
-def test_calls_are_the_same_with_copy_kernels_on_and_off(cupy_backend, rng, monkeypatch):
-    from coliworker.kernels import copy
-
-    b = cupy_backend
+def _weights(b, rng):
+    """A resident 300 x 512 matrix and 4 experts (512 -> 128 -> 512), int4, on device 0."""
     w = b.place(make_tensor(rng, 2, 300, 512), 0)
     experts = [
         tuple(b.place(make_tensor(rng, 2, *s), 0) for s in ((128, 512), (128, 512), (512, 128)))
         for _ in range(4)
     ]
+    return w, experts
+
+
+def test_calls_are_the_same_with_copy_kernels_on_and_off(cupy_backend, rng, monkeypatch):
+    from coliworker.kernels import copy
+
+    b = cupy_backend
+    w, experts = _weights(b, rng)
     for _ in range(3):
         x = rng.standard_normal((3, 512)).astype(np.float32)
         xs = rng.standard_normal((8, 512)).astype(np.float32)
@@ -111,11 +117,7 @@ def test_call_phases_from_copy_stamps_and_from_events(cupy_backend, rng, monkeyp
     from coliworker.kernels import copy
 
     b = cupy_backend
-    w = b.place(make_tensor(rng, 2, 300, 512), 0)
-    experts = [
-        tuple(b.place(make_tensor(rng, 2, *s), 0) for s in ((128, 512), (128, 512), (512, 128)))
-        for _ in range(4)
-    ]
+    w, experts = _weights(b, rng)
     for on in (True, False):
         monkeypatch.setattr(copy, "ENABLED", on)
         for _ in range(4):  # direct, captured, replayed, replayed
