@@ -394,8 +394,7 @@ def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int,
         grid = (-(-max_out // (WARPS * r)), n_jobs, -(-max_rows // sb))
         return Launch(fn, grid, (WARPS * 32,), (*spec.geom(), np.int32(kt)), 4 * sb * kt)
 
-    key = (dev, "gemv", id(spec), n_jobs, max_rows, max_out, TENSOR_CORES, SPLIT_K,
-           SPLIT_K_FORCE, STREAM, ST_WARPS, ST_BLOCKS, dual)  # fmt: skip
+    key = (dev, "gemv", id(spec), n_jobs, max_rows, max_out, settings(), dual)
     return _cached(key, make)
 
 
