@@ -251,63 +251,43 @@ def matmul_host(host_module, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "fmt,gs,k,rows,dual,want",
-    [
-        (2, 0, 16384, 1, False, (1, 6, 1024)),  # o_proj: x of 16384 beside 6 stages
-        (2, 0, 6144, 1, True, (1, 5, 1024)),  # a decode token's gate and up
-        (2, 0, 6144, 4, True, (4, 3, 512)),  # 4 rows: x takes 12 columns, 512-byte pieces
-        (4, 64, 6144, 4, True, (4, 3, 512)),
-        (4, 128, 2048, 1, False, (1, 6, 1024)),  # a down projection
-        (4, 48, 6144, 1, False, None),  # group size not a power of two
-        (4, 512, 6144, 1, False, None),  # a piece's scales under 16 bytes
-        (2, 0, 16384, 4, False, None),  # x of 4 rows x 16384 does not fit
-        (1, 0, 6144, 1, False, None),  # int8: not on this path
-        (2, 0, 6144, 5, False, None),  # more rows than decode
-    ],
-)
-def test_stream_geometry(matmul_host, fmt, gs, k, rows, dual, want):
-    """Where gemv_st serves a shape, and its SB, ring stages and piece size: the shared memory
-    fits one block (227 KiB) with at least ST_STAGES[1] stages."""
-    mm = matmul_host
-    spec = mm.WeightSpec.of(fmt, k, gs)
-    assert mm.stream_eligible(spec, rows, dual) == (want is not None)
-    if want is None:
-        return
-    sb, ns, pc, smem, mw = mm._st_geometry(spec, rows, dual)
-    assert (sb, ns, pc, mw) == (*want, 8)
-    assert smem <= 227 * 1024 and ns >= mm.ST_STAGES[1]
-    assert smem >= ns * mm._st_stage(spec, dual, pc) + 2 * 3 * sb * spec.layout.in_padded
-
-
-@pytest.mark.parametrize(
     "fmt,gs,k,rows,dual,warps,blocks,want",
     [
+        (2, 0, 16384, 1, False, 8, 1, (1, 6, 1024, 8)),  # o_proj: x of 16384 beside 6 stages
+        (2, 0, 6144, 1, True, 8, 1, (1, 5, 1024, 8)),  # a decode token's gate and up
+        (2, 0, 6144, 4, True, 8, 1, (4, 3, 512, 8)),  # 4 rows: x takes 12 columns, 512 B pieces
+        (4, 64, 6144, 4, True, 8, 1, (4, 3, 512, 8)),
+        (4, 128, 2048, 1, False, 8, 1, (1, 6, 1024, 8)),  # a down projection
+        (4, 48, 6144, 1, False, 8, 1, None),  # group size not a power of two
+        (4, 512, 6144, 1, False, 8, 1, None),  # a piece's scales under 16 bytes
+        (2, 0, 16384, 4, False, 8, 1, None),  # x of 4 rows x 16384 does not fit
+        (1, 0, 6144, 1, False, 8, 1, None),  # int8: not on this path
+        (2, 0, 6144, 5, False, 8, 1, None),  # more rows than decode
         (2, 0, 6144, 1, False, 16, 1, (1, 6, 1024, 16)),  # dense: 16 warps, 16 partials
         (2, 0, 6144, 1, False, 8, 2, (1, 4, 1024, 8)),  # two blocks: half the SM each
-        (2, 0, 6144, 1, True, 16, 2, (1, 3, 512, 8)),  # gate and up: 512-byte pieces, 8 warps
+        (2, 0, 6144, 1, True, 16, 2, (1, 3, 512, 8)),  # gate and up: 512 B pieces, 8 warps
         (2, 0, 2048, 1, False, 16, 2, (1, 5, 1024, 16)),  # a down projection
         (4, 64, 6144, 1, False, 16, 2, (1, 3, 1024, 16)),
         (2, 0, 16384, 1, False, 16, 2, None),  # o_proj's x: over half an SM with 3 stages
         (2, 0, 6144, 4, True, 8, 2, None),  # x of 4 rows and 3 stages: over half an SM
     ],
 )
-def test_stream_geometry_warps_blocks(
-    matmul_host, monkeypatch, fmt, gs, k, rows, dual, warps, blocks, want
-):
-    """ST_WARPS math warps where pieces are 1024 bytes (8 with 512), and ST_BLOCKS blocks per
-    SM: each block's shared memory within its share of the SM's, less the 1 KiB each
-    reserves."""
+def test_stream_geometry(matmul_host, monkeypatch, fmt, gs, k, rows, dual, warps, blocks, want):
+    """Where gemv_st serves a shape, and its SB, ring stages, piece size and math warps
+    (ST_WARPS where pieces are 1024 bytes, 8 with 512) at ST_BLOCKS blocks per SM: each
+    block's shared memory fits one block (227 KiB) and its share of the SM's, less the 1 KiB
+    each reserves, with at least ST_STAGES[1] stages."""
     mm = matmul_host
     monkeypatch.setattr(mm, "ST_WARPS", warps)
     monkeypatch.setattr(mm, "ST_BLOCKS", blocks)
     spec = mm.WeightSpec.of(fmt, k, gs)
-    geo = mm._st_geometry(spec, rows, dual)
-    assert (geo is None) == (want is None)
+    assert mm.stream_eligible(spec, rows, dual) == (want is not None)
     if want is None:
         return
-    sb, ns, pc, smem, mw = geo
+    sb, ns, pc, smem, mw = mm._st_geometry(spec, rows, dual)
     assert (sb, ns, pc, mw) == want
-    assert blocks * (smem + 1024) <= mm.ST_SMEM_SM and ns >= mm.ST_STAGES[1]
+    assert smem <= 227 * 1024 and ns >= mm.ST_STAGES[1]
+    assert blocks * (smem + 1024) <= mm.ST_SMEM_SM
     partials = 4 * (2 if dual else 1) * mw * 16 * 8 * ((3 * sb + 7) // 8)
     assert smem >= ns * mm._st_stage(spec, dual, pc) + partials + 6 * sb * spec.layout.in_padded
 
