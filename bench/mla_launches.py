@@ -41,8 +41,6 @@ CLUSTERS = (1, 2, 4, 8)
 VARIANTS = (
     ("new kernels", dict(ABSORB_W=True, FL_CLUSTER=None)),
     ("old kernels", dict(ABSORB_W=False, FL_CLUSTER=1)),
-    ("flash 8 warps", dict(FL_NQ=2)),
-    ("flash 16 warps", dict(FL_NQ=4)),
 )
 
 
@@ -173,23 +171,17 @@ def breakdown(dec: Decode, log: list, calls: int) -> dict[str, float]:
     return d
 
 
-def max_clusters() -> dict[str, int | str]:
-    """cuOccupancyMaxActiveClusters of mla_flash_c at GLM-5.2 widths, by C (and the flash
-    kernel's warps where the tree has both forms): clusters of C one-block-per-SM blocks
-    resident at once (S=1 needs 128 / C of them in one wave)."""
-    out: dict[str, int | str] = {}
+def max_clusters() -> dict[int, int | str]:
+    """cuOccupancyMaxActiveClusters of mla_flash_c<32, C> at GLM-5.2 widths: clusters of C
+    one-block-per-SM blocks resident at once (S=1 needs 128 / C of them in one wave)."""
+    out: dict[int, int | str] = {}
     if not hasattr(att, "FL_CLUSTERS"):
         return out
-    forms = (2, 4) if hasattr(att, "FL_NQ") else (None,)
-    for nq in forms:
-        old = settings(FL_NQ=nq) if nq is not None else {}
-        for c in att._cluster_sizes(GLM["K"], GLM["R"]):
-            key = f"C {c}" + ("" if nq is None else f", {4 * nq} warps")
-            try:
-                out[key] = att._max_clusters(GLM["K"], GLM["R"], c)
-            except Exception as exc:  # noqa: BLE001 - a report, not a check
-                out[key] = f"n/a ({exc})"
-        settings(**old)
+    for c in att.FL_CLUSTERS.get(32, ()):
+        try:
+            out[c] = att._max_clusters(GLM["K"], GLM["R"], c)
+        except Exception as exc:  # noqa: BLE001 - a report, not a check
+            out[c] = f"n/a ({exc})"
     return out
 
 
@@ -293,7 +285,7 @@ def main() -> int:
         )
     if not args.profile:
         occ = max_clusters()
-        lines.append("max active clusters of mla_flash_c: " + str(occ))
+        lines.append("max active clusters of mla_flash_c<32, C>: " + str(occ))
         results.append(dict(max_active_clusters=occ))
     if args.out is not None and not args.profile:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,6 @@ per shape (``launch.Launch``) and take device pointers.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,29 +48,14 @@ NPL_CHOICES = ((2, 2), (4, 2), (8, 2), (18, 2), (36, 1))
 ABW_SB = (1, 4, 8)
 ABW_MIN_BLOCKS = 128  # about one block per SM (absorb_w_sb)
 ABSORB_W = True
-# mla_flash_c: clusters of C T slices merged in distributed shared memory, by (NTC, NQ) (the
-# widths that have them). ``FL_CLUSTER``: None (the default): C and nsplit from
-# ``cluster_choice``; 1: mla_flash and mla_merge only; c: that C wherever it divides nsplit.
-FL_CLUSTERS = {(32, 2): (2, 4, 8), (8, 2): (4,), (16, 4): (2, 4, 8), (4, 4): (4,)}
-#: The flash kernels' k parts per head group (attention_flash.cuh): 4 * NQ warps per block, NTC
-#: the smallest with NQ * 8 * NTC >= K. 2: 8 warps, NTC 32 at K = 512; 4: 16 warps with half
-#: the accumulators each (the scores' parts summed in another order: other bits, the same error
-#: bound). COLIWORKER_FLASH_NQ sets it.
-FL_NQ = int(os.environ.get("COLIWORKER_FLASH_NQ", "2"))
-if FL_NQ not in (2, 4):
-    raise ValueError(f"COLIWORKER_FLASH_NQ={FL_NQ}: must be 2 or 4")
+# mla_flash_c: clusters of C T slices merged in distributed shared memory, by NTC (the widths
+# that have them). ``FL_CLUSTER``: None (the default): C and nsplit from ``cluster_choice``;
+# 1: mla_flash and mla_merge only; c: that C wherever it divides nsplit.
+FL_CLUSTERS = {32: (2, 4, 8), 8: (4,)}
 FL_CLUSTER: int | None = None
 #: The share of the one-block-per-SM nsplit that ``cluster_choice`` may give up so that a
 #: launch's clusters fit in one wave.
 FL_WAVE_LOSS = 0.1
-
-
-def flash_name(ntc: int, c: int, nq: int) -> str:
-    """The flash kernel's variant: mla_flash (c = 1) or mla_flash_c, NQ = 2 by default."""
-    tail = "" if nq == 2 else f", {nq}"
-    return f"mla_flash_c<{ntc}, {c}{tail}>" if c > 1 else f"mla_flash<{ntc}{tail}>"
-
-
 # Every variant of attention.cu: the file compiles once per device with all of them.
 VARIANTS = (
     tuple(f"mla_absorb<{f}>" for f in range(5))
@@ -79,8 +63,7 @@ VARIANTS = (
     + tuple(f"mla_attend<{n}, {h}>" for n, h in NPL_CHOICES)
     + ("mla_merge",)
     + tuple(f"mla_flash<{n}>" for n in (1, 2, 4, 8, 16, 32))
-    + tuple(f"mla_flash<{n}, 4>" for n in (1, 2, 4, 8, 16))
-    + tuple(flash_name(n, c, nq) for (n, nq), cs in FL_CLUSTERS.items() for c in cs)
+    + tuple(f"mla_flash_c<{n}, {c}>" for n, cs in FL_CLUSTERS.items() for c in cs)
 )
 FLASH = True
 FL_TT = 16  # cache rows per tile (attention.cu)
@@ -182,20 +165,15 @@ def _merge(s: int, heads: int, k: int, nsplit: int) -> Launch:
     return Launch(merge, (heads, s, -(-k // 128)), (128,), args, 4 * nsplit)
 
 
-def _flash_geometry(k: int, r: int) -> tuple[int, int, int, int] | None:
-    """(NTC, QST, KST, shared bytes) of mla_flash at ``FL_NQ``, or None where it does not fit."""
-    return _geometry(k, r, FL_NQ)
-
-
 @functools.cache
-def _geometry(k: int, r: int, nq: int) -> tuple[int, int, int, int] | None:
+def _flash_geometry(k: int, r: int) -> tuple[int, int, int, int] | None:
+    """(NTC, QST, KST, shared bytes) of mla_flash, or None where it does not fit."""
     krp = -(-(k + r) // 8) * 8
-    ntcs = (1, 2, 4, 8, 16, 32) if nq == 2 else (1, 2, 4, 8, 16)
-    ntc = next((n for n in ntcs if nq * 8 * n >= k), None)
+    ntc = next((n for n in (1, 2, 4, 8, 16, 32) if 16 * n >= k), None)
     if ntc is None:
         return None
-    qst, kst = krp + 4, max(krp, nq * 8 * ntc) + 4  # 4 mod 8: conflict-free fragment loads
-    smem = 4 * (FL_HB * qst + FL_TT * kst + nq * FL_HB * FL_TT)
+    qst, kst = krp + 4, max(krp, 16 * ntc) + 4  # 4 mod 8: conflict-free fragment loads
+    smem = 4 * (FL_HB * qst + FL_TT * kst + 2 * FL_HB * FL_TT)
     return (ntc, qst, kst, smem) if smem <= FL_SMEM_MAX else None
 
 
@@ -210,7 +188,7 @@ def flash_splits(s: int, heads: int, t_max: int, n_sm: int, k: int, r: int) -> i
     rounded down to a multiple of the forced C. Scratch as ``attend_splits``'s."""
     per = s * -(-heads // FL_HB)
     n = max(1, min(max(1, n_sm // per), -(-t_max // FL_MIN_ROWS), 1024))
-    key = (per, n, k, r, n_sm, FL_CLUSTER, FL_NQ)
+    key = (per, n, k, r, n_sm, FL_CLUSTER)
     got = _splits.get(key)
     if got is None:
         have = _cluster_sizes(k, r)
@@ -226,9 +204,9 @@ def flash_splits(s: int, heads: int, t_max: int, n_sm: int, k: int, r: int) -> i
     return got
 
 
-# flash_splits' answers by (blocks per slice, one-wave nsplit, K, R, SMs, FL_CLUSTER, FL_NQ):
-# asked on every call. Keyed by SM count, not device: devices of one SM count are taken to hold
-# as many clusters (a wrong guess costs a second wave of clusters, never a wrong result).
+# flash_splits' answers by (blocks per slice, one-wave nsplit, K, R, SMs, FL_CLUSTER): asked on
+# every call. Keyed by SM count, not device: devices of one SM count are taken to hold as many
+# clusters (a wrong guess costs a second wave of clusters, never a wrong result).
 _splits: dict[tuple, int] = {}
 
 
@@ -270,7 +248,7 @@ def _cluster_sizes(k: int, r: int) -> tuple[int, ...]:
     ast = -(-k // 32) * 32 + 8  # fl_ast: the exchanged context must fit in Qs + KVs
     if FL_HB * ast > FL_HB * qst + FL_TT * kst:
         return ()
-    return FL_CLUSTERS.get((ntc, FL_NQ), ())
+    return FL_CLUSTERS.get(ntc, ())
 
 
 _resident: dict[tuple, int] = {}
@@ -279,12 +257,12 @@ _resident: dict[tuple, int] = {}
 def _max_clusters(k: int, r: int, c: int) -> int:
     """Clusters of C mla_flash_c blocks at these widths resident at once on this device
     (asked of the driver once per device and widths)."""
-    key = (cupy.cuda.runtime.getDevice(), k, r, c, FL_NQ)
+    key = (cupy.cuda.runtime.getDevice(), k, r, c)
     n = _resident.get(key)
     if n is None:
         ntc, _, _, smem = _flash_geometry(k, r)  # type: ignore[misc]
-        fn = get_function("attention.cu", flash_name(ntc, c, FL_NQ), VARIANTS, smem)
-        n = _resident[key] = max_active_clusters(fn, c, 128 * FL_NQ, smem)
+        fn = get_function("attention.cu", f"mla_flash_c<{ntc}, {c}>", VARIANTS, smem)
+        n = _resident[key] = max_active_clusters(fn, c, 256, smem)
     return n
 
 
@@ -300,13 +278,14 @@ def flash_launch(s: int, heads: int, k: int, r: int, scale: float, nsplit: int
         assert geo is not None  # callers check flash_ok
         ntc, qst, kst, smem = geo
         c = flash_cluster(k, r, nsplit, s, heads)
-        fn = get_function("attention.cu", flash_name(ntc, c, FL_NQ), VARIANTS, smem)
-        att = Launch(fn, (nsplit, s, -(-heads // FL_HB)), (128 * FL_NQ,),
+        name = f"mla_flash_c<{ntc}, {c}>" if c > 1 else f"mla_flash<{ntc}>"
+        fn = get_function("attention.cu", name, VARIANTS, smem)
+        att = Launch(fn, (nsplit, s, -(-heads // FL_HB)), (256,),
                      (np.int32(s), np.int32(heads), np.int32(k), np.int32(r), np.float32(scale),
                       np.int32(nsplit), np.int32(qst), np.int32(kst)), smem)  # fmt: skip
         return att, (None if c > 1 and nsplit == c else _merge(s, heads, k, nsplit // c))
 
-    key = (dev, "flash", s, heads, k, r, float(scale), nsplit, FL_CLUSTER, FL_NQ)
+    key = (dev, "flash", s, heads, k, r, float(scale), nsplit, FL_CLUSTER)
     return _cached(key, make)  # type: ignore[return-value,arg-type]
 
 
@@ -370,7 +349,7 @@ def run(
     n_up = sum(len(x) for x in latents)
     a = call.take()
     key = ("attention", id(kv_b), id(o_proj), S, H, q_dim, R, V, scale, n_up, nsplit,
-           caches is None, flash, mm.settings(), ABSORB_W, FL_CLUSTER, FL_NQ)  # fmt: skip
+           caches is None, flash, mm.settings(), ABSORB_W, FL_CLUSTER)  # fmt: skip
     plan = a.plans.get(key)
     if plan is None:  # _plan sizes the arena first: a reallocated arena forgets its plans
         plan = _plan(call, kv_b, o_proj, S, H, q_dim, R, V, scale, n_up, nsplit, flash)

@@ -4,18 +4,14 @@
 #pragma once
 // ---- mla_flash: all heads of a block share each KV tile, scores and context on tensor cores --
 //
-// grid (nsplit, S, ceil(H / 64)), block 128 * NQ (4 * NQ warps; NQ = 2 or 4), dynamic shared
-// ``flash_smem`` bytes:
-//   Qs  [64][QST]       qfull of the block's 64 heads (zero beyond H and beyond K + R)
-//   KVs [FL_TT][KST]    one tile of FL_TT cache rows [latent | rope | zeros], cp.async-filled
-//   Ss  [NQ][64][FL_TT] partial scores of the NQ k parts
-// Warp w owns heads 16 * (w & 3) .. + 16 of the block. Scores: warp (w & 3, part = w >> 2)
-// takes the k-steps of its part (1 / NQ of them) for both 8-row n-tiles; the parts meet in Ss,
-// summed in part order. Context: the same warp takes columns [part * 8 * NTC, (part + 1) * 8 *
-// NTC) of the latent for all FL_TT rows; every part computes the same softmax from Ss, so they
-// agree on m and l exactly. NQ = 4 has twice the warps of NQ = 2 (16: four per scheduler, at
-// one block per SM) with half the accumulators each (NTC halves); the sum of a score's parts
-// changes order, so its bits differ from NQ = 2's (both within the split-tf32 error).
+// grid (nsplit, S, ceil(H / 64)), block 256 (8 warps), dynamic shared ``flash_smem`` bytes:
+//   Qs  [64][QST]      qfull of the block's 64 heads (zero beyond H and beyond K + R)
+//   KVs [FL_TT][KST]   one tile of FL_TT cache rows [latent | rope | zeros], cp.async-filled
+//   Ss  [2][64][FL_TT] partial scores of the two k halves
+// Warp w owns heads 16 * (w & 3) .. + 16 of the block. Scores: warp (w & 3, kh = w >> 2) takes
+// the k-steps of half kh for both 8-row n-tiles; the halves meet in Ss. Context: the same warp
+// takes columns [ch * 8 * NTC, (ch + 1) * 8 * NTC) of the latent (ch = w >> 2) for all FL_TT
+// rows; both halves compute the same softmax from Ss, so they agree on m and l exactly.
 //
 // Numerics: mma.m16n8k8 tf32 with split operands. x = hi + lo, hi = x with the low 13 mantissa
 // bits cleared (exactly a tf32), lo = x - hi (exact in fp32, |lo| < 2^-10 |x|, truncated to tf32
@@ -26,6 +22,7 @@
 // a2 (gid, t + 4), a3 (gid + 8, t + 4); B b0 (k t, n gid), b1 (k t + 4, n gid); C c0, c1 (gid,
 // 2t, 2t + 1), c2, c3 (gid + 8, 2t, 2t + 1). QST and KST are 4 mod 8 (so 4, 12, 20 or 28 mod
 // 32): the A loads and the score B loads hit 32 distinct banks.
+#define FL_WARPS 8
 #define FL_TT 16
 #define FL_HB 64
 
@@ -74,7 +71,7 @@ __device__ __forceinline__ void fl_stage(float *dst, int ld, int rows, int W, co
                                          int valid) {
     constexpr int V = VEC ? 4 : 1;
     const int wv = W / V;
-    for (int i = threadIdx.x; i < rows * wv; i += blockDim.x) {
+    for (int i = threadIdx.x; i < rows * wv; i += FL_WARPS * 32) {
         const int t = i / wv, c = (i - t * wv) * V;
         const float *src = a;
         int n = 0;
@@ -133,7 +130,7 @@ __device__ __forceinline__ int fl_ast(int K) { return ((K + 31) & ~31) + 8; }
 // NTC: 8-column n-tiles of the latent per warp (2 * 8 * NTC >= K). QST, KST: row strides of Qs
 // and KVs (>= the padded K + R, >= 16 * NTC, 4 mod 8). Outputs as mla_attend's (C = 1), or
 // merged over the C slices of a cluster (``mla_flash_c``).
-template <int NTC, int C, int NQ>
+template <int NTC, int C>
 __device__ __forceinline__ void
 fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc,
         const float *__restrict__ qfull, const KvDesc *__restrict__ kv, float *__restrict__ cl,
@@ -145,7 +142,7 @@ fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
     const int z = blockIdx.x, s = blockIdx.y, hb = blockIdx.z * FL_HB;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int gid = lane >> 2, t4 = lane & 3;
-    const int hg = warp & 3, part = warp >> 2;
+    const int hg = warp & 3, half = warp >> 2;
     const KvDesc d = kv[s];
     const float *__restrict__ lat = reinterpret_cast<const float *>(d.latent);
     const float *__restrict__ rop = reinterpret_cast<const float *>(d.rope);
@@ -164,7 +161,7 @@ fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
 #pragma unroll
     for (int j = 0; j < NTC; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     float m[2] = {-COLI_INF, -COLI_INF}, l[2] = {0.f, 0.f};
-    const int nks = KRP / 8, ks0 = part * nks / NQ, ks1 = (part + 1) * nks / NQ;
+    const int nks = KRP / 8, ks0 = half ? nks / 2 : 0, ks1 = half ? nks : nks / 2;
     const float *qa = Qs + (hg * 16 + gid) * QST + t4;
 
     for (int t0 = tb; t0 < te; t0 += FL_TT) {
@@ -178,10 +175,10 @@ fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
         if (t0 + FL_TT < te) {
             const int nr = min(FL_TT, te - t0 - FL_TT);
             const char *a = reinterpret_cast<const char *>(lat + (size_t)(t0 + FL_TT) * K);
-            for (int o = threadIdx.x * 128; o < nr * K * 4; o += NQ * 128 * 128)
+            for (int o = threadIdx.x * 128; o < nr * K * 4; o += FL_WARPS * 32 * 128)
                 asm volatile("prefetch.global.L2 [%0];" ::"l"(a + o));
             const char *b = reinterpret_cast<const char *>(rop + (size_t)(t0 + FL_TT) * R);
-            for (int o = threadIdx.x * 128; o < nr * R * 4; o += NQ * 128 * 128)
+            for (int o = threadIdx.x * 128; o < nr * R * 4; o += FL_WARPS * 32 * 128)
                 asm volatile("prefetch.global.L2 [%0];" ::"l"(b + o));
         }
 
@@ -210,7 +207,7 @@ fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
         }
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-            float *o = Ss + (part * FL_HB + hg * 16 + gid) * FL_TT + nt * 8 + 2 * t4;
+            float *o = Ss + (half * FL_HB + hg * 16 + gid) * FL_TT + nt * 8 + 2 * t4;
             o[0] = (slh[nt][0] + shl[nt][0]) + shh[nt][0];
             o[1] = (slh[nt][1] + shl[nt][1]) + shh[nt][1];
             o[8 * FL_TT] = (slh[nt][2] + shl[nt][2]) + shh[nt][2];
@@ -223,14 +220,12 @@ fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
             const float *s0 = Ss + (hg * 16 + gid + 8 * i) * FL_TT;
+            const float *s1 = s0 + FL_HB * FL_TT;
             float mt = -COLI_INF;
 #pragma unroll
             for (int r = 0; r < 4; ++r) {
                 const int row = (r >> 1) * 8 + (r & 1) * 4 + t4;
-                float v = s0[row];
-#pragma unroll
-                for (int q = 1; q < NQ; ++q) v += s0[q * FL_HB * FL_TT + row];
-                v *= scale;
+                const float v = (s0[row] + s1[row]) * scale;
                 p[i][r] = t0 + row < te ? v : -COLI_INF;
                 mt = fmaxf(mt, p[i][r]);
             }
@@ -253,7 +248,7 @@ fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
             }
         }
         // Context: acc[heads, cols] += P[heads, rows] @ latent[rows, cols].
-        const int cb = part * 8 * NTC + gid;
+        const int cb = half * 8 * NTC + gid;
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
             unsigned ah[4], al[4];
@@ -279,13 +274,13 @@ fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
             const int h = hb + hg * 16 + gid + 8 * i;
             if (h >= H) continue;
             const size_t slot = ((size_t)s * H + h) * nsplit + z;
-            if (part == 0 && t4 == 0) {
+            if (half == 0 && t4 == 0) {
                 pm[slot] = m[i];
                 pl[slot] = l[i];
             }
 #pragma unroll
             for (int j = 0; j < NTC; ++j) {
-                const int c = part * 8 * NTC + 8 * j + 2 * t4;
+                const int c = half * 8 * NTC + 8 * j + 2 * t4;
                 if (c < K) pacc[slot * K + c] = acc[j][2 * i];
                 if (c + 1 < K) pacc[slot * K + c + 1] = acc[j][2 * i + 1];
             }
@@ -304,13 +299,13 @@ fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int hl = hg * 16 + gid + 8 * i;
-        if (part == 0 && t4 == 0) {
+        if (half == 0 && t4 == 0) {
             ML[hl] = m[i];
             ML[FL_HB + hl] = l[i];
         }
 #pragma unroll
         for (int j = 0; j < NTC; ++j) {
-            const int c = part * 8 * NTC + 8 * j + 2 * t4;
+            const int c = half * 8 * NTC + 8 * j + 2 * t4;
             if (c + 1 < K) {
                 *reinterpret_cast<float2 *>(A + hl * AST + c) =
                     make_float2(acc[j][2 * i], acc[j][2 * i + 1]);
@@ -348,7 +343,7 @@ fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
     __syncthreads();
     if ((K & 3) == 0) {
         const int n4 = K >> 2;
-        for (int i = threadIdx.x; i < HPR * n4; i += NQ * 128) {
+        for (int i = threadIdx.x; i < HPR * n4; i += FL_WARPS * 32) {
             const int hr = i / n4, c = (i - hr * n4) * 4, hl = rank * HPR + hr, h = hb + hl;
             float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
@@ -370,7 +365,7 @@ fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
             }
         }
     } else {
-        for (int i = threadIdx.x; i < HPR * K; i += NQ * 128) {
+        for (int i = threadIdx.x; i < HPR * K; i += FL_WARPS * 32) {
             const int hr = i / K, c = i - hr * K, hl = rank * HPR + hr, h = hb + hl;
             float v = 0.f;
 #pragma unroll
@@ -387,23 +382,23 @@ fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
     fl_cluster_wait_exit();  // no block leaves while another reads its shared memory
 }
 
-// Slices as ``nsplit`` blocks in x, partials for mla_merge (cl unused); 128 * NQ threads.
-template <int NTC, int NQ = 2>
-__global__ void __launch_bounds__(NQ * 128, 1)
+// Slices as ``nsplit`` blocks in x, partials for mla_merge (cl unused).
+template <int NTC>
+__global__ void __launch_bounds__(FL_WARPS * 32, 1)
 mla_flash(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc,
           const float *__restrict__ qfull, const KvDesc *__restrict__ kv, float *__restrict__ cl,
           int S, int H, int K, int R, float scale, int nsplit, int QST, int KST) {
-    fl_body<NTC, 1, NQ>(pm, pl, pacc, qfull, kv, cl, S, H, K, R, scale, nsplit, QST, KST);
+    fl_body<NTC, 1>(pm, pl, pacc, qfull, kv, cl, S, H, K, R, scale, nsplit, QST, KST);
 }
 
 // Clusters of C consecutive slices (nsplit a multiple of C) merged in DSMEM: cl [H, S, K] when
 // nsplit == C (no mla_merge), else pm, pl, pacc of nsplit / C slices. Shared memory as
 // mla_flash's, and at least 64 * fl_ast(K) floats in Qs + KVs for the exchanged context.
-template <int NTC, int C, int NQ = 2>
-__global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(NQ * 128, 1)
+template <int NTC, int C>
+__global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(FL_WARPS * 32, 1)
 mla_flash_c(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc,
             const float *__restrict__ qfull, const KvDesc *__restrict__ kv,
             float *__restrict__ cl, int S, int H, int K, int R, float scale, int nsplit, int QST,
             int KST) {
-    fl_body<NTC, C, NQ>(pm, pl, pacc, qfull, kv, cl, S, H, K, R, scale, nsplit, QST, KST);
+    fl_body<NTC, C>(pm, pl, pacc, qfull, kv, cl, S, H, K, R, scale, nsplit, QST, KST);
 }

@@ -84,15 +84,13 @@ def test_attention_ragged_glm52(cupy_backend, rng):
     print(f"GLM-5.2 MLA ragged + o_proj, 1 seq T=4096: kernel {kern / 1e3:.1f} us")
 
 
-@pytest.fixture(params=["flash", "flash8", "fp32", "new"])
+@pytest.fixture(params=["flash", "fp32", "new"])
 def attention_path(request, monkeypatch):
-    """mla_flash + mla_merge (16 warps, and 8: FL_NQ 2), mla_attend + mla_merge, or the new
-    kernels (mla_absorb_w, mla_flash_c with its clusters chosen as FL_CLUSTER = None chooses
-    them)."""
+    """mla_flash + mla_merge, mla_attend + mla_merge, or the new kernels (mla_absorb_w,
+    mla_flash_c with its clusters chosen as FL_CLUSTER = None chooses them)."""
     from coliworker.kernels import attention
 
     monkeypatch.setattr(attention, "FLASH", request.param != "fp32")
-    monkeypatch.setattr(attention, "FL_NQ", 2 if request.param == "flash8" else 4)
     if request.param == "new":
         monkeypatch.setattr(attention, "ABSORB_W", True)
         monkeypatch.setattr(attention, "FL_CLUSTER", None)
@@ -124,16 +122,14 @@ def test_attention_ragged_both_paths(cupy_backend, rng, attention_path, h, q, r,
     "nsplit,cluster",
     [(8, None), (4, None), (6, None), (32, 2), (32, 1), (1, None), (132, None), (132, 4), (16, 8)],
 )
-@pytest.mark.parametrize("nq", [2, 4])
-def test_flash_clusters(cupy_backend, rng, monkeypatch, nsplit, cluster, nq):
+def test_flash_clusters(cupy_backend, rng, monkeypatch, nsplit, cluster):
     """mla_flash_c at GLM-5.2 widths: clusters of C T slices merged in distributed shared
     memory, into cl where C == nsplit (no mla_merge), else into partials for mla_merge
     (nsplit 6 as chosen: C = 2; 132 forced to C = 4; 16 to C = 8), and mla_flash (C = 1: 132
     as chosen, 3 x 132 blocks are more than one wave of clusters) as before, against
-    float64; with 8 warps per block (FL_NQ 2) and 16 (4)."""
+    float64."""
     from coliworker.kernels import attention
 
-    monkeypatch.setattr(attention, "FL_NQ", nq)
     monkeypatch.setattr(attention, "flash_splits", lambda *a: nsplit)
     monkeypatch.setattr(attention, "FL_CLUSTER", cluster)
     monkeypatch.setattr(attention, "ABSORB_W", True)
