@@ -15,12 +15,19 @@ For a routed expert group of 8 experts x 1 row (D=6144) and a ragged attention c
 and the dispatch again with the per-tensor usage counting switched off, to show its share.
 Compare the sum with a raw socket echo (bench/harness.py) to see what the transport leaves.
 
-    python bench/call_cost.py
+With ``--pool N`` (or ``CALL_COST_POOL=N`` in the environment, which is how
+bench/call_instructions.py's runs of this file take it) N experts are uploaded and each
+routed dispatch names a different 8 of them, as a decode step's router picks them: a ring of
+more distinct lists than the worker's expert-list cache holds, so no call finds its list
+there (the client steps keep the first 8).
+
+    python bench/call_cost.py [--pool 64]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -34,11 +41,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import harness  # noqa: E402
 
 
-def run(n: int, profile: bool = False) -> dict:
+def run(n: int, profile: bool = False, pool: int | None = None) -> dict:
     from coliworker.client import WorkerClient, requests
     from coliworker.client.session_calls import SessionCalls
     from coliworker.server.app import build_server
     from coliworker.server.backend import Result
+    from coliworker.server.compute import _EXPERT_CACHE
     from coliworker.server.config import Config
     from coliworker.v1 import worker_pb2 as pb
     from coliworker.wire import calls, frames, staging
@@ -49,7 +57,10 @@ def run(n: int, profile: bool = False) -> dict:
     srv.start()
     rng = np.random.default_rng(0)
     w = WorkerClient(srv.address, progress=False)
-    experts = [harness.upload_expert(w, rng, 16) for _ in range(harness.N_EXPERTS)]
+    if pool is None:
+        pool = int(os.environ.get("CALL_COST_POOL") or 0)
+    uploaded = [harness.upload_expert(w, rng, 16) for _ in range(max(pool, harness.N_EXPERTS))]
+    experts = uploaded[: harness.N_EXPERTS]
     kv_b = harness.int4(w, rng, harness.K, harness.H * (harness.Q + harness.V))
     o_proj = harness.int4(w, rng, harness.H * harness.V, harness.D_OUT)
     x = rng.standard_normal((1, harness.D)).astype(np.float32)
@@ -109,8 +120,13 @@ def run(n: int, profile: bool = False) -> dict:
             return req
 
         req = parse()
+        reqs = [req]
+        if kind == "expert_group_routed" and pool:
+            reqs = _subsets(req, uploaded, _EXPERT_CACHE + 1, rng)
+        ring = itertools.cycle(reqs)
 
-        def dispatch(call=call, req=req, data=data):
+        def dispatch(call=call, ring=ring, data=data):
+            req = next(ring)
             sink: list = []
             io = ArrayIO(staging.source(data, None, call.kind), sink)
             o = srv.servicer.dispatch.run(call, req, "", io, transport="socket")
@@ -164,6 +180,27 @@ def run(n: int, profile: bool = False) -> dict:
     return result
 
 
+def _subsets(req, pool: list, count: int, rng) -> list:
+    """``count`` copies of the routed request ``req``, each naming a different
+    ``harness.TOPK`` of the ``pool`` experts (its arrays are the same slices of one data
+    block)."""
+    seen: set[tuple] = set()
+    out = []
+    while len(out) < count:
+        pick = tuple(int(i) for i in rng.choice(len(pool), harness.TOPK, replace=False))
+        if pick in seen:
+            continue
+        seen.add(pick)
+        r = type(req)()
+        r.CopyFrom(req)
+        del r.experts[:]
+        for i in pick:
+            g, u, d = pool[i]
+            r.experts.add(gate=g.handle, up=u.handle, down=d.handle)
+        out.append(r)
+    return out
+
+
 def _time(fn, n: int) -> float:
     for _ in range(max(50, n // 10)):
         fn()
@@ -194,8 +231,15 @@ def main() -> None:
     p.add_argument(
         "--profile", action="store_true", help="also print the dispatch's cProfile, by function"
     )
+    p.add_argument(
+        "--pool",
+        type=int,
+        default=None,
+        help="experts uploaded; each routed dispatch names a different 8 of them "
+        "(default: $CALL_COST_POOL, else one list of 8 on every call)",
+    )
     args = p.parse_args()
-    result = run(args.calls, args.profile)
+    result = run(args.calls, args.profile, args.pool)
     date, doc = harness.run_record("bench/call_cost.py")
     doc["us_per_call"] = result
     mc = doc["machine"]
