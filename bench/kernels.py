@@ -116,13 +116,16 @@ def bench_group(backend, rng, name, count, rows, fmt=2, gs=0, n=50):
     )
 
 
-def bench_routed(backend, rng, name, count, tokens, topk, n=50):
+def bench_routed(backend, rng, name, count, tokens, topk, n=50, pool=0):
     """A routed group as the engine sends it at decode: ``tokens`` tokens, top-``topk`` of
-    ``count`` int4 experts, fresh routes every call (the tables change with them)."""
+    ``count`` int4 experts, fresh routes every call (the tables change with them). ``pool``:
+    instead, each call sends ``count`` experts drawn afresh from a pool of that many (a
+    router's choice of the layer's experts, different every token: no two calls name the
+    same experts), routes a permutation of them."""
     from coliworker.kernels import reference as ref
 
     d, i = GLM["D"], GLM["I"]
-    hosts, res, _ = _expert_sets(backend, rng, count)
+    hosts, res, _ = _expert_sets(backend, rng, pool or count)
     nsets = len(res)
     x = rng.standard_normal((tokens, d)).astype(np.float32)
     routes = [
@@ -130,10 +133,16 @@ def bench_routed(backend, rng, name, count, tokens, topk, n=50):
         for _ in range(16)
     ]
     w = rng.random((tokens, topk)).astype(np.float32)
-    y = backend.expert_group_routed(res[0], x, routes[0], w).out
-    err = rel_err(y, ref.expert_group_routed(hosts[0], x, routes[0], w))
+    if pool:
+        picks = [rng.permutation(pool)[:count] for _ in range(n + 8)]
+        sets = [[res[k % nsets][j] for j in p] for k, p in enumerate(picks)]
+        first = [hosts[0][j] for j in picks[0]]
+    else:
+        sets, first = [res[k % nsets] for k in range(nsets)], hosts[0]
+    y = backend.expert_group_routed(sets[0], x, routes[0], w).out
+    err = rel_err(y, ref.expert_group_routed(first, x, routes[0], w))
     call_ms, kern_ms = timed(
-        lambda k: backend.expert_group_routed(res[k % nsets], x, routes[k % 16], w), n
+        lambda k: backend.expert_group_routed(sets[k % len(sets)], x, routes[k % 16], w), n
     )
     used = len(np.unique(routes[0]))
     wbytes = used * 3 * (d * i // 2) + sum(t.scales.nbytes for e in hosts[0][:used] for t in e)
@@ -232,9 +241,12 @@ ROWS = [
     ("MLA ragged+o_proj 32 seqs T=2048", "mla ragged H64 S32 T2048", 0.250, None),
     ("expert group routed 1 token top-8 of 8", "", None, None),
     ("expert group routed 8 tokens top-8 of 64", "", None, None),
+    ("expert group routed 1 token, 8 of a pool of 64, new each call", "", None, None),
 ]
 LAYERS = 78  # GLM-5.2: one ragged attention and one routed group per layer and token
 TOKEN_ROWS = ("MLA ragged+o_proj 1 seq T=4096", "expert group routed 1 token top-8 of 8")
+# The same token with the routed experts a router picks: other experts every call.
+TOKEN_ROWS_ROUTED = (TOKEN_ROWS[0], "expert group routed 1 token, 8 of a pool of 64, new each call")
 
 
 def run_seed(seed_dir: Path, out: Path) -> dict[str, dict]:
@@ -322,15 +334,17 @@ def render(meta: dict, rows: list[dict]) -> str:
             f"{r['rel_err']:.1e} |"
         )
     by = {r["name"]: r for r in rows if "error" not in r}
-    if all(n in by for n in TOKEN_ROWS):
-        call = LAYERS * sum(by[n]["call_ms"] for n in TOKEN_ROWS)
-        kern = LAYERS * sum(by[n]["kernel_ms"] for n in TOKEN_ROWS)
+    for names in (TOKEN_ROWS, TOKEN_ROWS_ROUTED):
+        if not all(n in by for n in names):
+            continue
+        call = LAYERS * sum(by[n]["call_ms"] for n in names)
+        kern = LAYERS * sum(by[n]["kernel_ms"] for n in names)
         line = (
-            f"One GLM-5.2 decode token ({LAYERS} x ({' + '.join(TOKEN_ROWS)})): backend "
+            f"One GLM-5.2 decode token ({LAYERS} x ({' + '.join(names)})): backend "
             f"{call:.1f} ms, kernels {kern:.1f} ms, ratio {call / kern:.2f}"
         )
-        if all("direct_call_ms" in by[n] for n in TOKEN_ROWS):
-            dcall = LAYERS * sum(by[n]["direct_call_ms"] for n in TOKEN_ROWS)
+        if all("direct_call_ms" in by[n] for n in names):
+            dcall = LAYERS * sum(by[n]["direct_call_ms"] for n in names)
             line += f"; direct launches: backend {dcall:.1f} ms"
         md += ["", line + "."]
     return "\n".join(md) + "\n"
@@ -371,6 +385,7 @@ def main() -> int:
         lambda: bench_ragged(backend, rng, ROWS[7][0], 32, 2048),
         lambda: bench_routed(backend, rng, ROWS[8][0], 8, 1, 8),
         lambda: bench_routed(backend, rng, ROWS[9][0], 64, 8, 8, n=30),
+        lambda: bench_routed(backend, rng, ROWS[10][0], 8, 1, 8, pool=64),
     ]
     from coliworker.kernels import graphs as cupy_graphs
 

@@ -33,6 +33,7 @@ the backend's call context (``server/cupy_calls.py``: ``take``, ``reserve``, ``p
 from __future__ import annotations
 
 import os
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -193,9 +194,16 @@ def write_group(
     buf: Any, off: int, plan: GroupPlan, experts: Sequence[tuple[Any, Any, Any]], d: int,
     dout: int, x_ptr: int, y_ptr: int, h_ptr: int, hu_ptr: int,
     x_at: Sequence[int] | None = None, stream: Callable[[Any, Any, int], bool] | None = None,
+    slots: list[tuple[int, int, tuple[int, ...]]] | None = None,
 ) -> list[tuple]:  # fmt: skip
     """Pack every table of a group into ``buf`` (writable bytes, uint8 NumPy array) at ``off``
     and return the launches that read them, with offsets relative to ``off``.
+
+    ``slots`` (fused experts only): filled with where the tables hold the experts' own
+    addresses, ``(offset from off, expert c, matrices)``: the ``ptrs`` of matrices
+    (0 gate, 1 up, 2 down) of expert c lie there one after another. Everything else in the
+    tables depends only on the experts' specs, widths and rows (``patch`` rewrites the
+    addresses for other experts of that shape).
 
     x float32 [N, d] packed rows at x_ptr (or expert c's rows at ``x_at[c]``: a routed group
     whose experts each read consecutive token rows needs no packed copy), y [N, dout] at
@@ -217,7 +225,8 @@ def write_group(
         if stream is not None and stream(gu, dn, max(rows[c] for c in cs)):
             pos = _write_streamed(buf, pos, off, gu, dn, cs, experts, rows, d, dout, xs,
                                   [h_ptr + 4 * hid_off[c] for c in cs],
-                                  [y_ptr + row_off[c] * o4 for c in cs], launches)  # fmt: skip
+                                  [y_ptr + row_off[c] * o4 for c in cs], launches,
+                                  slots)  # fmt: skip
             continue
         cb = counter_bytes(len(cs))
         buf[pos : pos + cb] = 0  # the moe counters start at zero
@@ -228,6 +237,8 @@ def write_group(
             r, ie, do = rows[c], g.out_features, dd.out_features
             pack(buf, p, *g.ptrs, *u.ptrs, *dd.ptrs, xs[c],
                  h_ptr + 4 * hid_off[c], y_ptr + row_off[c] * o4, r, ie, do, 0)  # fmt: skip
+            if slots is not None:
+                slots.append((p - off, c, (0, 1, 2)))
             p += MOE_JOB.size
             max_rows, max_ie, max_dout = max(max_rows, r), max(max_ie, ie), max(max_dout, do)
         launches.append(("moe", gu, dn, pos - off, len(cs), max_rows, max_ie, max_dout))
@@ -263,10 +274,12 @@ def _write_streamed(
     buf: Any, pos: int, off: int, gu: Any, dn: Any, cs: list[int],
     experts: Sequence[tuple[Any, Any, Any]], rows: list[int], d: int, dout: int,
     xs: list[int], hs: list[int], ys: list[int], launches: list[tuple],
+    slots: list[tuple[int, int, tuple[int, ...]]] | None = None,
 ) -> int:  # fmt: skip
     """write_group's streamed fused experts cs: the gate+up table (one dual gemv job per
     expert: its x rows xs[c] -> its hidden rows at hs[i]) and the down table (hidden -> its y
-    rows at ys[i]), their two launches appended; returns the position after them."""
+    rows at ys[i]), their two launches appended (and the experts' address slots, as
+    write_group's); returns the position after them."""
     pack = GEMV_JOB.pack_into
     start = pos
     max_rows = max_ie = max_dout = 0
@@ -274,6 +287,8 @@ def _write_streamed(
         g, u, _ = experts[c]
         r, ie = rows[c], g.out_features
         pack(buf, pos, *g.ptrs, *u.ptrs, xs[c], hc, r, ie, d, ie)
+        if slots is not None:
+            slots.append((pos - off, c, (0, 1)))
         pos += GEMV_JOB.size
         max_rows, max_ie = max(max_rows, r), max(max_ie, ie)
     launches.append(("gemv", gu, start - off, len(cs), max_rows, max_ie, True))
@@ -282,6 +297,8 @@ def _write_streamed(
         g, _, dd = experts[c]
         do = dd.out_features
         pack(buf, pos, *dd.ptrs, 0, 0, hc, yc, rows[c], do, g.out_features, dout)
+        if slots is not None:
+            slots.append((pos - off, c, (2,)))
         pos += GEMV_JOB.size
         max_dout = max(max_dout, do)
     launches.append(("gemv", dn, start - off, len(cs), max_rows, max_dout))
@@ -341,6 +358,32 @@ def _streamed(gu: Any, dn: Any, max_rows: int) -> bool:
     return mm.stream_eligible(gu, max_rows, True) and mm.stream_eligible(dn, max_rows)
 
 
+#: The experts' addresses in a table slot, by matrices (write_group's ``slots``).
+_ADDRS = {n: struct.Struct(f"<{2 * n}Q") for n in (1, 2, 3)}
+
+
+def patch(buf: Any, off: int, slots: Sequence[tuple[int, int, tuple[int, ...]]],
+          experts: Sequence[tuple[Any, Any, Any]]) -> None:  # fmt: skip
+    """Tables that ``write_group`` packed at ``off`` of ``buf`` for experts of the same shape
+    (specs, widths, rows) made those of ``experts``: their addresses written into ``slots``
+    (``write_group``'s), nothing else changes."""
+    addrs3 = _ADDRS[3].pack_into
+    for pos, c, ms in slots:
+        g, u, d = experts[c]
+        if len(ms) == 3:
+            addrs3(buf, off + pos, *g.ptrs, *u.ptrs, *d.ptrs)
+        else:
+            e = (g, u, d)
+            _ADDRS[len(ms)].pack_into(buf, off + pos, *[p for m in ms for p in e[m].ptrs])
+
+
+def group_shape(experts: Sequence[tuple[Any, Any, Any]]) -> tuple:
+    """What a group's plan and tables depend on beside the experts' addresses: each expert's
+    gate, up and down specs (interned: by identity) and its hidden and output widths."""
+    return tuple([(id(g.spec), id(u.spec), id(d.spec), g.out_features, d.out_features)
+                  for g, u, d in experts])  # fmt: skip
+
+
 def prepare(
     call: Any, experts: Sequence[tuple[Any, Any, Any]], rows: Sequence[int], x: np.ndarray,
     n_sm: int, extra_in: int = 0, x_rows: Sequence[int] | None = None, extra_out: int = 0,
@@ -353,20 +396,35 @@ def prepare(
     [N, D] at "xp" that the tables read. ``x_rows[c]``: the token row expert c's
     (consecutive) rows start at; the tables then read x in place.
 
-    The same experts and shapes in the same arena give the same tables: they are kept in
-    the arena's plans, and a later call copies them in whole."""
+    Plans are kept in the arena twice (where every expert runs fused): by the experts
+    themselves (the same experts and shapes: a later call copies the tables in whole) and by
+    the group's shape (``group_shape``: other experts of the same specs, widths and rows, as
+    a decode call's routed experts change from token to token: the tables are copied in and
+    ``patch`` writes these experts' addresses into them). The launches and the layout are the
+    shape's either way."""
     from coliworker.kernels import matmul as mm
 
     T, D = x.shape
     a = call.take()
-    key = ("group", mm.settings(), *map(id, experts), *rows, T, D, extra_in, extra_out,
-           None if x_rows is None else tuple(x_rows))  # fmt: skip
+    xr = None if x_rows is None else tuple(x_rows)
+    settings = mm.settings()
+    key = ("group", settings, *map(id, experts), *rows, T, D, extra_in, extra_out, xr)
     hit = a.plans.get(key)
     if hit is not None:
         _, end, out_end, t_off, table, calls, off = hit
         a.reserve(end, out_end)
         call.put(0, x, 4 * T * D)
         a.host[t_off : t_off + len(table)] = table
+        return a, calls, off
+    skey = ("group shape", settings, group_shape(experts), *rows, T, D, extra_in, extra_out, xr)
+    hit = a.plans.get(skey)
+    if hit is not None:
+        end, out_end, t_off, table, slots, calls, off = hit
+        a.reserve(end, out_end)
+        call.put(0, x, 4 * T * D)
+        host = a.host
+        host[t_off : t_off + len(table)] = table
+        patch(host, t_off, slots, experts)
         return a, calls, off
     plan = plan_group(experts, rows)
     N, dout = max(plan.n_rows, 1), experts[0][2].out_features
@@ -386,17 +444,19 @@ def prepare(
     call.put(0, x, 4 * T * D)
     base = a.dptr
     x_at = None if x_rows is None else [base + 4 * D * r for r in x_rows]
+    slots: list[tuple[int, int, tuple[int, ...]]] = []
     launches = write_group(a.host, t_off, plan, experts, D, dout,
                            base + (xp_off if packed else 0), base + y_off, base + h_off,
-                           base + hu_off, x_at, _streamed)  # fmt: skip
+                           base + hu_off, x_at, _streamed, slots)  # fmt: skip
     calls = _launches(call, launches, base + t_off, base + h_off, base + hu_off, n_sm)
     off = {"extra": e_off, "in_end": in_end, "y": y_off, "out": o_off, "xp": xp_off}
     if not plan.unfused:  # (unfused experts' launches hold views of this call's arena)
-        if len(a.plans) >= PLANS_PER_ARENA:
+        if len(a.plans) >= PLANS_PER_ARENA - 1:
             a.plans.clear()
         # The entry holds the triples: their ids in the key stay theirs while it lives.
         table = a.host[t_off : t_off + plan.table_bytes].copy()
         a.plans[key] = (list(experts), end, out_end, t_off, table, calls, off)
+        a.plans[skey] = (end, out_end, t_off, table, slots, calls, off)
     return a, calls, off
 
 

@@ -56,6 +56,44 @@ def test_expert_group_routed(cupy_backend, rng):
     assert rel_err(res.out, reference.expert_group_routed(host, x, routes, w)) < REL_TOL
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("routed", [False, True])
+def test_other_experts_of_one_shape(cupy_backend, rng, monkeypatch, routed):
+    """Calls whose experts change from call to call (a decode token's routed experts) reuse
+    the arena's plan by group shape (expert_group.group_shape: the tables copied in, these
+    experts' addresses patched in): every call matches float64, and gives the bits of the same
+    call planned afresh; graphs on and off, and with gemv_st's streamed tables."""
+    from coliworker.kernels import matmul as mm
+
+    b = cupy_backend
+    d, ie = 4096, 256  # K >= 4096: the streamed form takes 2-4 rows where STREAM is on
+    host, dev = place_experts(b, rng, 7, d, ie, 2, 0)
+    for stream in ("auto", "off"):
+        monkeypatch.setattr(mm, "STREAM", stream)
+        for k in range(8):
+            sel = [int(i) for i in rng.permutation(7)[:4]]
+            hs, ds = [host[i] for i in sel], [dev[i] for i in sel]
+            if routed:
+                x = rng.standard_normal((1, d)).astype(np.float32)
+                routes = np.array([rng.permutation(4)], np.int32)
+                w = rng.random((1, 4)).astype(np.float32)
+                run = lambda: b.expert_group_routed(ds, x, routes, w).out  # noqa: E731
+                ref = reference.expert_group_routed(hs, x, routes, w)
+            else:
+                rows = [int(r) for r in rng.integers(1, 4, 4)] if k % 2 else [2] * 4
+                x = rng.standard_normal((sum(rows), d)).astype(np.float32)
+                run = lambda: b.expert_group(ds, rows, x).out  # noqa: E731
+                ref = reference.expert_group(hs, rows, x)
+            got = run()
+            assert rel_err(got, ref) < TC_TOL, (stream, k)
+            for a in b._arenas(0):
+                a.forget()  # planned afresh: the tables written whole for these experts
+            fresh = run()
+            assert np.array_equal(got.view(np.uint32), fresh.view(np.uint32)), (stream, k)
+        shapes = [key for a in b._arenas(0) for key in a.plans if key[0] == "group shape"]
+        assert shapes, "no plan kept by group shape"
+
+
 # Gate, up and down of one expert may each have their own format and group size: such experts
 # run unfused (gate and up separately), beside fused ones in the same group.
 MIXED = [((4, 1, 3), (5, 0, 0)), ((0, 1, 3), (0, 0, 0)), ((2, 4, 2), (0, 64, 0)),
@@ -209,6 +247,41 @@ def test_streamed_tables():
         assert (b[c]["x_stride"], b[c]["y_stride"]) == (ie, dout)
     assert 16 + o2 + 3 * eg.GEMV_JOB.size <= 16 + moe[3]  # no table over another
     assert 16 + moe[3] + eg.counter_bytes(1) + eg.MOE_JOB.size <= 16 + plan.table_bytes
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_patch_gives_the_tables_of_other_experts(rng, streamed):
+    # Tables written for experts A, then patched with experts B of the same shape (specs,
+    # widths), are byte for byte the tables written for B; two fused combinations (one
+    # streamed where the predicate says so), random addresses, rows of several sizes.
+    gs, ds, g4, d4 = Spec(2), Spec(2), Spec(4), Spec(4)
+    d, ie, dout = 512, 96, 512
+
+    def experts():
+        def res(spec, out):
+            return Res(spec, out, int(rng.integers(1, 1 << 40)) * 256)
+
+        ex = [(res(gs, ie), res(gs, ie), res(ds, dout)) for _ in range(3)]
+        return ex + [(res(g4, ie), res(g4, ie), res(d4, dout)) for _ in range(2)]
+
+    a, b = experts(), experts()
+    assert eg.group_shape(a) == eg.group_shape(b)
+    assert eg.group_shape(a) != eg.group_shape([*a[:4], (a[4][0], a[4][1], Res(d4, 64, 0))])
+    rows = [1, 3, 2, 1, 2]
+    plan = eg.plan_group(a, rows)
+    stream = (lambda gu, dn, m: gu is gs) if streamed else None
+    ptrs = (0x10000, 0x20000, 0x30000, 0x40000)
+    bufs, slots = [], []
+    for ex in (a, b):
+        buf = np.full(plan.table_bytes + 32, 0xAB, np.uint8)
+        slots = []
+        eg.write_group(buf, 32, plan, ex, d, dout, *ptrs, None, stream, slots)
+        bufs.append(buf)
+    assert len(slots) == (3 * 2 + 2 if streamed else 5)
+    patched = bufs[0].copy()
+    eg.patch(patched, 32, slots, b)
+    assert not np.array_equal(bufs[0], bufs[1])
+    assert np.array_equal(patched, bufs[1])
 
 
 # ---- the routed plan (no GPU) ----
