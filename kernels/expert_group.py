@@ -419,12 +419,12 @@ def prepare(
     skey = ("group shape", settings, group_shape(experts), *rows, T, D, extra_in, extra_out, xr)
     hit = a.plans.get(skey)
     if hit is not None:
-        end, out_end, t_off, table, slots, calls, off = hit
+        end, out_end, t_off, table, where, calls, off = hit
         a.reserve(end, out_end)
         call.put(0, x, 4 * T * D)
         host = a.host
         host[t_off : t_off + len(table)] = table
-        patch(host, t_off, slots, experts)
+        patch(host, t_off, where, experts)
         return a, calls, off
     plan = plan_group(experts, rows)
     N, dout = max(plan.n_rows, 1), experts[0][2].out_features
