@@ -31,6 +31,11 @@ from coliworker.wire.codec import INLINE, ArrayIO
 #: Validated expert lists kept per servicer (cleared when full).
 _EXPERT_CACHE = 4096
 
+#: Validated expert triples kept per servicer (cleared when full): enough for every expert
+#: of a large MoE model (GLM-5.x: 256 per layer, some 19k in all) for a few owners, so that
+#: decode, whose routers send a new list of 8 nearly every call, finds its triples here.
+_TRIPLE_CACHE = 1 << 16
+
 #: Resolved (kv_b, o_proj) handle pairs of ragged attention kept per servicer (cleared when
 #: full).
 _ATTENTION_CACHE = 4096
@@ -80,6 +85,10 @@ class ComputeOps:
     _lock: threading.Lock
     _compute_calls: int
     _expert_cache: dict[tuple, tuple[int, Experts, int, int]]
+    # (owner, (gate, up, down) handle ids) -> (store generation, resident triple, device, D)
+    _triple_cache: dict[
+        tuple[str, tuple[int, int, int]], tuple[int, tuple[Any, Any, Any], int, int]
+    ]
     _attention_cache: dict[tuple[str, int, int], tuple[int, Handle, Handle | None, Any]]
 
     def _tensor(self, handle: int, field: str, owner: str) -> Handle:
@@ -148,7 +157,15 @@ class ComputeOps:
         )
 
     def _experts(self, experts, op: str, owner: str) -> tuple[Experts, int, int]:
-        """Resolve and check experts; returns (resident triples, device, D)."""
+        """Resolve and check experts; returns (resident triples, device, D).
+
+        A list this owner sent before, while the store's generation has not moved (no
+        handle freed or updated since), is answered from the list cache. Otherwise each
+        triple is answered from the per-triple cache, or resolved and checked as its index
+        of the list would be (``_triple``: the same errors), and the list is checked across
+        its triples (one D, one device); where that fails, the whole list goes through
+        ``_experts_checked`` for the error it has always raised. The generation is read
+        before any lookup: a free racing with the lookups leaves what they made stale."""
         n = len(experts)
         if not 1 <= n <= self.config.max_experts:
             raise (InvalidArgument if n == 0 else ResourceExhausted)(
@@ -160,6 +177,53 @@ class ComputeOps:
         hit = self._expert_cache.get(key)
         if hit is not None and hit[0] == gen:
             return hit[1], hit[2], hit[3]
+        ids: tuple = key[1:]  # the (gate, up, down) handle ids, in request order
+        try:
+            cache = self._triple_cache
+        except AttributeError:  # the first miss (the servicer makes only the list cache)
+            cache = self._triple_cache = {}
+        triples, dim, device = Experts(ids), 0, 0
+        for c, t in enumerate(ids):
+            tk = (owner, t)
+            th = cache.get(tk)
+            if th is None or th[0] != gen:
+                th = self._triple(t, c, op, owner, gen)
+                if th is None:  # its gate, up and down on more than one device
+                    return self._experts_checked(experts, key, gen, op, owner)
+                if len(cache) >= _TRIPLE_CACHE:
+                    cache.clear()
+                cache[tk] = th
+            if c == 0:
+                device, dim = th[2], th[3]
+            elif th[3] != dim or th[2] != device:
+                return self._experts_checked(experts, key, gen, op, owner)
+            triples.append(th[1])
+        if len(self._expert_cache) >= _EXPERT_CACHE:
+            self._expert_cache.clear()
+        self._expert_cache[key] = (gen, triples, device, dim)
+        return triples, device, dim
+
+    def _triple(
+        self, ids: tuple[int, int, int], c: int, op: str, owner: str, gen: int
+    ) -> tuple[int, tuple[Any, Any, Any], int, int] | None:
+        """``experts[c]`` (handle ids ``ids``) resolved and checked as ``_experts_checked``
+        does it (the same errors): its per-triple cache entry (``gen``, resident triple,
+        device, D), or None where its three tensors are not on one device."""
+        f = f"{op}.experts[{c}]"
+        g = self._tensor(ids[0], f"{f}.gate", owner)
+        u = self._tensor(ids[1], f"{f}.up", owner)
+        d = self._tensor(ids[2], f"{f}.down", owner)
+        dim, _ = validate.mlp(g, u, d, f)
+        device = g.spec.device
+        if u.spec.device != device or d.spec.device != device:
+            return None
+        return gen, (g.data.resident, u.data.resident, d.data.resident), device, dim
+
+    def _experts_checked(
+        self, experts, key: tuple, gen: int, op: str, owner: str
+    ) -> tuple[Experts, int, int]:
+        """``_experts`` without the per-triple cache: every handle looked up and every check
+        made in turn, so an error is the first the list has, in its words."""
         triples, named, dim = Experts(key[1:]), [], None
         for c, e in enumerate(experts):
             f = f"{op}.experts[{c}]"
@@ -179,7 +243,6 @@ class ComputeOps:
         assert dim is not None
         if len(self._expert_cache) >= _EXPERT_CACHE:
             self._expert_cache.clear()
-        # generation read before the lookups: a free racing with them invalidates the entry
         self._expert_cache[key] = (gen, triples, device, dim)
         return triples, device, dim
 
