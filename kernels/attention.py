@@ -352,15 +352,15 @@ def run(
            caches is None, flash, mm.settings(), ABSORB_W, FL_CLUSTER)  # fmt: skip
     plan = a.plans.get(key)
     if plan is None:  # _plan sizes the arena first: a reallocated arena forgets its plans
-        plan = _plan(call, kv_b, o_proj, S, H, q_dim, R, V, scale, n_up, nsplit, flash)
+        plan = _plan(call, kv_b, o_proj, S, H, q_dim, R, V, scale, n_up, nsplit, flash,
+                     caches is None)  # fmt: skip
         if len(a.plans) >= PLANS_PER_ARENA:
             a.plans.clear()
         a.plans[key] = plan
-    (_, dev_end, host_end, d_off, j_off, l_off, r_off, in_end, out_off, dout, scratch,
-     jobs, launches) = plan  # fmt: skip
+    (_, dev_end, host_end, d_off, j_off, l_off, r_off, in_end, out_off, dout, _, jobs,
+     launches) = plan  # fmt: skip
     a.reserve(dev_end, host_end)  # the size the plan was made for: nothing to do
     base, host = a.dptr, a.host
-    qfull, cl, _, pm, pl, pacc = (base + o for o in scratch)
     call.put(0, q, 4 * q.size)
     if n_up:
         stack_into(host, l_off, latents, n_up, K)
@@ -375,40 +375,53 @@ def run(
                 KV_DESC.pack_into(host, p, 0, 0, 0, src)
             p += KV_DESC.size
             src += n
-        scatter = n_up
     else:  # batch attention: the kernels read its cache rows in the upload
         for s in range(S):
             KV_DESC.pack_into(host, d_off + KV_DESC.size * s, base + l_off, base + r_off,
                               n_up - S + 1 + s, 0)  # fmt: skip
-        scatter = 0
     host[j_off : j_off + len(jobs)] = jobs
-    absorb, attend, merge, value, proj = launches
-    u64 = np.uint64
     call.send(in_end)
-    call.launch(absorb, u64(qfull), u64(base), u64(kv_b.ptrs[0]), u64(kv_b.ptrs[1]),
-                u64(base + d_off), u64(base + l_off), u64(base + r_off),
-                np.int32(scatter))  # fmt: skip
-    if flash:
-        call.launch(attend, u64(pm), u64(pl), u64(pacc), u64(qfull), u64(base + d_off), u64(cl))
-    else:
-        call.launch(attend, u64(pm), u64(pl), u64(pacc), u64(qfull), u64(base + d_off))
-    if merge is not None:
-        call.launch(merge, u64(cl), u64(pm), u64(pl), u64(pacc))
-    if value is not None:
-        call.launch(value, u64(base + j_off))
-    if proj is not None:
-        call.launch(proj, u64(base + j_off + 64 * H))
+    call.launch_all(launches)
     call.receive(out_off, (S, dout) if o_proj is not None else (S, H, V))
     return call.finish()
+
+
+def _launch_args(kv_b: Any, base: int, scratch: Sequence[int], d_off: int, j_off: int,
+                 l_off: int, r_off: int, scatter: int, H: int, flash: bool,
+                 launches: tuple) -> list[tuple]:  # fmt: skip
+    """The call's launches with their arguments, (launch, args) in order: absorb (which writes
+    a ragged call's ``scatter`` new rows into their caches), attend, merge, the value
+    projection and o_proj where the plan has them. Every argument is an address in the arena
+    (``base``) or in kv_b, or a count in the plan's key, so a plan makes them once."""
+    absorb, attend, merge, value, proj = launches
+    u64 = np.uint64
+    qfull, cl, _, pm, pl, pacc = (u64(base + o) for o in scratch)
+    desc = u64(base + d_off)
+    args = (qfull, u64(base), u64(kv_b.ptrs[0]), u64(kv_b.ptrs[1]), desc, u64(base + l_off),
+            u64(base + r_off), np.int32(scatter))  # fmt: skip
+    out: list[tuple] = [(absorb, args)]
+    if flash:
+        out.append((attend, (pm, pl, pacc, qfull, desc, cl)))
+    else:
+        out.append((attend, (pm, pl, pacc, qfull, desc)))
+    if merge is not None:
+        out.append((merge, (cl, pm, pl, pacc)))
+    if value is not None:
+        out.append((value, (u64(base + j_off),)))
+    if proj is not None:
+        out.append((proj, (u64(base + j_off + 64 * H),)))
+    return out
 
 
 def _plan(
     call: Any, kv_b: Any, o_proj: Any | None, S: int, H: int,
     q_dim: int, R: int, V: int, scale: float, n_up: int, nsplit: int, flash: bool,
+    batch: bool,
 ) -> tuple:  # fmt: skip
-    """The launches, arena layout and gemv job bytes of one attention call shape in the
-    call's arena (``_attention``); the plan holds kv_b and o_proj: the ids in its key
-    stay theirs while it lives."""
+    """The launches with their arguments, arena layout and gemv job bytes of one attention
+    call shape in the call's arena (``run``; ``batch``: batch attention, whose kernels read
+    the cache rows in the upload, else ragged, whose absorb scatters the ``n_up`` new rows);
+    the plan holds kv_b and o_proj: the ids in its key stay theirs while it lives."""
     K = kv_b.in_features
     n_jobs = H + (o_proj is not None)
     absorb = absorb_launch(kv_b.spec, S, H, q_dim, R, V)
@@ -439,6 +452,8 @@ def _plan(
     if o_proj is not None:
         jobs += GEMV_JOB.pack(*o_proj.ptrs, 0, 0, ctx, base + out_off, S,
                               o_proj.out_features, H * V, o_proj.out_features)  # fmt: skip
+    launches = _launch_args(kv_b, base, scratch, d_off, j_off, l_off, r_off,
+                            0 if batch else n_up, H, flash,
+                            (absorb, attend, merge, value, proj))  # fmt: skip
     return ((kv_b, o_proj), dev_end, host_end, d_off, j_off, l_off, r_off, in_end, out_off,
-            dout, scratch, np.frombuffer(bytes(jobs), np.uint8),
-            (absorb, attend, merge, value, proj))  # fmt: skip
+            dout, scratch, np.frombuffer(bytes(jobs), np.uint8), launches)  # fmt: skip

@@ -308,6 +308,12 @@ class Call:
         """Launch ``go(*args)`` (a prepared ``Launch`` or a CuPy kernel) in order."""
         self.work.append((LAUNCH, go, args))
 
+    def launch_all(self, launches: list[tuple]) -> None:
+        """``launch`` each ``(go, args)`` of ``launches`` in order: a plan's, made once with
+        its arguments (the same objects on every call: the graph's key compares them by
+        identity first)."""
+        self.work += [(LAUNCH, go, args) for go, args in launches]
+
     def receive(self, off: int, shape: tuple[int, ...]) -> None:
         """The output float32 ``shape`` at ``off`` device -> host (same offset), then the
         event that ends the call's work. Where the inputs went up in one stamped copy kernel
