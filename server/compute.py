@@ -178,10 +178,7 @@ class ComputeOps:
         if hit is not None and hit[0] == gen:
             return hit[1], hit[2], hit[3]
         ids: tuple = key[1:]  # the (gate, up, down) handle ids, in request order
-        try:
-            cache = self._triple_cache
-        except AttributeError:  # the first miss (the servicer makes only the list cache)
-            cache = self._triple_cache = {}
+        cache = self._triple_cache
         triples, dim, device = Experts(ids), 0, 0
         for c, t in enumerate(ids):
             tk = (owner, t)
