@@ -188,12 +188,13 @@ def flash_splits(s: int, heads: int, t_max: int, n_sm: int, k: int, r: int) -> i
     rounded down to a multiple of the forced C. Scratch as ``attend_splits``'s."""
     per = s * -(-heads // FL_HB)
     n = max(1, min(max(1, n_sm // per), -(-t_max // FL_MIN_ROWS), 1024))
-    key = (per, n, k, r, n_sm, FL_CLUSTER)
+    key = (per, n, k, r, n_sm, FL_CLUSTER, t_max)
     got = _splits.get(key)
     if got is None:
         have = _cluster_sizes(k, r)
         if FL_CLUSTER is None:
-            got = cluster_choice(per, n, have, functools.partial(_max_clusters, k, r))[1]
+            got = cluster_choice(per, n, have, functools.partial(_max_clusters, k, r),
+                                 functools.partial(slice_tiles, t_max))[1]  # fmt: skip
         elif FL_CLUSTER in have and n >= FL_CLUSTER:
             got = n // FL_CLUSTER * FL_CLUSTER
         else:
@@ -204,37 +205,63 @@ def flash_splits(s: int, heads: int, t_max: int, n_sm: int, k: int, r: int) -> i
     return got
 
 
-# flash_splits' answers by (blocks per slice, one-wave nsplit, K, R, SMs, FL_CLUSTER): asked on
-# every call. Keyed by SM count, not device: devices of one SM count are taken to hold as many
-# clusters (a wrong guess costs a second wave of clusters, never a wrong result).
+# flash_splits' answers by (blocks per slice, one-wave nsplit, K, R, SMs, FL_CLUSTER, T): asked
+# on every call (a decode token's layers share T: one miss per token). Keyed by SM count, not
+# device: devices of one SM count are taken to hold as many clusters (a wrong guess costs a
+# second wave of clusters, never a wrong result).
 _splits: dict[tuple, int] = {}
 
 
+def slice_tiles(t_max: int, nsplit: int) -> int:
+    """FL_TT-row tiles of the longest T slice (mla_flash's chunk of a ``t_max``-row cache cut
+    in ``nsplit``): the tile loop's length on the critical path."""
+    rows = -(-t_max // nsplit)
+    return -(-rows // FL_TT)
+
+
 def cluster_choice(per: int, nsplit: int, sizes: Sequence[int],
-                   max_clusters: Callable[[int], int]) -> tuple[int, int]:  # fmt: skip
+                   max_clusters: Callable[[int], int],
+                   tiles: Callable[[int], int] | None = None) -> tuple[int, int]:  # fmt: skip
     """(C, nsplit) of mla_flash_c for ``per`` blocks per T slice (sequences x head blocks) and
     the one-wave ``nsplit``: the largest C of ``sizes`` whose ``per * nsplit' / C`` clusters
     are all resident at once (``max_clusters(C)``, the driver's count) with nsplit' a multiple
-    of C no more than ``FL_WAVE_LOSS`` below nsplit; else (1, nsplit), mla_flash and
-    mla_merge. A second wave of clusters costs a whole slice's time again: measured on the
-    H200 at GLM-5.2 widths, 8 sequences' 128 blocks in clusters of 8 (15 resident) took 1.8x
-    the unclustered time, in clusters of 2 (66 resident) 0.95x."""
+    of C no more than ``FL_WAVE_LOSS`` below nsplit and, where ``tiles`` (tiles of the longest
+    slice, by nsplit) is given, no more tiles in its longest slice than at nsplit; else
+    (1, nsplit), mla_flash and mla_merge.
+
+    A second wave of clusters costs a whole slice's time again: measured on the H200 at
+    GLM-5.2 widths, 8 sequences' 128 blocks in clusters of 8 (15 resident) took 1.8x the
+    unclustered time, in clusters of 2 (66 resident) 0.95x. A longer slice costs its tiles:
+    at one sequence of T = 4096, 120 slices in clusters of 8 (3 tiles a slice, 15 partials)
+    took 37.2 + 6.1 us (flash + merge), 128 in clusters of 2 (2 tiles, 64 partials) 39.8 us
+    in all (bench/results/mla-launches-2026-12-02-b15a625.json)."""
+    most = tiles(nsplit) if tiles is not None else 0
     for c in sorted(sizes, reverse=True):
         n = min(nsplit, max_clusters(c) * c // per) // c * c
-        if n >= c and n >= (1 - FL_WAVE_LOSS) * nsplit:
+        if n >= c and n >= (1 - FL_WAVE_LOSS) * nsplit and (tiles is None or tiles(n) <= most):
             return c, n
     return 1, nsplit
 
 
+def cluster_for(per: int, nsplit: int, sizes: Sequence[int],
+                max_clusters: Callable[[int], int]) -> int:  # fmt: skip
+    """The largest C of ``sizes`` that divides ``nsplit`` and whose ``per * nsplit / C``
+    clusters are all resident at once; else 1. At the nsplit ``cluster_choice`` gives, this is
+    its C."""
+    for c in sorted(sizes, reverse=True):
+        if nsplit % c == 0 and per * nsplit // c <= max_clusters(c):
+            return c
+    return 1
+
+
 def flash_cluster(k: int, r: int, nsplit: int, s: int, heads: int) -> int:
-    """C of ``flash_launch``: with ``FL_CLUSTER`` None, ``cluster_choice``'s C where its
-    nsplit is this one; a forced C where that variant exists and divides nsplit; else 1
-    (mla_flash + mla_merge)."""
+    """C of ``flash_launch``: with ``FL_CLUSTER`` None, ``cluster_for``'s (at the nsplit of
+    ``flash_splits``, the C it chose); a forced C where that variant exists and divides
+    nsplit; else 1 (mla_flash + mla_merge)."""
     have = _cluster_sizes(k, r)
     if FL_CLUSTER is None:
         per = s * -(-heads // FL_HB)
-        c, n = cluster_choice(per, nsplit, have, functools.partial(_max_clusters, k, r))
-        return c if n == nsplit else 1
+        return cluster_for(per, nsplit, have, functools.partial(_max_clusters, k, r))
     return FL_CLUSTER if FL_CLUSTER in have and nsplit % FL_CLUSTER == 0 else 1
 
 

@@ -7,6 +7,7 @@ kernels: ``test_attention.py``."""
 
 from __future__ import annotations
 
+import functools
 import shutil
 import subprocess
 from pathlib import Path
@@ -307,20 +308,48 @@ def attention_host(host_module):
 
 def test_cluster_choice_keeps_one_wave(attention_host, rng):
     """cluster_choice against a search of every (C, nsplit'): the largest C whose clusters
-    all fit at once with nsplit' a multiple of C within FL_WAVE_LOSS of nsplit, then the
-    largest such nsplit'; else (1, nsplit). The H200's resident counts at GLM-5.2 widths
-    (66, 30, 15 for C = 2, 4, 8) give C = 8 on 120 slices at one sequence, C = 2 at 8 and 32."""
+    all fit at once with nsplit' a multiple of C within FL_WAVE_LOSS of nsplit (and, given the
+    tiles of the longest slice, none more than at nsplit), then the largest such nsplit';
+    else (1, nsplit); and cluster_for at the chosen nsplit gives the chosen C. The H200's
+    resident counts at GLM-5.2 widths (66, 30, 15 for C = 2, 4, 8) give, at one sequence of
+    T = 4096, C = 2 on 128 slices (2 tiles each; C = 8 on 120 would make them 3), and C = 8 on
+    120 without the tiles; C = 2 at 8 and 32 sequences."""
     att = attention_host
     h200 = {2: 66, 4: 30, 8: 15}.get
+    t4096 = functools.partial(att.slice_tiles, 4096)
+    assert (t4096(128), t4096(120)) == (2, 3)
+    assert att.cluster_choice(1, 128, (2, 4, 8), h200, t4096) == (2, 128)
     assert att.cluster_choice(1, 128, (2, 4, 8), h200) == (8, 120)
-    assert att.cluster_choice(8, 16, (2, 4, 8), h200) == (2, 16)
-    assert att.cluster_choice(32, 4, (2, 4, 8), h200) == (2, 4)
+    assert att.cluster_choice(8, 16, (2, 4, 8), h200, functools.partial(att.slice_tiles, 4096)) == (
+        2,
+        16,
+    )
+    assert att.cluster_choice(32, 4, (2, 4, 8), h200, functools.partial(att.slice_tiles, 2048)) == (
+        2,
+        4,
+    )
     assert att.cluster_choice(1, 128, (2, 4, 8), lambda c: 0) == (1, 128)
-    for _ in range(400):
+    for _ in range(600):
         per, nsplit = int(rng.integers(1, 40)), int(rng.integers(1, 200))
         sizes = tuple(sorted({int(c) for c in rng.choice([2, 4, 8], int(rng.integers(0, 4)))}))
         resident = {c: int(rng.integers(0, 80)) for c in (2, 4, 8)}
-        fits = [(c, n) for c in sizes for n in range(c, nsplit + 1, c)
-                if per * n <= resident[c] * c and n >= (1 - att.FL_WAVE_LOSS) * nsplit]  # fmt: skip
-        want = max(fits) if fits else (1, nsplit)
-        assert att.cluster_choice(per, nsplit, sizes, resident.get) == want, (per, nsplit)
+        t_max = int(rng.integers(1, 9000))
+        for tiles in (None, functools.partial(att.slice_tiles, t_max)):
+            fits = [(c, n) for c in sizes for n in range(c, nsplit + 1, c)
+                    if per * n <= resident[c] * c and n >= (1 - att.FL_WAVE_LOSS) * nsplit
+                    and (tiles is None or tiles(n) <= tiles(nsplit))]  # fmt: skip
+            want = max(fits) if fits else (1, nsplit)
+            got = att.cluster_choice(per, nsplit, sizes, resident.get, tiles)
+            assert got == want, (per, nsplit, t_max, tiles is None)
+            if got[0] > 1:
+                assert att.cluster_for(per, got[1], sizes, resident.get) == got[0]
+
+
+def test_slice_tiles_is_the_kernels_chunk(attention_host, rng):
+    """slice_tiles: the tiles of mla_flash's longest slice, chunk = ceil(ceil(T / nsplit) /
+    FL_TT) * FL_TT rows (attention_flash.cuh), for random T and nsplit."""
+    att = attention_host
+    for _ in range(500):
+        t, n = int(rng.integers(1, 20000)), int(rng.integers(1, 300))
+        chunk = ((t + n - 1) // n + att.FL_TT - 1) // att.FL_TT * att.FL_TT
+        assert att.slice_tiles(t, n) == chunk // att.FL_TT
