@@ -14,14 +14,13 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
+from _tensors import TOL, host_arrays, random_tensor, rel_err, upload  # noqa: F401 (re-exported)
 
 from coliworker.kernels import reference as ref
-from coliworker.kernels.qtensor import QTensor, row_bytes, scale_count, scale_shape
 from coliworker.server.app import build_server
 from coliworker.server.config import Config
 from coliworker.v1 import worker_pb2 as pb
 
-TOL = 1e-5
 TOKENS = {
     "alice": "alice-token-0123456789abcdef",
     "bob": "bob-token-0123456789abcdef00",
@@ -47,37 +46,6 @@ def wait_until(predicate, seconds: float = 20.0) -> bool:
 
 def token_env(names=("alice", "bob")) -> str:
     return ",".join(f"{n}:{TOKENS[n]}" for n in names)
-
-
-def rel_err(y: np.ndarray, want: np.ndarray) -> float:
-    return float(np.max(np.abs(y - want)) / max(float(np.max(np.abs(want))), 1e-30))
-
-
-def random_tensor(rng: np.random.Generator, fmt: int, i: int, o: int, gs: int = 0) -> QTensor:
-    if fmt == 0:
-        w = rng.standard_normal((o, i)).astype(np.float32).view(np.uint8).reshape(-1)
-    else:
-        w = rng.integers(0, 256, size=o * row_bytes(fmt, i), dtype=np.uint8)
-    s = (rng.random(scale_count(fmt, i, o, gs)) * 0.05 + 0.01).astype(np.float32)
-    return QTensor(fmt, i, o, gs, w, s)
-
-
-def arrays(t: QTensor) -> tuple[np.ndarray, np.ndarray | None]:
-    shape = scale_shape(t.fmt, t.in_features, t.out_features, t.group_size)
-    return t.weights.reshape(t.out_features, -1), (t.scales.reshape(shape) if shape else None)
-
-
-def upload(w, t: QTensor, device: int = 0):
-    weights, scales = arrays(t)
-    return w.upload(
-        weights,
-        scales,
-        fmt=t.fmt,
-        in_features=t.in_features,
-        out_features=t.out_features,
-        group_size=t.group_size,
-        device=device,
-    )
 
 
 def serve(**overrides) -> object:

@@ -12,7 +12,7 @@ import pytest
 from _rel import (
     DecodeLayer,
     WorkerProcess,
-    arrays,
+    host_arrays,
     random_tensor,
     rel_err,
     serve,
@@ -61,9 +61,9 @@ def test_kill_9_and_restart_is_invisible_to_the_engine(worker, rng, means):
         model.upload(w)
         for e, refs in zip(model.experts, model.refs, strict=True):
             for t, r in zip(e, refs, strict=True):
-                by_hash[r.content_hash] = arrays(t)
+                by_hash[r.content_hash] = host_arrays(t)
         for t, r in ((model.kv_b, model.kv_ref), (model.o_proj, model.o_ref)):
-            by_hash[r.content_hash] = arrays(t)
+            by_hash[r.content_hash] = host_arrays(t)
         for _ in range(3):
             model.step(w)
         first = w.instance_id
@@ -86,7 +86,9 @@ def test_a_set_uploaded_with_upload_many_is_restored_after_kill_9(worker, rng, m
     tensors = [t for e in model.experts for t in e]
     tensors.append(tensors[0])  # identical content: one copy, two references
     items = [
-        UploadItem(*arrays(t), fmt=t.fmt, in_features=t.in_features, out_features=t.out_features)
+        UploadItem(
+            *host_arrays(t), fmt=t.fmt, in_features=t.in_features, out_features=t.out_features
+        )
         for t in tensors
     ]
     kept = {}
@@ -94,7 +96,7 @@ def test_a_set_uploaded_with_upload_many_is_restored_after_kill_9(worker, rng, m
     with RecoveringClient(worker.address, timeout=10, progress=False, **kw) as w:
         refs = w.upload_many(items)
         for t, r in zip(tensors, refs, strict=True):
-            kept[r.content_hash] = arrays(t)
+            kept[r.content_hash] = host_arrays(t)
         triples = [tuple(refs[3 * c : 3 * c + 3]) for c in range(len(model.experts))]
         x = rng.standard_normal((4, 16)).astype(np.float32)
         want = ref.expert_group(model.experts, [1, 2, 1], x)
@@ -206,7 +208,7 @@ def test_injected_compute_faults_are_typed_and_not_retried(rng):
 def test_a_client_that_disconnects_mid_upload_leaves_nothing_half_written(rng):
     srv = serve()
     t = random_tensor(rng, 1, 4096, 1024)  # 4 MiB: several chunks
-    weights, scales = arrays(t)
+    weights, scales = host_arrays(t)
     from coliworker.wire import codec
 
     digest = codec.content_hash(1, 4096, 1024, 0, weights, scales)
@@ -252,7 +254,7 @@ def test_sigterm_drains_in_flight_calls_then_exits(rng):
     p = WorkerProcess("--drain-grace", "5").start()
     try:
         t = random_tensor(rng, 1, 1024, 512)
-        weights, scales = arrays(t)
+        weights, scales = host_arrays(t)
         from coliworker.wire import codec
 
         digest = codec.content_hash(1, 1024, 512, 0, weights, scales)

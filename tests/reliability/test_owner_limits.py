@@ -16,8 +16,8 @@ import pytest
 from _rel import (
     TOKENS,
     Mla,
-    arrays,
     client,
+    host_arrays,
     random_tensor,
     rel_err,
     serve,
@@ -48,7 +48,7 @@ def _header(t, content_hash: bytes | None = None, handle: int = 0) -> pb.UploadC
 
     from coliworker.wire.codec import content_hash as digest_of
 
-    weights, scales = arrays(t)
+    weights, scales = host_arrays(t)
     digest = content_hash or digest_of(
         t.fmt, t.in_features, t.out_features, t.group_size, weights, scales
     )
@@ -209,7 +209,7 @@ def test_upload_headers_of_resident_content_allocate_nothing_before_admission(rn
                     assert e.value.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, want)
             assert srv.servicer.owners.held("bob") == (0, 0, 0)
             with pytest.raises(ResourceExhausted, match="--max-staged-bytes-per-owner"):
-                a.update(h, *arrays(random_tensor(rng, 1, 256, 256)))  # a 64 KiB host copy
+                a.update(h, *host_arrays(random_tensor(rng, 1, 256, 256)))  # a 64 KiB host copy
             assert (
                 rel_err(
                     a.matmul(h, np.eye(256, dtype=np.float32)[:2]),
@@ -367,7 +367,7 @@ def test_a_tensor_freed_or_updated_during_a_call_is_read_whole_by_that_call(rng)
             call = threading.Thread(target=lambda: out.append(w.matmul(h, x)))
             call.start()
             assert gate.entered.wait(20)
-            upd = threading.Thread(target=lambda: w.update(h, *arrays(t2)))
+            upd = threading.Thread(target=lambda: w.update(h, *host_arrays(t2)))
             upd.start()
             assert wait_until(lambda: srv.servicer.store._writers == 1)  # waits for the call
             gate.go.set()

@@ -11,8 +11,8 @@ import pytest
 from _rel import (
     TOKENS,
     Mla,
-    arrays,
     client,
+    host_arrays,
     make_pki,
     random_tensor,
     rel_err,
@@ -305,7 +305,7 @@ def test_calls_beyond_max_in_flight_are_resource_exhausted(rng):
     srv = serve(max_in_flight=2)
     release = threading.Event()
     t = random_tensor(rng, 1, 64, 8)
-    weights, _ = arrays(t)
+    weights, _ = host_arrays(t)
 
     def held_upload():
         header = pb.UploadHeader(

@@ -1,45 +1,13 @@
-"""What the worker's RPC tests (test_service.py, test_service_errors.py) share: random
-tensors of every format and their upload, experts and MLA weights made and uploaded, a device's
-stats, and the error measure against the float64 reference."""
+"""What the worker's RPC tests (test_service.py, test_service_errors.py) share: experts and MLA
+weights made and uploaded and a device's stats, beside the random tensors, their upload and the
+error measure of tests/_tensors.py (re-exported here)."""
 
 from __future__ import annotations
 
-import numpy as np
+from _tensors import TOL, host_arrays, random_tensor, rel_err, upload
 
-from coliworker.client import WorkerClient
-from coliworker.kernels.qtensor import QTensor, row_bytes, scale_count, scale_shape
-
-TOL = 1e-5  # NumPy backend vs float64 reference, float32 results
-
-
-def rel_err(y: np.ndarray, want: np.ndarray) -> float:
-    return float(np.max(np.abs(y - want)) / max(float(np.max(np.abs(want))), 1e-30))
-
-
-def random_tensor(rng: np.random.Generator, fmt: int, i: int, o: int, gs: int = 0) -> QTensor:
-    if fmt == 0:
-        w = rng.standard_normal((o, i)).astype(np.float32).view(np.uint8).reshape(-1)
-    else:
-        w = rng.integers(0, 256, size=o * row_bytes(fmt, i), dtype=np.uint8)
-    s = (rng.random(scale_count(fmt, i, o, gs)) * 0.05 + 0.01).astype(np.float32)
-    return QTensor(fmt, i, o, gs, w, s)
-
-
-def host_arrays(t: QTensor) -> tuple[np.ndarray, np.ndarray | None]:
-    """(weights [out, row bytes], scales in their shape, or None) as the client sends them."""
-    shape = scale_shape(t.fmt, t.in_features, t.out_features, t.group_size)
-    return t.weights.reshape(t.out_features, -1), t.scales.reshape(shape) if shape else None
-
-
-def upload(w: WorkerClient, t: QTensor, device: int = 0):
-    return w.upload(
-        *host_arrays(t),
-        fmt=t.fmt,
-        in_features=t.in_features,
-        out_features=t.out_features,
-        group_size=t.group_size,
-        device=device,
-    )
+__all__ = ["TOL", "device_stats", "host_arrays", "make_expert", "mla", "random_tensor", "rel_err",
+           "upload"]  # fmt: skip
 
 
 def device_stats(w, device=0):
