@@ -22,8 +22,9 @@ as the one launch (``kernels/expert_group_pipe.py``, which ``issue`` imports onl
 test). Smaller groups (decode) keep one H2D, the launches and one D2H, as a CUDA graph once
 seen before.
 
-The plan and the tables (``route_plan``, ``plan_group``, ``write_group``) need no CuPy: they
-are timed and tested on any machine; the launches import CuPy when they are first built.
+The plan and the tables (``route_plan``, ``plan_group``, ``write_group``, and ``group_shape``
+and ``patch``, which let other experts of one shape reuse a plan) need no CuPy: they are timed
+and tested on any machine; the launches import CuPy when they are first built.
 Residents are duck-typed: ``spec`` (an interned ``WeightSpec``: specs compare by identity),
 ``fmt``, ``out_features`` and ``ptrs`` (device addresses of weights and scales). ``call`` is
 the backend's call context (``server/cupy_calls.py``: ``take``, ``reserve``, ``put``,
