@@ -370,11 +370,10 @@ def patch(buf: Any, off: int, slots: Sequence[tuple[int, int, tuple[int, ...]]],
     (``write_group``'s), nothing else changes."""
     addrs3 = _ADDRS[3].pack_into
     for pos, c, ms in slots:
-        g, u, d = experts[c]
-        if len(ms) == 3:
-            addrs3(buf, off + pos, *g.ptrs, *u.ptrs, *d.ptrs)
+        e = experts[c]
+        if len(ms) == 3:  # a moe record: all three (the usual slot, without the list)
+            addrs3(buf, off + pos, *e[0].ptrs, *e[1].ptrs, *e[2].ptrs)
         else:
-            e = (g, u, d)
             _ADDRS[len(ms)].pack_into(buf, off + pos, *[p for m in ms for p in e[m].ptrs])
 
 
@@ -411,21 +410,17 @@ def prepare(
     settings = mm.settings()
     key = ("group", settings, *map(id, experts), *rows, T, D, extra_in, extra_out, xr)
     hit = a.plans.get(key)
-    if hit is not None:
-        _, end, out_end, t_off, table, calls, off = hit
+    if hit is None:
+        skey = ("group shape", settings, group_shape(experts), *rows, T, D, extra_in,
+                extra_out, xr)  # fmt: skip
+        hit = a.plans.get(skey)
+    if hit is not None:  # where: None for the same experts, else the address slots to patch
+        _, end, out_end, t_off, table, where, calls, off = hit
         a.reserve(end, out_end)
         call.put(0, x, 4 * T * D)
         a.host[t_off : t_off + len(table)] = table
-        return a, calls, off
-    skey = ("group shape", settings, group_shape(experts), *rows, T, D, extra_in, extra_out, xr)
-    hit = a.plans.get(skey)
-    if hit is not None:
-        end, out_end, t_off, table, where, calls, off = hit
-        a.reserve(end, out_end)
-        call.put(0, x, 4 * T * D)
-        host = a.host
-        host[t_off : t_off + len(table)] = table
-        patch(host, t_off, where, experts)
+        if where is not None:
+            patch(a.host, t_off, where, experts)
         return a, calls, off
     plan = plan_group(experts, rows)
     N, dout = max(plan.n_rows, 1), experts[0][2].out_features
@@ -456,8 +451,8 @@ def prepare(
             a.plans.clear()
         # The entry holds the triples: their ids in the key stay theirs while it lives.
         table = a.host[t_off : t_off + plan.table_bytes].copy()
-        a.plans[key] = (list(experts), end, out_end, t_off, table, calls, off)
-        a.plans[skey] = (end, out_end, t_off, table, slots, calls, off)
+        a.plans[key] = (list(experts), end, out_end, t_off, table, None, calls, off)
+        a.plans[skey] = (None, end, out_end, t_off, table, slots, calls, off)
     return a, calls, off
 
 
