@@ -97,12 +97,6 @@ class _Attr(ctypes.Structure):  # CUlaunchAttribute: id, pad to 8, a 64-byte val
                 ("rest", ctypes.c_char * 60)]  # fmt: skip
 
 
-class _Config(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
-                ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                ("attrs", ctypes.c_void_p), ("n_attrs", ctypes.c_uint)]  # fmt: skip
-
-
 _U64, _I64, _I32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32
 
 
@@ -112,6 +106,9 @@ class Bench:
     def __init__(self, calls: int) -> None:
         import cupy
 
+        from coliworker.kernels.launch import LaunchConfig  # CUlaunchConfig (imports CuPy)
+
+        self.config = LaunchConfig
         self.cupy, self.calls = cupy, calls
         lx = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
         lx.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
@@ -130,7 +127,7 @@ class Bench:
         vals = [t(v) for t, v in args]
         params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
         self.keep.extend([vals, params])
-        cfg = _Config((grid, 1, 1), (block, 1, 1), 0, self.stream.ptr,
+        cfg = self.config((grid, 1, 1), (block, 1, 1), 0, self.stream.ptr,
                       ctypes.addressof(self.attr) if pdl else None, 1 if pdl else 0)  # fmt: skip
         err = self.lx(ctypes.byref(cfg), ctypes.c_void_p(fn.kernel.ptr), params, None)
         if err:

@@ -112,7 +112,7 @@ def cached(key: tuple, make: Callable[[], T]) -> T:
     return ln
 
 
-class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig (cuda.h)
+class LaunchConfig(ctypes.Structure):  # CUlaunchConfig (cuda.h)
     _fields_ = [
         ("grid", ctypes.c_uint * 3),
         ("block", ctypes.c_uint * 3),
@@ -132,7 +132,7 @@ def max_active_clusters(fn: cupy.RawKernel, cluster: int, block: int, smem: int)
         occ = ctypes.CDLL("libcuda.so.1").cuOccupancyMaxActiveClusters
     except (OSError, AttributeError):  # pragma: no cover - depends on the driver
         return 0
-    cfg = _LaunchConfig((cluster, 1, 1), (block, 1, 1), smem, None, None, 0)
+    cfg = LaunchConfig((cluster, 1, 1), (block, 1, 1), smem, None, None, 0)
     n = ctypes.c_int(0)
     err = occ(ctypes.byref(n), ctypes.c_void_p(fn.kernel.ptr), ctypes.byref(cfg))
     return int(n.value) if err == 0 else 0
