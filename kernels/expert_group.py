@@ -28,7 +28,8 @@ and tested on any machine; the launches import CuPy when they are first built.
 Residents are duck-typed: ``spec`` (an interned ``WeightSpec``: specs compare by identity),
 ``fmt``, ``out_features`` and ``ptrs`` (device addresses of weights and scales). ``call`` is
 the backend's call context (``server/cupy_calls.py``: ``take``, ``reserve``, ``put``,
-``mark``, ``send``, ``launch``, ``receive``, ``issue``, ``finish``).
+``send``, ``launch``, ``receive``, ``issue``, ``finish``, and ``new_replay`` / ``replay``: a
+kept plan's graph launched without listing its work again).
 """
 
 from __future__ import annotations
@@ -377,6 +378,20 @@ def patch(buf: Any, off: int, slots: Sequence[tuple[int, int, tuple[int, ...]]],
             _ADDRS[len(ms)].pack_into(buf, off + pos, *[p for m in ms for p in e[m].ptrs])
 
 
+_modules: dict[str, Any] = {}
+
+
+def _module(name: str) -> Any:
+    """``coliworker.kernels.<name>`` (matmul, route: they import CuPy), imported on first use;
+    a dictionary lookup per call after that, where an import statement costs a microsecond."""
+    mod = _modules.get(name)
+    if mod is None:
+        import importlib
+
+        mod = _modules[name] = importlib.import_module(f"coliworker.kernels.{name}")
+    return mod
+
+
 def group_shape(experts: Sequence[tuple[Any, Any, Any]]) -> tuple:
     """What a group's plan and tables depend on beside the experts' addresses: each expert's
     gate, up and down specs (interned: by identity) and its hidden and output widths."""
@@ -387,9 +402,10 @@ def group_shape(experts: Sequence[tuple[Any, Any, Any]]) -> tuple:
 def prepare(
     call: Any, experts: Sequence[tuple[Any, Any, Any]], rows: Sequence[int], x: np.ndarray,
     n_sm: int, extra_in: int = 0, x_rows: Sequence[int] | None = None, extra_out: int = 0,
-) -> tuple[Any, list[tuple], dict[str, int]]:  # fmt: skip
-    """Plan a group, reserve its arena and write its inputs; returns the arena, the launches
-    and the offsets. Inputs: x float32 [T, D] at 0, the tables, ``extra_in`` more bytes at
+) -> tuple[Any, list[tuple], dict[str, int], Any]:  # fmt: skip
+    """Plan a group, reserve its arena and write its inputs; returns the arena, the launches,
+    the offsets and the plan's ``Replay`` (its kept graph; None where no plan is kept: unfused
+    experts). Inputs: x float32 [T, D] at 0, the tables, ``extra_in`` more bytes at
     "extra", up to "in_end". Outputs: y float32 [N, dout] at "y", then ``extra_out`` more
     bytes at "out". Device scratch: hidden (and up's, for unfused experts), then, for a
     routed group that gathers (``x_rows`` None and ``extra_in``), the packed x float32
@@ -402,8 +418,7 @@ def prepare(
     a decode call's routed experts change from token to token: the tables are copied in and
     ``patch`` writes these experts' addresses into them). The launches and the layout are the
     shape's either way."""
-    from coliworker.kernels import matmul as mm
-
+    mm = _module("matmul")
     T, D = x.shape
     a = call.take()
     xr = None if x_rows is None else tuple(x_rows)
@@ -415,13 +430,13 @@ def prepare(
                 extra_out, xr)  # fmt: skip
         hit = a.plans.get(skey)
     if hit is not None:  # where: None for the same experts, else the address slots to patch
-        _, end, out_end, t_off, table, where, calls, off = hit
+        _, end, out_end, t_off, table, where, calls, off, rep = hit
         a.reserve(end, out_end)
         call.put(0, x, 4 * T * D)
         a.host[t_off : t_off + len(table)] = table
         if where is not None:
             patch(a.host, t_off, where, experts)
-        return a, calls, off
+        return a, calls, off, rep
     plan = plan_group(experts, rows)
     N, dout = max(plan.n_rows, 1), experts[0][2].out_features
     t_off = align(4 * T * D)
@@ -446,14 +461,17 @@ def prepare(
                            base + hu_off, x_at, _streamed, slots)  # fmt: skip
     calls = _launches(call, launches, base + t_off, base + h_off, base + hu_off, n_sm)
     off = {"extra": e_off, "in_end": in_end, "y": y_off, "out": o_off, "xp": xp_off}
+    rep = None
     if not plan.unfused:  # (unfused experts' launches hold views of this call's arena)
         if len(a.plans) >= PLANS_PER_ARENA - 1:
             a.plans.clear()
-        # The entry holds the triples: their ids in the key stay theirs while it lives.
+        # The entry holds the triples: their ids in the key stay theirs while it lives. Both
+        # entries list the same work (the same layout and launches): one kept graph.
         table = a.host[t_off : t_off + plan.table_bytes].copy()
-        a.plans[key] = (list(experts), end, out_end, t_off, table, None, calls, off)
-        a.plans[skey] = (None, end, out_end, t_off, table, slots, calls, off)
-    return a, calls, off
+        rep = call.new_replay()
+        a.plans[key] = (list(experts), end, out_end, t_off, table, None, calls, off, rep)
+        a.plans[skey] = (None, end, out_end, t_off, table, slots, calls, off, rep)
+    return a, calls, off, rep
 
 
 #: Groups whose x has at least this many bytes are pipelined (kernels/expert_group_pipe.py)
@@ -508,7 +526,9 @@ def issue(
             return
     N = x.shape[0]
     dout = experts[0][2].out_features
-    _, calls, off = prepare(call, experts, rows, x, n_sm)
+    _, calls, off, rep = prepare(call, experts, rows, x, n_sm)
+    if rep is not None and call.replay(rep):
+        return
     call.send(off["in_end"])
     for go, args in calls:
         call.launch(go, *args)
@@ -523,8 +543,7 @@ def routed(
     """A routed group: the used experts as a packed group, then each token's weighted sum of
     its experts' rows (route_combine), reading x in place where every expert's tokens are
     consecutive, else through a packed copy (route_gather)."""
-    from coliworker.kernels import route
-
+    route = _module("route")
     T, K = routes.shape
     D = x.shape[1]
     n = T * K
@@ -532,13 +551,15 @@ def routed(
     sel = [experts[e] for e in rp.used]
     d_out = experts[0][2].out_features
     extra = align(4 * n) * 2 + (0 if rp.x_rows is not None else 4 * n)  # pos, w (, src)
-    a, calls, off = prepare(call, sel, rp.rows, x, n_sm, extra, rp.x_rows, 4 * T * d_out)
+    a, calls, off, rep = prepare(call, sel, rp.rows, x, n_sm, extra, rp.x_rows, 4 * T * d_out)
     base, o0 = a.dptr, off["extra"]
     o1, o2 = o0 + align(4 * n), o0 + 2 * align(4 * n)
     put_host(a.host, o0, rp.pos, 4 * n, np.int32)
     put_host(a.host, o1, weights, 4 * n)
     if rp.x_rows is None:
         put_host(a.host, o2, rp.src, 4 * n, np.int32)
+    if rep is not None and call.replay(rep):  # the same plan: the same work, as its graph
+        return call.finish()
     combine = route.combine_launch(T, K, d_out)
     u64 = np.uint64
     call.send(off["in_end"])

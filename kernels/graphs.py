@@ -116,11 +116,15 @@ class Graphs:
         self.execs.clear()
         self.seen.clear()
 
-    def run(self, work: list[tuple], events: list[int], stream: int, graphable: bool) -> None:
-        """Issue ``work``: replay its graph, capture it, or launch it directly."""
+    def run(
+        self, work: list[tuple], events: list[int], stream: int, graphable: bool
+    ) -> _Exec | None:
+        """Issue ``work``: replay its graph, capture it, or launch it directly. Returns the
+        graph it launched (None: direct launches), which a caller that knows the list is a
+        function of its plan may keep and launch again (``Call.replay``)."""
         if not (ENABLED and graphable):
             play(work, events, stream)
-            return
+            return None
         key = tuple(work)
         try:
             ex = self.execs[key]
@@ -128,20 +132,20 @@ class Graphs:
             pass
         except TypeError:  # an argument that is no plain value: never captured
             play(work, events, stream)
-            return
+            return None
         else:
             if ex is None:
                 play(work, events, stream)
             else:
                 cupy.cuda.runtime.graphLaunch(ex.ptr, stream)
-            return
+            return ex
         n = self.seen.get(key, 0) + 1
         if n < CAPTURE_AFTER or _external_record() is None:
             if len(self.seen) >= 4 * GRAPHS_PER_ARENA:
                 self.seen.clear()
             self.seen[key] = n
             play(work, events, stream)
-            return
+            return None
         self.seen.pop(key, None)
         if len(self.execs) >= GRAPHS_PER_ARENA:
             self.execs.clear()
@@ -151,6 +155,7 @@ class Graphs:
             play(work, events, stream)
         else:
             cupy.cuda.runtime.graphLaunch(ex.ptr, stream)
+        return ex
 
     @staticmethod
     def _capture(work: list[tuple], events: list[int], stream: int) -> _Exec | None:

@@ -20,6 +20,7 @@ import cupy
 import numpy as np
 
 from coliworker.kernels._module import get_function
+from coliworker.kernels.expert_group import PLANS_PER_ARENA
 from coliworker.kernels.launch import Launch
 from coliworker.kernels.launch import cached as _cached
 from coliworker.kernels.layout import Layout
@@ -524,17 +525,33 @@ def _moe_pf(
 
 def run(call: Any, w: Any, x: np.ndarray) -> Any:
     """matmul: y float32 [S, out] = x float32 [S, in] @ W^T as one gemv job in the call's arena
-    (``call``: the backend's call context, ``server/cupy_calls.py``): x at 0, the job, y."""
+    (``call``: the backend's call context, ``server/cupy_calls.py``): x at 0, the job, y. The
+    plan (the launch, the job's bytes, the kept graph) is kept per arena, weight and rows."""
     s, n_in = x.shape
     n_out = w.out_features
     xb = 4 * s * n_in
     j_off = align(xb)
     y_off = align(j_off + GEMV_JOB.size)
-    go = gemv_launch(w.spec, 1, s, n_out)
-    a = call.reserve(y_off + 4 * s * n_out, y_off + 4 * s * n_out)
+    end = y_off + 4 * s * n_out
+    a = call.take()
+    key = ("matmul", id(w), s, settings())
+    plan = a.plans.get(key)
+    if plan is None:
+        go = gemv_launch(w.spec, 1, s, n_out)
+        a = call.reserve(end, end)  # a reallocated arena forgets its plans: size it first
+        job = bytearray(GEMV_JOB.size)
+        GEMV_JOB.pack_into(job, 0, *w.ptrs, 0, 0, a.dptr, a.dptr + y_off, s, n_out, n_in,
+                           n_out)  # fmt: skip
+        if len(a.plans) >= PLANS_PER_ARENA:
+            a.plans.clear()
+        # The plan holds w: the id in its key stays its own while the plan lives.
+        plan = a.plans[key] = (w, go, np.frombuffer(bytes(job), np.uint8), call.new_replay())
+    _, go, job, rep = plan
+    a.reserve(end, end)  # the size the plan was made for: nothing to do
     call.put(0, x, xb)
-    GEMV_JOB.pack_into(a.host, j_off, *w.ptrs, 0, 0, a.dptr, a.dptr + y_off, s, n_out, n_in,
-                       n_out)  # fmt: skip
+    a.host[j_off : j_off + GEMV_JOB.size] = job
+    if call.replay(rep):  # the same plan: the same work, as its graph
+        return call.finish()
     call.send(j_off + GEMV_JOB.size)
     if go is not None:
         call.launch(go, np.uint64(a.dptr + j_off))

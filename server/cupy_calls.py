@@ -30,6 +30,8 @@ import cupy
 import cupyx
 import numpy as np
 
+from coliworker.kernels import copy
+from coliworker.kernels import graphs as cupy_graphs
 from coliworker.kernels.copy import copy_launch
 from coliworker.kernels.graphs import COPY, LAUNCH, MARK, Graphs
 from coliworker.kernels.pinned import align, put_host
@@ -82,7 +84,6 @@ def pinned(nbytes: int, what: str) -> np.ndarray:
 # Arenas above this many bytes (device or pinned) are freed after their call rather than kept.
 ARENA_KEEP_BYTES = 64 << 20
 ARENAS_PER_THREAD = 4  # free arenas a thread keeps per device (one per call it has in flight)
-PLANS_PER_ARENA = 1024  # host plans an arena keeps (Arena.plans); past this it drops them all
 # Outputs of at least this many bytes are handed over in their pinned buffer, not copied.
 DETACH_BYTES = 1 << 20
 # float32 inputs of at least this many bytes that lie in a session's shared-memory segment go
@@ -184,6 +185,30 @@ class Arena:
 H2D, D2H = 1, 2  # cudaMemcpyKind
 
 
+class Replay:
+    """A plan's device work as its arena last issued it: the graph, and where the output lies.
+
+    An op's plan (kept per arena and call shape: ``kernels/expert_group.py``,
+    ``kernels/attention.py``, ``kernels/matmul.py``) fixes every address and launch of the
+    work its calls list, so the list is a function of the plan: once the list has been
+    captured (``kernels/graphs.py``), a later call of the plan writes its inputs and launches
+    the kept graph (``Call.replay``) without listing its work again or looking the list up.
+    Only the copy switches (``kernels/copy.py``) change the list for one plan; the graph is
+    kept with the switches it was captured under and is not replayed under others."""
+
+    __slots__ = ("exec", "out", "stamped", "copies")
+
+    def __init__(self) -> None:
+        self.exec: Any = None  # graphs._Exec once captured (held: it lives as long as this)
+        self.out: tuple[int, int, tuple[int, ...]] = (0, 0, ())
+        self.stamped = False
+        self.copies: tuple = ()
+
+
+def _copy_switches() -> tuple:
+    return (copy.ENABLED, copy.KERNEL_BYTES)
+
+
 class Call:
     """One call: the device made current (only when it is not already), the thread's stream
     and an arena. Layout of the arena: [inputs | outputs] mirrored on host and device (the
@@ -201,7 +226,7 @@ class Call:
     of GPU time)."""
 
     __slots__ = ("backend", "device", "what", "stream", "arena", "_prev", "out", "direct",
-                 "work", "graphable", "spans", "done", "stamped", "_h2d")  # fmt: skip
+                 "work", "graphable", "spans", "done", "stamped", "_h2d", "rep")  # fmt: skip
 
     def __init__(self, backend: Any, device: int, what: str) -> None:
         """``backend``: the CuPy backend (its per-thread ``_stream`` and ``_arenas``, and
@@ -221,6 +246,7 @@ class Call:
         self.done = 0
         self.stamped = False  # the phases are the copy kernels' stamps
         self._h2d = -1  # where send's first event lies in work, when its copy is stamped
+        self.rep: Replay | None = None  # the plan's graph to keep once issued (``replay``)
 
     def __enter__(self) -> Call:
         self._prev = cupy.cuda.runtime.getDevice()
@@ -332,10 +358,32 @@ class Call:
             work.insert(len(work) - 1, (MARK, 2))
         work.append((MARK, 3))
 
+    @staticmethod
+    def new_replay() -> Replay:
+        """A plan's slot for its kept graph (``Replay``), made with the plan."""
+        return Replay()
+
+    def replay(self, rep: Replay) -> bool:
+        """Launch the plan's kept graph (``Replay``) when it has one, graphs are on, the copy
+        switches are those it was captured under and no input is read from a client's segment:
+        True, the call's work is issued (``finish`` waits for it). Else False: the op lists its
+        work as usual, and ``issue`` keeps the graph in ``rep`` once there is one."""
+        ex = rep.exec
+        if ex is None or self.direct or not cupy_graphs.ENABLED or rep.copies != _copy_switches():
+            self.rep = rep
+            return False
+        cupy.cuda.runtime.graphLaunch(ex.ptr, self.stream.ptr)
+        self.out, self.stamped = rep.out, rep.stamped
+        return True
+
     def issue(self) -> None:
         """Issue the listed device work on the call's stream (a graph replay where it can)."""
         work, self.work = self.work, []
-        self.arena.graphs.run(work, self.arena.eptr, self.stream.ptr, self.graphable)
+        ex = self.arena.graphs.run(work, self.arena.eptr, self.stream.ptr, self.graphable)
+        rep = self.rep
+        if rep is not None and ex is not None:
+            rep.exec, rep.out, rep.stamped = ex, self.out, self.stamped
+            rep.copies = _copy_switches()
 
     def finish(self) -> Result:
         if self.work:

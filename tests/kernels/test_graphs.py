@@ -197,3 +197,41 @@ def test_a_call_shape_whose_capture_fails_stays_direct(backend, rng, graphs, mon
     xs = [rng.standard_normal((1, 128)).astype(np.float32) for _ in range(CALLS)]
     _same(lambda x: backend.matmul(w, x), graphs, xs)
     assert _replayed(backend) == 0
+
+
+def test_a_kept_plan_replays_its_graph(backend, rng, graphs, monkeypatch):
+    """Calls of a kept plan launch the plan's graph (``Call.replay``) once it is captured, with
+    no work listed: routed groups naming other experts of one shape each call (the shape's
+    plan, its tables patched) and dense matmuls, to the bit of the same calls with graphs off."""
+    from coliworker.server.cupy_calls import Call
+
+    replayed = []
+    real = Call.replay
+
+    def counting(self, rep):
+        done = real(self, rep)
+        replayed.append(done)
+        return done
+
+    monkeypatch.setattr(Call, "replay", counting)
+    d, i, pool = 256, 128, 12
+    experts = [
+        tuple(backend.place(make_tensor(rng, 2, *io), 0) for io in ((i, d), (i, d), (d, i)))
+        for _ in range(pool)
+    ]
+    routes = np.arange(4, dtype=np.int32).reshape(1, 4)
+    w = backend.place(make_tensor(rng, 2, d, 160), 0)
+    for n in range(2 * CALLS):
+        sel = [experts[(3 * n + j) % pool] for j in range(4)]  # other experts every call
+        x = rng.standard_normal((1, d)).astype(np.float32)
+        wt = rng.random((1, 4)).astype(np.float32)
+        xm = rng.standard_normal((1, d)).astype(np.float32)
+        outs = []
+        for on in (True, False):
+            graphs(on)
+            outs.append((backend.expert_group_routed(sel, x, routes, wt).out,
+                         backend.matmul(w, xm).out))  # fmt: skip
+        for got, want in zip(*outs, strict=True):
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    # Two ops, each direct, captured, then replayed from its plan for every later call.
+    assert sum(replayed) == 2 * (2 * CALLS - 2)

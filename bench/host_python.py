@@ -1,0 +1,237 @@
+"""The CuPy backend's per-call Python, with the GPU stubbed out: what a decode call costs the
+host beside its device work, measurable on any machine.
+
+A stand-in ``cupy`` module (runtime calls that return at once, device arrays that are host
+arrays, kernels that are never compiled) lets the real host path run: ``Call``, the ops' plans,
+tables and arenas (``kernels/expert_group.py``, ``kernels/attention.py``,
+``kernels/matmul.py``), graph capture and replay (``kernels/graphs.py``). Each row makes the
+same calls as ``bench/host_profile.py`` at GLM-5.2 shapes, and prints the median host time per
+call (no GPU wait in it: there is no GPU) beside the runtime calls it made. Timings on a shared
+VM move by tens of percent; ``--instructions`` counts instructions instead (callgrind, as
+``bench/call_instructions.py`` does; needs valgrind).
+
+    python bench/host_python.py [--calls 2000] [--baseline SHA] [--instructions]
+
+``--baseline SHA`` runs the same rows in an exported tree of that commit, in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GLM = dict(D=6144, I=2048, H=64, Q=192, R=64, V=256, K=512)
+CALLS: dict[str, int] = {}  # runtime calls made, by name
+
+
+def _stub_cupy() -> None:
+    """Install stand-ins for cupy, cupyx and cupy_backends in sys.modules."""
+    addr = itertools.count(1 << 40, 1 << 24)
+
+    def counted(name, ret=None):
+        def fn(*a, **k):
+            CALLS[name] = CALLS.get(name, 0) + 1
+            return ret() if callable(ret) else ret
+
+        return fn
+
+    rt = types.SimpleNamespace(
+        getDevice=lambda: 0, setDevice=counted("setDevice"), getDeviceCount=lambda: 1,
+        graphLaunch=counted("graphLaunch"), eventSynchronize=counted("eventSynchronize"),
+        eventElapsedTime=lambda a, b: 0.001, memcpyAsync=counted("memcpyAsync"),
+        eventRecord=counted("eventRecord"), streamBeginCapture=counted("streamBeginCapture"),
+        streamEndCapture=counted("streamEndCapture", lambda: next(addr)),
+        graphInstantiate=counted("graphInstantiate", lambda: next(addr)),
+        graphDestroy=lambda g: None, graphExecDestroy=lambda g: None,
+        getDeviceProperties=lambda d: {"multiProcessorCount": 132, "name": b"stub"},
+        memGetInfo=lambda: (1 << 40, 1 << 40), CUDARuntimeError=RuntimeError,
+    )  # fmt: skip
+
+    class DevArray:
+        def __init__(self, shape, dtype=np.uint8):
+            self.a = np.empty(shape, dtype)
+            self.nbytes = self.a.nbytes
+            self.data = types.SimpleNamespace(ptr=next(addr))
+            self.shape, self.dtype = self.a.shape, self.a.dtype
+
+    class Context:  # streams and devices as context managers that do nothing
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return None
+
+        def synchronize(self):
+            pass
+
+    class Stream(Context):
+        def __init__(self, non_blocking=False):
+            self.ptr = next(addr)
+
+    class Event:
+        def __init__(self, *a, **k):
+            self.ptr = next(addr)
+
+    class Device(Context):
+        def __init__(self, d=0):
+            self.id = d
+            self.attributes = {"MultiProcessorCount": 132}
+
+    class RawModule:
+        def __init__(self, **k):
+            pass
+
+        def get_function(self, name):
+            return types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=next(addr)),
+                                         max_dynamic_shared_size_bytes=0, num_regs=80,
+                                         preferred_shared_memory_carveout=100)  # fmt: skip
+
+    stream = Stream()
+    cuda = types.SimpleNamespace(
+        runtime=rt, Stream=Stream, Event=Event, Device=Device,
+        memory=types.SimpleNamespace(OutOfMemoryError=MemoryError),
+        get_current_stream=lambda: stream,
+    )  # fmt: skip
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = cuda
+    cupy.ndarray = DevArray
+    cupy.uint8, cupy.float32 = np.uint8, np.float32
+    cupy.empty = lambda shape, dtype=np.uint8: DevArray(shape, dtype)
+    cupy.asarray = lambda a: DevArray(np.shape(a), np.asarray(a).dtype)
+    cupy.RawModule = RawModule
+    cupyx = types.ModuleType("cupyx")
+    cupyx.empty_pinned = lambda shape, dtype: np.empty(shape, dtype)
+    driver = types.ModuleType("cupy_backends.cuda.api.driver")
+    driver.launchKernel = counted("launchKernel")
+    for name, mod in (("cupy", cupy), ("cupyx", cupyx), ("cupy_backends", types.ModuleType("b")),
+                      ("cupy_backends.cuda", types.ModuleType("c")),
+                      ("cupy_backends.cuda.api", types.ModuleType("d")),
+                      ("cupy_backends.cuda.api.driver", driver)):  # fmt: skip
+        sys.modules[name] = mod
+    sys.modules["cupy_backends.cuda.api"].driver = driver
+
+
+class Resident:
+    """A resident weight as the host path sees it (spec, widths, device addresses)."""
+
+    _next = itertools.count(1 << 44, 1 << 26)
+
+    def __init__(self, fmt: int, i: int, o: int) -> None:
+        from coliworker.kernels.layout import Layout
+        from coliworker.kernels.matmul import WeightSpec
+
+        self.device, self.fmt, self.in_features, self.out_features = 0, fmt, i, o
+        self.group_size = 0
+        self.layout = Layout.of(fmt, i, 0)
+        self.spec = WeightSpec.of(fmt, i, 0)
+        self.ptrs = (next(self._next), next(self._next))
+
+    def row_ptrs(self, row: int) -> tuple[int, int]:
+        return self.ptrs[0] + row * self.layout.ld, self.ptrs[1] + row * 4
+
+
+class KV:
+    def __init__(self, k: int, r: int, t: int) -> None:
+        self.latent = types.SimpleNamespace(data=types.SimpleNamespace(ptr=1 << 45))
+        self.rope = types.SimpleNamespace(data=types.SimpleNamespace(ptr=1 << 46))
+        self.length, self.k, self.r = t, k, r
+
+    def reserve(self, n: int) -> None:
+        pass
+
+
+def rows(calls: int) -> dict[str, float]:
+    """Median host us per call of each decode row, in this process."""
+    _stub_cupy()
+    sys.path.insert(0, os.getcwd())
+    from coliworker.kernels import graphs
+    from coliworker.server.backend_cupy import CupyBackend
+
+    graphs._record_fn = lambda *a: 0  # event-record nodes: capture works
+    g = GLM
+    rng = np.random.default_rng(0)
+    b = CupyBackend((0,))
+    pool = [(Resident(2, g["D"], g["I"]), Resident(2, g["D"], g["I"]),
+             Resident(2, g["I"], g["D"])) for _ in range(64)]  # fmt: skip
+    x1 = rng.standard_normal((1, g["D"])).astype(np.float32)
+    x8 = np.repeat(x1, 8, axis=0)
+    routes = np.arange(8, dtype=np.int32).reshape(1, 8)
+    wts = rng.random((1, 8)).astype(np.float32)
+    dense = Resident(2, 6144, 6144)
+    kv_b = Resident(2, g["K"], g["H"] * (g["Q"] + g["V"]))
+    o_proj = Resident(2, g["H"] * g["V"], g["D"])
+    q = rng.standard_normal((1, g["H"], g["Q"] + g["R"])).astype(np.float32)
+    cache = KV(g["K"], g["R"], 4096)
+    lat = rng.standard_normal((1, g["K"])).astype(np.float32)
+    rope = rng.standard_normal((1, g["R"])).astype(np.float32)
+    ring = itertools.cycle(range(8))
+    fns = {
+        "expert_group 8x1": lambda: b.expert_group(pool[:8], [1] * 8, x8),
+        "routed 1 token, 8 of 8": lambda: b.expert_group_routed(pool[:8], x1, routes, wts),
+        "routed 1 token, new 8 of 64": lambda: b.expert_group_routed(
+            pool[8 * next(ring) :][:8], x1, routes, wts
+        ),
+        "matmul S=1 6144^2": lambda: b.matmul(dense, x1),
+        "attention_ragged 1 seq": lambda: b.attention_ragged(
+            kv_b, o_proj, q, [cache], g["Q"], g["R"], g["V"], 1 / 16, rows=[(lat, rope)]
+        ),
+    }
+    out = {}
+    for name, fn in fns.items():
+        for _ in range(50):
+            fn()
+        ts = []
+        for _ in range(calls):
+            t0 = time.perf_counter_ns()
+            fn()
+            ts.append(time.perf_counter_ns() - t0)
+        out[name] = statistics.median(ts) / 1e3
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--baseline", default=None, help="a commit to run beside this tree")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        print(repr(rows(a.calls)))
+        return
+    trees = [("this tree", ROOT)]
+    tmp = None
+    if a.baseline:
+        tmp = tempfile.mkdtemp()
+        subprocess.run(f"git -C {ROOT} archive {a.baseline} | tar x -C {tmp}", shell=True,
+                       check=True)  # fmt: skip
+        subprocess.run([os.path.join(tmp, "scripts/devlink")], check=True)
+        trees.append((a.baseline, tmp))
+    res = {}
+    for name, tree in trees:
+        env = dict(os.environ, PYTHONPATH=f"{tree}/.dev:{tree}")
+        if tree == ROOT:
+            subprocess.run([os.path.join(ROOT, "scripts/devlink")], check=True)
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--calls", str(a.calls)]
+        r = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+        if r.returncode:
+            sys.exit(r.stderr)
+        res[name] = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307 - our own child's repr
+    names = list(res)
+    print("| row | " + " | ".join(f"{n} us" for n in names) + " |")
+    print("|---|" + "---|" * len(names))
+    for row in res[names[0]]:
+        print(f"| {row} | " + " | ".join(f"{res[n][row]:.1f}" for n in names) + " |")
+
+
+if __name__ == "__main__":
+    main()
