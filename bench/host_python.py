@@ -7,19 +7,23 @@ tables and arenas (``kernels/expert_group.py``, ``kernels/attention.py``,
 ``kernels/matmul.py``), graph capture and replay (``kernels/graphs.py``). Each row makes the
 same calls as ``bench/host_profile.py`` at GLM-5.2 shapes, and prints the median host time per
 call (no GPU wait in it: there is no GPU) beside the runtime calls it made. Timings on a shared
-VM move by tens of percent; ``--instructions`` counts instructions instead (callgrind, as
-``bench/call_instructions.py`` does; needs valgrind).
+VM move by tens of percent, so the results file counts instructions per call as well
+(callgrind, collecting only inside the measured loop as ``bench/call_instructions.py`` does;
+needs valgrind; ``--no-instructions`` skips it).
 
-    python bench/host_python.py [--calls 2000] [--baseline SHA] [--instructions]
+    python bench/host_python.py --baseline SHA [--calls 2000] [--out bench/results]
 
-``--baseline SHA`` runs the same rows in an exported tree of that commit, in the same run.
+``--baseline SHA`` runs the same rows in an exported tree of that commit, in the same run;
+without it, the rows of this tree are timed and printed, no file written.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import itertools
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -150,8 +154,8 @@ class KV:
         pass
 
 
-def rows(calls: int) -> dict[str, float]:
-    """Median host us per call of each decode row, in this process."""
+def make_rows() -> dict:
+    """The rows' calls, by name, on a CuPy backend over the stand-in (``_stub_cupy``)."""
     _stub_cupy()
     sys.path.insert(0, os.getcwd())
     from coliworker.kernels import graphs
@@ -175,7 +179,7 @@ def rows(calls: int) -> dict[str, float]:
     lat = rng.standard_normal((1, g["K"])).astype(np.float32)
     rope = rng.standard_normal((1, g["R"])).astype(np.float32)
     ring = itertools.cycle(range(8))
-    fns = {
+    return {
         "expert_group 8x1": lambda: b.expert_group(pool[:8], [1] * 8, x8),
         "routed 1 token, 8 of 8": lambda: b.expert_group_routed(pool[:8], x1, routes, wts),
         "routed 1 token, new 8 of 64": lambda: b.expert_group_routed(
@@ -186,8 +190,12 @@ def rows(calls: int) -> dict[str, float]:
             kv_b, o_proj, q, [cache], g["Q"], g["R"], g["V"], 1 / 16, rows=[(lat, rope)]
         ),
     }
+
+
+def time_rows(calls: int) -> dict[str, float]:
+    """Median host us per call of each row, in this process."""
     out = {}
-    for name, fn in fns.items():
+    for name, fn in make_rows().items():
         for _ in range(50):
             fn()
         ts = []
@@ -199,38 +207,94 @@ def rows(calls: int) -> dict[str, float]:
     return out
 
 
+def count_loop(row: str, calls: int) -> None:
+    """``calls`` calls of ``row`` inside a qsort comparator (what callgrind collects)."""
+    fn = make_rows()[row]
+    for _ in range(50):
+        fn()
+
+    def measured(a, b):
+        for _ in range(calls):
+            fn()
+        return 0
+
+    cmp = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(measured)
+    ctypes.CDLL("libc.so.6").qsort((ctypes.c_int * 2)(2, 1), 2, 4, cmp)
+
+
+def _child(tree: str, *args: str, valgrind: list[str] | None = None) -> str:
+    env = dict(os.environ, PYTHONPATH=f"{tree}/.dev:{tree}")
+    cmd = [*(valgrind or []), sys.executable, os.path.abspath(__file__), "--child", *args]
+    r = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(r.stderr[-3000:])
+    return r.stderr if valgrind else r.stdout
+
+
+def instructions(tree: str, row: str, calls: int, scratch: str) -> float:
+    out = os.path.join(scratch, "cg.out")
+    vg = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=*qsort*",
+          f"--callgrind-out-file={out}"]  # fmt: skip
+    err = _child(tree, "--count", row, "--calls", str(calls), valgrind=vg)
+    return int(re.findall(r"Collected : (\d+)", err)[-1]) / calls
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--baseline", default=None, help="a commit to run beside this tree")
+    p.add_argument("--no-instructions", action="store_true", help="timings only")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--count", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        print(repr(rows(a.calls)))
+        if a.count:
+            count_loop(a.count, a.calls)
+        else:
+            print(repr(time_rows(a.calls)))
         return
-    trees = [("this tree", ROOT)]
-    tmp = None
-    if a.baseline:
-        tmp = tempfile.mkdtemp()
-        subprocess.run(f"git -C {ROOT} archive {a.baseline} | tar x -C {tmp}", shell=True,
-                       check=True)  # fmt: skip
-        subprocess.run([os.path.join(tmp, "scripts/devlink")], check=True)
-        trees.append((a.baseline, tmp))
-    res = {}
-    for name, tree in trees:
-        env = dict(os.environ, PYTHONPATH=f"{tree}/.dev:{tree}")
-        if tree == ROOT:
-            subprocess.run([os.path.join(ROOT, "scripts/devlink")], check=True)
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--calls", str(a.calls)]
-        r = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
-        if r.returncode:
-            sys.exit(r.stderr)
-        res[name] = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307 - our own child's repr
-    names = list(res)
-    print("| row | " + " | ".join(f"{n} us" for n in names) + " |")
-    print("|---|" + "---|" * len(names))
-    for row in res[names[0]]:
-        print(f"| {row} | " + " | ".join(f"{res[n][row]:.1f}" for n in names) + " |")
+    sys.path.insert(0, ROOT)
+    from bench import harness
+    from bench.call_instructions import export
+
+    subprocess.run([os.path.join(ROOT, "scripts/devlink")], check=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        trees = {"this tree": ROOT}
+        if a.baseline:
+            trees = {"baseline": export(a.baseline, scratch), **trees}
+        us = {n: eval(_child(t, "--calls", str(a.calls)).strip().splitlines()[-1])  # noqa: S307
+              for n, t in trees.items()}  # fmt: skip
+        rows = list(us["this tree"])
+        ir: dict[str, dict[str, float]] = {n: {} for n in trees}
+        if a.baseline and not a.no_instructions:
+            for n, t in trees.items():
+                for r in rows:
+                    ir[n][r] = instructions(t, r, max(a.calls // 4, 100), scratch)
+    names = list(trees)
+    cols = [f"{n} us" for n in names] + [f"{n} k instr" for n in names if ir[n]]
+    lines = ["| row | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+    for r in rows:
+        vals = [f"{us[n][r]:.1f}" for n in names] + [f"{ir[n][r] / 1e3:.1f}" for n in names
+                                                      if ir[n]]  # fmt: skip
+        lines.append(f"| {r} | " + " | ".join(vals) + " |")
+    print("\n".join(lines))
+    if not a.baseline:
+        return
+    date, doc = harness.run_record("bench/host_python.py")
+    doc.update(baseline=a.baseline, calls=a.calls, host_us=us, instructions_per_call=ir)
+    mc = doc["machine"]
+    stem = harness.write_json(a.out, f"host-python-{date:%Y-%m-%d}-{mc['commit']}", doc)
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join([
+            "# bench/host_python.py: the CuPy backend's per-call Python, GPU stubbed out",
+            "",
+            f"- date: {doc['date']}; commit {mc['commit']} beside baseline {a.baseline}",
+            f"- machine: {mc['host']}, {mc['cpu']} x{mc['cpus']}, python {mc['python']}",
+            f"- command: `{doc['command']}`; median us of {a.calls} calls; instructions per call",
+            "  (callgrind) over a quarter as many",
+            "", *lines, ""]))  # fmt: skip
+    print(f"wrote {stem}.json and .md")
 
 
 if __name__ == "__main__":
