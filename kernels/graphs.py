@@ -19,6 +19,10 @@ point, or capture fails, calls keep the direct launches (logged once). A list ho
 launch whose arguments are not plain values (a CuPy kernel called with arrays) or a copy
 from a client's shared-memory segment is never captured.
 
+An op whose plan fixes its work list (the plans kept per arena and call shape) keeps the graph
+``run`` returns with the plan (``Replay`` in ``server/cupy_calls.py``): its later calls launch
+it straight away, with no list built or looked up here.
+
 An arena's graphs live as long as its buffers: the arena drops them when it reallocates or
 hands its host buffer to a result (``Arena.reserve``, ``Call.finish``).
 """
