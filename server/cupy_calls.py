@@ -8,8 +8,9 @@ the thread's stream and an arena, lists its device work (the inputs up in one co
 launches, the outputs back in one copy, the phases stamped by the copy kernels or framed by
 events: ``Call``) and issues it at the end, as a
 CUDA graph once the arena has seen it before (``kernels/graphs.py``); a call of a kept plan
-whose graph is captured launches that graph without listing its work again (``Replay``). Large inputs are
-copied into pinned memory on several threads (``kernels/pinned.py``), or read by the device
+whose graph is captured launches that graph without listing its work again (``Replay``).
+Large inputs are copied into pinned memory on several threads (``kernels/pinned.py``), or
+read by the device
 straight from a session's shared-memory segment once CUDA has it registered
 (``server/cupy_segments.py``).
 
