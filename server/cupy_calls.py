@@ -1,18 +1,16 @@
 """The CuPy backend's per-call plumbing: the context every op's host side runs in
 (``kernels/matmul.py``, ``kernels/expert_group.py``, ``kernels/attention.py``).
 
-Host time per call is kept near the floor: every buffer of a call (inputs, outputs, scratch,
-on the device and pinned on the host) lies in one reusable ``Arena`` with its own timing
-events, graphs and plans; a ``Call`` makes the device current (only when it differs), takes
-the thread's stream and an arena, lists its device work (the inputs up in one copy, the
-launches, the outputs back in one copy, the phases stamped by the copy kernels or framed by
-events: ``Call``) and issues it at the end, as a
-CUDA graph once the arena has seen it before (``kernels/graphs.py``); a call of a kept plan
-whose graph is captured launches that graph without listing its work again (``Replay``).
-Large inputs are copied into pinned memory on several threads (``kernels/pinned.py``), or
-read by the device
-straight from a session's shared-memory segment once CUDA has it registered
-(``server/cupy_segments.py``).
+Host time per call is kept near the floor: every buffer of a call (inputs, outputs, scratch, on
+the device and pinned on the host) lies in one reusable ``Arena`` with its own timing events,
+graphs and plans; a ``Call`` makes the device current (only when it differs), takes the
+thread's stream and an arena, lists its device work (the inputs up in one copy, the launches,
+the outputs back in one copy, the phases stamped by the copy kernels or framed by events:
+``Call``) and issues it at the end, as a CUDA graph once the arena has seen it before
+(``kernels/graphs.py``); a call of a kept plan whose graph is captured launches that graph
+without listing its work again (``Replay``). Large inputs are copied into pinned memory on
+several threads (``kernels/pinned.py``), or read by the device straight from a session's
+shared-memory segment once CUDA has it registered (``server/cupy_segments.py``).
 
 A pipelined call (the prefill-sized expert group, ``kernels/expert_group.py``) issues its work
 itself, on three streams: the arena's two copy streams (``Arena.streams``: inputs up, outputs
