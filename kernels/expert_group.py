@@ -364,18 +364,44 @@ def _streamed(gu: Any, dn: Any, max_rows: int) -> bool:
 _ADDRS = {n: struct.Struct(f"<{2 * n}Q") for n in (1, 2, 3)}
 
 
+_BYTES = {n: struct.Struct(f"{16 * n}s") for n in (1, 2, 3)}
+
+
 def patch(buf: Any, off: int, slots: Sequence[tuple[int, int, tuple[int, ...]]],
           experts: Sequence[tuple[Any, Any, Any]]) -> None:  # fmt: skip
     """Tables that ``write_group`` packed at ``off`` of ``buf`` for experts of the same shape
     (specs, widths, rows) made those of ``experts``: their addresses written into ``slots``
-    (``write_group``'s), nothing else changes."""
-    addrs3 = _ADDRS[3].pack_into
+    (``write_group``'s), nothing else changes. A slot's matrices are consecutive (all three,
+    gate and up, or down), so its bytes are one range of the triple's packed addresses."""
+    bytes3 = _BYTES[3].pack_into
     for pos, c, ms in slots:
-        e = experts[c]
-        if len(ms) == 3:  # a moe record: all three (the usual slot, without the list)
-            addrs3(buf, off + pos, *e[0].ptrs, *e[1].ptrs, *e[2].ptrs)
+        b = _triple(experts[c])[2]
+        if len(ms) == 3:  # a moe record: all three (the usual slot)
+            bytes3(buf, off + pos, b)
         else:
-            _ADDRS[len(ms)].pack_into(buf, off + pos, *[p for m in ms for p in e[m].ptrs])
+            _BYTES[len(ms)].pack_into(buf, off + pos, b[16 * ms[0] : 16 * ms[-1] + 16])
+
+
+#: Triples whose shape and addresses ``_triple`` keeps (cleared when full): a model's experts.
+TRIPLES_KEPT = 8192
+_triples: dict[int, tuple[Any, tuple, bytes]] = {}
+
+
+def _triple(t: tuple[Any, Any, Any]) -> tuple[Any, tuple, bytes]:
+    """(t, its part of ``group_shape``, its six addresses packed): made once per triple (the
+    worker resolves an expert list to the same triple objects every call; the entry holds
+    the triple, so its id stays its own while the entry lives)."""
+    e = _triples.get(id(t))
+    if e is None or e[0] is not t:
+        g, u, d = t
+        if len(_triples) >= TRIPLES_KEPT:
+            _triples.clear()
+        e = _triples[id(t)] = (
+            t,
+            (id(g.spec), id(u.spec), id(d.spec), g.out_features, d.out_features),
+            _ADDRS[3].pack(*g.ptrs, *u.ptrs, *d.ptrs),
+        )
+    return e
 
 
 _modules: dict[str, Any] = {}
@@ -395,8 +421,7 @@ def _module(name: str) -> Any:
 def group_shape(experts: Sequence[tuple[Any, Any, Any]]) -> tuple:
     """What a group's plan and tables depend on beside the experts' addresses: each expert's
     gate, up and down specs (interned: by identity) and its hidden and output widths."""
-    return tuple([(id(g.spec), id(u.spec), id(d.spec), g.out_features, d.out_features)
-                  for g, u, d in experts])  # fmt: skip
+    return tuple([_triple(t)[1] for t in experts])
 
 
 def prepare(
