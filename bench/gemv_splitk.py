@@ -135,13 +135,16 @@ class Case:
             ]
         )
 
-    def launch(self, split: bool, force: int | None, stream: bool | tuple[int, int] = False):
-        """stream: True for gemv_st as set, or (math warps, blocks per SM) for it."""
+    def launch(self, split: bool, force: int | None, stream: bool | str | tuple = False):
+        """stream: True for gemv_st as set, "q8" for its integer path (ST_Q8), or (math
+        warps, blocks per SM[, q8]) for it."""
         from coliworker.kernels import matmul
 
-        names = ("SPLIT_K", "SPLIT_K_FORCE", "STREAM", "ST_WARPS", "ST_BLOCKS")
+        names = ("SPLIT_K", "SPLIT_K_FORCE", "STREAM", "ST_WARPS", "ST_BLOCKS", "ST_Q8")
         saved = [getattr(matmul, n) for n in names]
-        form = stream if isinstance(stream, tuple) else (matmul.ST_WARPS, matmul.ST_BLOCKS)
+        form = (matmul.ST_WARPS, matmul.ST_BLOCKS, stream == "q8")
+        if isinstance(stream, tuple):
+            form = (*stream, False)[:3]
         for n, v in zip(names, (split, force, bool(stream), *form), strict=True):
             setattr(matmul, n, v)
         try:
@@ -174,6 +177,8 @@ def bench_case(rng, spin, spec: tuple, iters: int, warmup: int, sweep: bool) -> 
     if sweep:
         paths += [(f"C={c}", True, c, False) for c in matmul.SK_CLUSTERS]
     paths.append(("stream", True, None, True))
+    # its integer path (gemv_stream.cuh's Q8; fmt 2 only, elsewhere as "stream")
+    paths += [("q8", True, None, "q8"), ("q8w16", True, None, (16, 1, True))]
     # gemv_st's math warps and blocks per SM (matmul.ST_WARPS, ST_BLOCKS) beside its defaults
     paths += [(f"st{w}b{b}", True, None, (w, b)) for w, b in ST_FORMS]
     out: dict = dict(
@@ -275,7 +280,7 @@ def render(meta: dict, rows: list[dict]) -> str:
                 + " | ".join(gpu_timing.us(p[k]) for k in sweep)
                 + (f" | {best}: {tuple(p[best]['grid'])} |" if best else " | - |")
             )
-    forms = [k for k in rows[0]["paths"] if k.startswith("st")] if rows else []
+    forms = [k for k in rows[0]["paths"] if k[:2] in ("st", "q8") and k != "stream"] if rows else []
     if forms:
         md += [
             "",

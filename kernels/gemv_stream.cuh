@@ -31,6 +31,9 @@
 // accumulation; per-row scale on the final sum), in another order: each math warp keeps two
 // accumulators (even and odd quads: two independent mma chains), and MW k slices meet per row.
 // Fixed order everywhere: the same bits on every call, not the same bits as gemv_tc.
+// Q8 (fmt 2 only): the same stream with the integer tensor-core path as its math (st_stage_q8
+// below): a quarter of the bf16 path's instructions per weight byte, other bits (within the
+// same bound of the float64 result).
 #define ST_ROWS 16
 // MW (a template argument, 8 or 16): the math warps, each a k slice; the block has MW + 1
 // warps, the last the producer.
@@ -100,19 +103,177 @@ __device__ __forceinline__ bool st_tile(const GemvJob *__restrict__ jobs, int ti
 // 16-k partial is multiplied by its group's scale (as gemv_tc's fmt 4).
 __host__ __device__ constexpr int st_scale_stride(int pc, int gs) { return 2 * pc / gs + 4; }
 
+// ---- Q8: the integer path ----
+//
+// Numerics. Each activation row is scaled by a power of two 2^k (from its largest magnitude
+// m: m 2^k in [32, 64), exact) and split in four int8 parts, x 2^k = p0 + p1 / 128 + p2 /
+// 128^2 + p3 / 128^3 + r: p0 = rint(x 2^k), each later part the rint of 128 times the
+// remainder before it (every step exact in fp32, |p| <= 64), |r| <= 2^-22, so x is kept to
+// 2^-27 of the row's largest magnitude. The weights enter as their codes c = nibble (0..15)
+// on the tensor core's u8 x s8 path: sum (c - 8) p = sum c p - 8 sum p, both exact int32 (the
+// column sums of p are counted at staging). A row's four sums are exact integers, combined in
+// fp32 from the smallest part up, then scaled by 2^-k and the row's scale. A row with a NaN
+// or an infinity gives NaN throughout. Columns 4 s + p of the n=8 tiles (one tile for SB 1,
+// two for SB 4).
+// Fragments (tc_mma_q8): lane (gid, t) takes word i of its chunk t of a 64-byte step for mma
+// i (four per step, 32 k each): a0 = word & 0x0F0F0F0F (nibbles 0, 2, 4, 6 as bytes), a2 =
+// (word >> 4) & 0x0F0F0F0F (nibbles 1, 3, 5, 7); a1 / a3 the same of row gid + 8. Nibble n of
+// word i of chunk l of block b is element b * 1024 + (2 i + n / 4) * 128 + 4 l + n % 4
+// (common.cuh's layout). The staged x holds per column and (step, i, t) 8 bytes, the parts of
+// the elements of nibbles 0, 2, 4, 6 and then 1, 3, 5, 7: one 8-byte load gives b0 and b1.
+// Columns are cstride bytes apart (in_padded + 32: the 8 columns of a load lie in other banks).
+#define ST_Q8_EXP 5  // a row's largest magnitude is scaled into [2^5, 2^6)
+
+template <bool Q8> struct StAcc { using T = float; };
+template <> struct StAcc<true> { using T = int; };
+
+// Bytes of the Q8 staging scratch behind the staged x: per math warp and row its largest
+// magnitude, per math warp and column its part sums, per column the sums, per row 2^-k.
+__host__ __device__ constexpr int st_q8_scratch(int sb, int mw) {
+    return 4 * (mw * sb + mw * 4 * sb + 4 * sb + sb);
+}
+
+// max(a, b), NaN if either is (fmaxf drops a NaN).
+__device__ __forceinline__ float st_nanmax(float a, float b) {
+    return fmaxf(a, b) + (a - a) + (b - b);
+}
+
+// Rows [srow0, srow0 + SB) of x (float32 [rows, x_stride]), all of K -> xq (int8 parts
+// [4 * SB][cstride]), zero past in_features and past `rows`; sig[s] = 2^-k of row s (NaN for a
+// row with a NaN or an infinity), qsum[c] = the sum of column c. The MW math warps (named
+// barrier 1) stage; the caller syncs before and after.
+template <int SB, int MW>
+__device__ __forceinline__ void st_stage_q8(signed char *xq, int cstride, float *sig, int *qsum,
+                                            float *fscr, int *iscr,
+                                            const float *__restrict__ x, int x_stride,
+                                            int rows, int srow0, int in_features,
+                                            int in_padded) {
+    constexpr int NTH = MW * 32;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const bool vec = ((x_stride & 3) == 0) && ((reinterpret_cast<size_t>(x) & 15) == 0);
+#pragma unroll
+    for (int s = 0; s < SB; ++s) {
+        float m = 0.f, bad = 0.f;  // bad: NaN where a value is not finite (v * 0)
+        if (srow0 + s < rows) {
+            const float *xr = x + (size_t)(srow0 + s) * x_stride;
+            for (int e = tid * 4; e < in_features; e += NTH * 4) {
+                float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+                tc_load4(v, xr, e, in_features, vec);
+                m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+                bad += v.x * 0.f + v.y * 0.f + v.z * 0.f + v.w * 0.f;
+            }
+        }
+        m += bad;
+        for (int o = 16; o; o >>= 1) m = st_nanmax(m, __shfl_xor_sync(0xffffffffu, m, o));
+        if (lane == 0) fscr[warp * SB + s] = m;
+    }
+    st_math_sync<MW>();
+    float ia[SB], ib[SB];
+#pragma unroll
+    for (int s = 0; s < SB; ++s) {
+        float m = fscr[s];
+        for (int w = 1; w < MW; ++w) m = st_nanmax(m, fscr[w * SB + s]);
+        const int ef = (int)((__float_as_uint(m) >> 23) & 0xFF);
+        const int k = m > 0.f ? 127 + ST_Q8_EXP - ef : 0;  // NaN, zero: 0
+        const int ka = k >> 1, kb = k - ka;  // 2^k in two exact steps (2^k may be no normal)
+        ia[s] = __uint_as_float((unsigned)(127 + ka) << 23);
+        ib[s] = __uint_as_float((unsigned)(127 + kb) << 23);
+        if (tid == 0)
+            sig[s] = m != m ? m
+                            : __uint_as_float((unsigned)(127 - ka) << 23) *
+                                  __uint_as_float((unsigned)(127 - kb) << 23);
+    }
+    int qs[SB][4];
+#pragma unroll
+    for (int s = 0; s < SB; ++s) {
+        for (int c = 0; c < 4; ++c) qs[s][c] = 0;
+        const bool ok = srow0 + s < rows;
+        const float *xr = x + (size_t)(srow0 + s) * x_stride;
+        for (int e = tid * 4; e < in_padded; e += NTH * 4) {
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (ok) tc_load4(v, xr, e, in_features, vec);
+            const float f[4] = {v.x, v.y, v.z, v.w};
+            unsigned int b[4][4];  // [part][k] as bytes
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {
+                float y = f[kk] * ia[s] * ib[s];
+#pragma unroll
+                for (int c = 0; c < 4; ++c) {
+                    const float r = rintf(y);
+                    const int pi = (int)r;
+                    qs[s][c] += pi;
+                    b[c][kk] = (unsigned int)pi & 255u;
+                    y = (y - r) * 128.f;
+                }
+            }
+            const int r = e & 1023, q = r >> 7, l = (r >> 2) & 31;
+            const int off = ((((e >> 10) * 8 + (l >> 2)) * 4 + (q >> 1)) * 4 + (l & 3)) * 8 +
+                            (q & 1) * 2;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                signed char *d = xq + (size_t)(4 * s + c) * cstride + off;
+                *reinterpret_cast<unsigned short *>(d) = (unsigned short)(b[c][0] | b[c][2] << 8);
+                *reinterpret_cast<unsigned short *>(d + 4) =
+                    (unsigned short)(b[c][1] | b[c][3] << 8);
+            }
+        }
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+            int v = qs[s][c];
+            for (int o = 16; o; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == 0) iscr[warp * 4 * SB + 4 * s + c] = v;
+        }
+    }
+    st_math_sync<MW>();
+    if (tid < 4 * SB) {
+        int v = 0;
+        for (int w = 0; w < MW; ++w) v += iscr[w * 4 * SB + tid];
+        qsum[tid] = v;
+    }
+}
+
+// One 64-byte step of a warp on the Q8 path: mma i of word i of the lane's chunks (wa: row
+// gid, wb: row gid + 8, per matrix) against the staged parts of global step gst; even and odd
+// mmas in two accumulator chains.
+template <int M, int NT>
+__device__ __forceinline__ void st_q8_step(int (&acc)[M][2][NT][4], const uint4 (&wa)[M],
+                                           const uint4 (&wb)[M],
+                                           const signed char *const (&qcol)[NT], int gst) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        uint2 bv[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+            bv[nt] = *reinterpret_cast<const uint2 *>(qcol[nt] + (gst * 4 + i) * 32);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            const unsigned int ua[4] = {wa[m].x, wa[m].y, wa[m].z, wa[m].w};
+            const unsigned int ub[4] = {wb[m].x, wb[m].y, wb[m].z, wb[m].w};
+            const unsigned int a0 = ua[i] & 0x0F0F0F0Fu, a2 = (ua[i] >> 4) & 0x0F0F0F0Fu;
+            const unsigned int a1 = ub[i] & 0x0F0F0F0Fu, a3 = (ub[i] >> 4) & 0x0F0F0F0Fu;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+                tc_mma_q8(acc[m][i & 1][nt], a0, a1, a2, a3, bv[nt], acc[m][i & 1][nt]);
+        }
+    }
+}
+
 // grid (blocks), block (MW + 1) * 32, dynamic shared ST_BARS + ns * stage + 4 * M * MW * 16 * NCOL
-// + 2 * 3 * SB * (in_padded + 16) bytes, stage = M * 16 * (pc + 64 + (FMT 4: 4 *
-// st_scale_stride(pc, gs))) (M = 2 for DUAL, else 1; the host's _gemv_st): jobs as gemv_tc's
+// + 2 * 3 * SB * (in_padded + 16) bytes (Q8: NCOL = 8 * ceil(4 SB / 8), and 4 * SB *
+// (in_padded + 32) + st_q8_scratch(SB, MW) for the staged x), stage = M * 16 * (pc + 64 + (FMT
+// 4: 4 * st_scale_stride(pc, gs))) (M = 2 for DUAL, else 1; the host's _gemv_st): jobs as gemv_tc's
 // (fmt 2 or 4), ntr = ceil(max_out / 16) row tiles and nz = ceil(max_rows / SB) activation
 // row groups per job, ns <= ST_MAX_STAGES ring stages of pc-byte pieces (1024 or 512), ngp
 // scales per row (fmt 4). DUAL (an expert's gate and up, w0 / s0 and w1 / s1 of each job, one
 // weight spec): a stage holds the piece of the tile's 16 gate rows and then its 16 up rows, and
 // y = silu(gate x) * (up x).
-template <int FMT, int SB, bool DUAL, int MW>
+template <int FMT, int SB, bool DUAL, int MW, bool Q8 = false>
 __global__ void __launch_bounds__((MW + 1) * 32, 1)
 gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_features,
         int in_padded, int ld, int ngp, int gs, int gs_shift, int ns, int pc) {
-    constexpr int NT = TcNT<SB>::value, NCOL = 8 * NT, M = DUAL ? 2 : 1;
+    static_assert(!Q8 || FMT == 2, "gemv_st: the Q8 path serves fmt 2");
+    using T = typename StAcc<Q8>::T;
+    constexpr int NT = Q8 ? (4 * SB + 7) / 8 : TcNT<SB>::value, NCOL = 8 * NT, M = DUAL ? 2 : 1;
     const int rs = pc + 64;  // a stage's weight row stride
     const int sst = FMT == 4 ? st_scale_stride(pc, gs) : 0;  // floats per scale row of a stage
     const int wbytes = M * ST_ROWS * rs, stage = wbytes + M * 4 * ST_ROWS * sst;
@@ -123,10 +284,16 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
     unsigned long long *full = reinterpret_cast<unsigned long long *>(smem4);
     unsigned long long *empty = full + ns;
     unsigned char *ring = reinterpret_cast<unsigned char *>(smem4) + ST_BARS;
-    float *red = reinterpret_cast<float *>(ring + (size_t)ns * stage);
+    T *red = reinterpret_cast<T *>(ring + (size_t)ns * stage);
     unsigned short *xb =
         reinterpret_cast<unsigned short *>(red + MW * M * ST_ROWS * NCOL);
-    const int cstride = in_padded + 16;
+    const int cstride = Q8 ? in_padded + 32 : in_padded + 16;
+    // Q8: the int8 parts in place of xb, then the staging scratch.
+    signed char *xq = reinterpret_cast<signed char *>(xb);
+    float *qsig = reinterpret_cast<float *>(xq + (size_t)4 * SB * cstride);
+    int *qsum = reinterpret_cast<int *>(qsig + SB);
+    float *fscr = reinterpret_cast<float *>(qsum + 4 * SB);
+    int *iscr = reinterpret_cast<int *>(fscr + MW * SB);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (threadIdx.x == 0) {
         for (int i = 0; i < ns; ++i) {
@@ -174,8 +341,11 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
 
     // The math warps.
     const int ks = warp, gid = lane >> 2, t = lane & 3;
-    const unsigned short *xcol[NT];
+    const unsigned short *xcol[TcNT<SB>::value];
     tc_cols<SB>(xcol, xb, cstride, lane);
+    const signed char *qcol[NT];  // Q8: this lane's column of each n-tile
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) qcol[nt] = xq + min(nt * 8 + gid, 4 * SB - 1) * cstride + t * 8;
     unsigned long long staged_x = ~0ull;  // what xb holds: x, first row, rows
     int staged_s = -1, staged_n = -1;
     int it = 0;
@@ -186,15 +356,20 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
         if (!st_tile(jobs, tile, ntr, nz, SB, job, row0, srow0)) continue;
         if (job.x != staged_x || srow0 != staged_s || job.rows != staged_n) {
             st_math_sync<MW>();  // every math warp is done with the staged x
-            tc_stage<SB, TC_STAGE_LOADS, MW * 32>(
-                xb, cstride, reinterpret_cast<const float *>(job.x), job.x_stride, job.rows,
-                srow0, in_features, 0, in_padded);
+            if constexpr (Q8)
+                st_stage_q8<SB, MW>(xq, cstride, qsig, qsum, fscr, iscr,
+                                    reinterpret_cast<const float *>(job.x), job.x_stride,
+                                    job.rows, srow0, in_features, in_padded);
+            else
+                tc_stage<SB, TC_STAGE_LOADS, MW * 32>(
+                    xb, cstride, reinterpret_cast<const float *>(job.x), job.x_stride,
+                    job.rows, srow0, in_features, 0, in_padded);
             st_math_sync<MW>();
             staged_x = job.x;
             staged_s = srow0;
             staged_n = job.rows;
         }
-        float acc[M][2][NT][4];
+        T acc[M][2][NT][4];
 #pragma unroll
         for (int m = 0; m < M; ++m)
 #pragma unroll
@@ -202,7 +377,7 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) acc[m][h][nt][j] = 0.f;
+                    for (int j = 0; j < 4; ++j) acc[m][h][nt][j] = 0;
         for (int p = 0; p < pieces; ++p, ++it) {
             const int slot = it % ns;
             st_wait(full + slot, (it / ns) & 1);
@@ -222,33 +397,38 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
                     wb[m] = *reinterpret_cast<const uint4 *>(r + 8 * rs);
                 }
                 const int gst = p * (pc >> 6) + sl;
+                if constexpr (Q8) {
+                    st_q8_step<M, NT>(acc, wa, wb, qcol, gst);
+                } else {
 #pragma unroll
-                for (int q = 0; q < 8; ++q) {
-                    uint2 bv[NT];
+                    for (int q = 0; q < 8; ++q) {
+                        uint2 bv[NT];
 #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-                        bv[nt] = *reinterpret_cast<const uint2 *>(xcol[nt] + gst * 128 + q * 16);
-                    // fmt 4: this mma's group within the piece (elements e0 .. e0 + 15)
-                    const int gl = (((sl >> 3) * 1024 + q * 128 + (sl & 7) * 16) >> gs_shift);
+                        for (int nt = 0; nt < NT; ++nt)
+                            bv[nt] = *reinterpret_cast<const uint2 *>(xcol[nt] + gst * 128 +
+                                                                      q * 16);
+                        // fmt 4: this mma's group within the piece (elements e0 .. e0 + 15)
+                        const int gl = (((sl >> 3) * 1024 + q * 128 + (sl & 7) * 16) >> gs_shift);
 #pragma unroll
-                    for (int m = 0; m < M; ++m) {
-                        unsigned int a0, a1, a2, a3;
-                        tc_quad(wa[m], q, a0, a2);
-                        tc_quad(wb[m], q, a1, a3);
+                        for (int m = 0; m < M; ++m) {
+                            unsigned int a0, a1, a2, a3;
+                            tc_quad(wa[m], q, a0, a2);
+                            tc_quad(wb[m], q, a1, a3);
 #pragma unroll
-                        for (int nt = 0; nt < NT; ++nt) {
-                            float(&c)[4] = acc[m][q & 1][nt];
-                            if (FMT == 4) {
-                                float d[4];
-                                tc_mma(d, a0, a1, a2, a3, bv[nt], zero);
-                                const float *sm = ss + m * ST_ROWS * sst + gl;
-                                const float s0 = sm[0], s1 = sm[8 * sst];
-                                c[0] = fmaf(s0, d[0], c[0]);
-                                c[1] = fmaf(s0, d[1], c[1]);
-                                c[2] = fmaf(s1, d[2], c[2]);
-                                c[3] = fmaf(s1, d[3], c[3]);
-                            } else {
-                                tc_mma(c, a0, a1, a2, a3, bv[nt], c);
+                            for (int nt = 0; nt < NT; ++nt) {
+                                float(&c)[4] = acc[m][q & 1][nt];
+                                if (FMT == 4) {
+                                    float d[4];
+                                    tc_mma(d, a0, a1, a2, a3, bv[nt], zero);
+                                    const float *sm = ss + m * ST_ROWS * sst + gl;
+                                    const float s0 = sm[0], s1 = sm[8 * sst];
+                                    c[0] = fmaf(s0, d[0], c[0]);
+                                    c[1] = fmaf(s0, d[1], c[1]);
+                                    c[2] = fmaf(s1, d[2], c[2]);
+                                    c[3] = fmaf(s1, d[3], c[3]);
+                                } else {
+                                    tc_mma(c, a0, a1, a2, a3, bv[nt], c);
+                                }
                             }
                         }
                     }
@@ -263,8 +443,8 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
         for (int m = 0; m < M; ++m)
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                float *pr = red + (ks * M + m) * ST_ROWS * NCOL + nt * 8 + 2 * t;
-                const float(&a)[4] = acc[m][0][nt], (&b)[4] = acc[m][1][nt];
+                T *pr = red + (ks * M + m) * ST_ROWS * NCOL + nt * 8 + 2 * t;
+                const T(&a)[4] = acc[m][0][nt], (&b)[4] = acc[m][1][nt];
                 pr[gid * NCOL] = a[0] + b[0];
                 pr[gid * NCOL + 1] = a[1] + b[1];
                 pr[(gid + 8) * NCOL] = a[2] + b[2];
@@ -279,10 +459,24 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
 #pragma unroll
             for (int m = 0; m < M; ++m) {
                 float sum = 0.f;
+                if constexpr (Q8) {  // exact part sums, then fp32 from the smallest part up
+                    int c[4] = {0, 0, 0, 0};
 #pragma unroll
-                for (int k = 0; k < MW; ++k) {
-                    const float *pr = red + ((k * M + m) * ST_ROWS + r) * NCOL + 3 * s;
-                    sum += (pr[0] + pr[1]) + pr[2];
+                    for (int k = 0; k < MW; ++k) {
+                        const T *pr = red + ((k * M + m) * ST_ROWS + r) * NCOL + 4 * s;
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) c[j] += pr[j];
+                    }
+#pragma unroll
+                    for (int j = 3; j >= 0; --j)
+                        sum = sum * 0.0078125f + (float)(c[j] - 8 * qsum[4 * s + j]);
+                    sum *= qsig[s];
+                } else {
+#pragma unroll
+                    for (int k = 0; k < MW; ++k) {
+                        const T *pr = red + ((k * M + m) * ST_ROWS + r) * NCOL + 3 * s;
+                        sum += (pr[0] + pr[1]) + pr[2];
+                    }
                 }
                 if (FMT == 2) sum *= reinterpret_cast<const float *>(m ? job.s1 : job.s0)[row];
                 v[m] = sum;

@@ -112,13 +112,19 @@ ST_STAGES = (6, 3)  # stages wanted, fewest accepted
 ST_WARPS = int(os.environ.get("COLIWORKER_ST_WARPS", "8"))
 ST_BLOCKS = int(os.environ.get("COLIWORKER_ST_BLOCKS", "1"))
 ST_SMEM_SM = 228 * 1024  # shared memory of an SM; each resident block reserves 1 KiB of it
+# gemv_st's integer path for fmt 2 (its Q8 template argument, gemv_stream.cuh): the codes as u8
+# against each activation row scaled by a power of two and split in four int8 parts, exact
+# int32 sums on the m16n8k32 tensor-core path; a quarter of the bf16 path's instructions per
+# weight byte, other bits (within 1e-7 of float64 where the bf16 path is). Off until measured
+# faster; COLIWORKER_ST_Q8=1 sets it from the start.
+ST_Q8 = os.environ.get("COLIWORKER_ST_Q8", "0") == "1"
 
 
 def settings() -> tuple:
     """The switches that pick launches (TENSOR_CORES, SPLIT_K, SPLIT_K_FORCE, MOE_TC_FAST,
-    STREAM, ST_WARPS, ST_BLOCKS): part of every cached plan's key, so a plan made under other
-    settings is not reused."""
-    return (TENSOR_CORES, SPLIT_K, SPLIT_K_FORCE, MOE_TC_FAST, STREAM, ST_WARPS, ST_BLOCKS)
+    STREAM, ST_WARPS, ST_BLOCKS, ST_Q8): part of every cached plan's key, so a plan made under
+    other settings is not reused."""
+    return (TENSOR_CORES, SPLIT_K, SPLIT_K_FORCE, MOE_TC_FAST, STREAM, ST_WARPS, ST_BLOCKS, ST_Q8)
 
 
 TC_VARIANTS = (
@@ -128,6 +134,8 @@ TC_VARIANTS = (
     + tuple(f"gemv_tc_sk<{f}, {sb}, {c}>" for f in (2, 4) for sb in (1, 4, 8)
             for c in SK_CLUSTERS[1:])
     + tuple(f"gemv_st<{f}, {sb}, {d}, {mw}>" for f in (2, 4) for sb in (1, 4)
+            for d in ("false", "true") for mw in (8, 16))
+    + tuple(f"gemv_st<2, {sb}, {d}, {mw}, true>" for sb in (1, 4)
             for d in ("false", "true") for mw in (8, 16))
 )  # fmt: skip
 
@@ -149,18 +157,27 @@ def _st_geometry(
     Pieces of 1024 bytes, or of 512 where 1024-byte stages would not give ST_STAGES[1] of them
     (4 activation rows: x takes 12 bf16 columns of K); ST_WARPS math warps with 1024-byte
     pieces, 8 with 512."""
-    sb, m = tc_sb(max_rows), 2 if dual else 1
-    nt = (3 * sb + 7) // 8
+    sb, m, q8 = tc_sb(max_rows), 2 if dual else 1, _st_q8(spec)
+    nt = (4 * sb + 7) // 8 if q8 else (3 * sb + 7) // 8
     in_padded = spec.layout.in_padded
     room = min(227 * 1024, ST_SMEM_SM // ST_BLOCKS - 1024)
     for pc in ST_PIECES:
         mw = ST_WARPS if pc == 1024 else 8
-        rest = ST_BARS + 4 * m * mw * ST_ROWS * 8 * nt + 2 * 3 * sb * (in_padded + 16)
+        if q8:  # int8 parts of 4 columns per row, then st_q8_scratch
+            xbytes = 4 * sb * (in_padded + 32) + 4 * (mw * sb + mw * 4 * sb + 4 * sb + sb)
+        else:  # bf16 parts of 3 columns per row
+            xbytes = 2 * 3 * sb * (in_padded + 16)
+        rest = ST_BARS + 4 * m * mw * ST_ROWS * 8 * nt + xbytes
         stage = _st_stage(spec, dual, pc)
         ns = min(ST_STAGES[0], (room - rest) // stage)
         if ns >= ST_STAGES[1]:
             return sb, ns, pc, rest + ns * stage, mw
     return None
+
+
+def _st_q8(spec: WeightSpec) -> bool:
+    """Whether gemv_st runs its integer path (Q8) for this spec: ``ST_Q8`` on, fmt 2."""
+    return ST_Q8 and spec.fmt == 2
 
 
 def stream_eligible(spec: WeightSpec, max_rows: int, dual: bool = False) -> bool:
@@ -186,7 +203,8 @@ def _gemv_st(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: i
     assert geo is not None
     sb, ns, pc, smem, mw = geo
     ntr, nz = -(-max_out // ST_ROWS), -(-max_rows // sb)
-    name = f"gemv_st<{spec.fmt}, {sb}, {'true' if dual else 'false'}, {mw}>"
+    name = f"gemv_st<{spec.fmt}, {sb}, {'true' if dual else 'false'}, {mw}"
+    name += ", true>" if _st_q8(spec) else ">"
     fn = get_function("gemv_tc.cu", name, TC_VARIANTS, smem)
     if ST_BLOCKS > 1:  # all of the SM's shared memory (the driver sizes it for one block)
         fn.preferred_shared_memory_carveout = 100

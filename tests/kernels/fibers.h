@@ -95,6 +95,13 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
     tl_warp->bar->arrive_and_wait();
     return r;
 }
+inline int __shfl_xor_sync(unsigned m, int v, int o) {  // the float one's slots, bit for bit
+    float f;
+    std::memcpy(&f, &v, 4);
+    f = __shfl_xor_sync(m, f, o);
+    std::memcpy(&v, &f, 4);
+    return v;
+}
 
 // The kernel f on grid g, clusters of C blocks along x run together, nt threads per block,
 // named: the thread count of named barrier 1 (0: none), smem4: float4s of shared memory.

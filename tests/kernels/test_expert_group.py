@@ -171,14 +171,19 @@ def test_tensor_core_expert_group_matches_both_paths(cupy_backend, rng, fmt, gs,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64), (4, 128)])
+@pytest.mark.parametrize(
+    "fmt,gs,q8", [(2, 0, False), (2, 0, True), (4, 64, False), (4, 128, False)]
+)
 @pytest.mark.parametrize("rows", [[1] * 8, [4] * 8, [2, 1, 4, 3, 1]])
 @pytest.mark.parametrize("d,ie", [(6144, 2048), (2048 + 64, 640)])
-def test_streamed_expert_group(cupy_backend, rng, monkeypatch, fmt, gs, rows, d, ie):
+def test_streamed_expert_group(cupy_backend, rng, monkeypatch, fmt, gs, q8, rows, d, ie):
     # matmul.STREAM: groups of up to 4 rows per expert (fmt 2, fmt 4 with power of two group
     # sizes) as two gemv_st launches (gate and up, then down), against float64 and the moe
-    # path; routed (one token's 8 experts read one x row in place) likewise.
+    # path; routed (one token's 8 experts read one x row in place) likewise. q8: gemv_st's
+    # integer path (matmul.ST_Q8, fmt 2).
     from coliworker.kernels import matmul
+
+    monkeypatch.setattr(matmul, "ST_Q8", q8)
 
     b = cupy_backend
     host, dev = place_experts(b, rng, len(rows), d, ie, fmt, gs)

@@ -69,15 +69,17 @@ class Jobs:
             r0 += o
         return out
 
-    def launch(self, split: bool, force: int | None = None, stream: bool = False):
+    def launch(self, split: bool, force: int | None = None, stream: bool | str = False):
+        """stream: True for gemv_st, "q8" for its integer path (ST_Q8)."""
         from coliworker.kernels import matmul
 
-        saved = matmul.SPLIT_K, matmul.SPLIT_K_FORCE, matmul.STREAM
-        matmul.SPLIT_K, matmul.SPLIT_K_FORCE, matmul.STREAM = split, force, stream
+        saved = matmul.SPLIT_K, matmul.SPLIT_K_FORCE, matmul.STREAM, matmul.ST_Q8
+        matmul.SPLIT_K, matmul.SPLIT_K_FORCE = split, force
+        matmul.STREAM, matmul.ST_Q8 = bool(stream), stream == "q8"
         try:
             ln = matmul.gemv_launch(self.spec, len(self.xs), self.max_rows, max(self.out_rows))
         finally:
-            matmul.SPLIT_K, matmul.SPLIT_K_FORCE, matmul.STREAM = saved
+            matmul.SPLIT_K, matmul.SPLIT_K_FORCE, matmul.STREAM, matmul.ST_Q8 = saved
         assert ln is not None
         return ln
 
@@ -91,15 +93,16 @@ class Jobs:
         return [y.get() for y in self.y]
 
 
-def paths() -> list[tuple[str, bool, int | None, bool]]:
+def paths() -> list[tuple[str, bool, int | None, bool | str]]:
     """(name, SPLIT_K, SPLIT_K_FORCE, STREAM) of every path; "stream" is gemv_st where it
-    serves the jobs (fmt 2, up to 4 rows, x fitting beside the ring), else the split path."""
+    serves the jobs (fmt 2, up to 4 rows, x fitting beside the ring), else the split path;
+    "q8" its integer path (fmt 2; fmt 4 as "stream")."""
     from coliworker.kernels import matmul
 
     return (
         [("off", False, None, False), ("on", True, None, False)]
         + [(f"C={c}", True, c, False) for c in matmul.SK_CLUSTERS]
-        + [("stream", True, None, True)]
+        + [("stream", True, None, True), ("q8", True, None, "q8")]
     )
 
 
@@ -109,16 +112,16 @@ def check_all_paths(jobs: Jobs, tol: float = TC_TOL) -> dict[str, list[np.ndarra
 
     ref = jobs.reference()
     got = {}
-    saved_stream = matmul.STREAM
+    saved_stream, saved_q8 = matmul.STREAM, matmul.ST_Q8
     for name, split, force, stream in paths():
         ln = jobs.launch(split, force, stream)
         if stream:  # gemv_st (its math warps and a producer) exactly where it serves the jobs
-            matmul.STREAM = True
+            matmul.STREAM, matmul.ST_Q8 = True, stream == "q8"
             try:
                 served = matmul.stream_eligible(jobs.spec, jobs.max_rows)
                 geo = matmul._st_geometry(jobs.spec, jobs.max_rows, False)
             finally:
-                matmul.STREAM = saved_stream
+                matmul.STREAM, matmul.ST_Q8 = saved_stream, saved_q8
             st_block = (geo[4] + 1) * 32 if served else None
             assert (ln.block[0] == st_block) == served, (name, ln.block)
         ys = jobs.run(ln)

@@ -19,8 +19,8 @@ from _emulate import build_and_run, without_ptx
 
 from coliworker.kernels import sources
 
-_ASM = ("tc_bf16", "tc_nib2", "tc_quad", "tc_mma", "st_smem", "st_bar_init", "st_arrive",
-        "st_arrive_tx", "st_wait", "st_copy", "st_math_sync")  # fmt: skip
+_ASM = ("tc_bf16", "tc_nib2", "tc_quad", "tc_mma", "tc_mma_q8", "st_smem", "st_bar_init",
+        "st_arrive", "st_arrive_tx", "st_wait", "st_copy", "st_math_sync")  # fmt: skip
 
 _SHIM = r"""
 #include "fibers.h"
@@ -73,6 +73,34 @@ inline void tc_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigne
         double acc = 0;
         for (int k = 0; k < 16; ++k) acc += A(r, k) * B(k, n);
         o[e] = (float)(acc + c[e]);
+    }
+    w->bar->arrive_and_wait();
+    for (int e = 0; e < 4; ++e) d[e] = o[e];
+}
+// mma.m16n8k32 u8 x s8 -> s32. A [16 x 32]: (r, k) in lane (r % 8) * 4 + (k % 16) / 4,
+// register r / 8 + 2 (k / 16), byte k % 4; B [32 x 8]: (k, n) in lane n * 4 + (k % 16) / 4,
+// register 4 + k / 16, byte k % 4. Sums in int64, checked to fit int32 (the kernel's bound).
+inline void tc_mma_q8(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, uint2 b,
+                      const int (&c)[4]) {
+    const int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
+    Warp *w = tl_warp;
+    unsigned *u = w->u[lane];
+    u[0] = a0; u[1] = a1; u[2] = a2; u[3] = a3; u[4] = b.x; u[5] = b.y;
+    w->bar->arrive_and_wait();
+    auto byte = [](unsigned reg, int k) { return (reg >> (8 * (k & 3))) & 255u; };
+    auto A = [&](int r, int k) {
+        return (long long)byte(w->u[(r & 7) * 4 + ((k & 15) >> 2)][(r >> 3) + 2 * (k >> 4)], k);
+    };
+    auto B = [&](int k, int n) {
+        return (long long)(signed char)byte(w->u[n * 4 + ((k & 15) >> 2)][4 + (k >> 4)], k);
+    };
+    int o[4];
+    for (int e = 0; e < 4; ++e) {
+        const int r = gid + 8 * (e >> 1), n = 2 * t + (e & 1);
+        long long acc = c[e];
+        for (int k = 0; k < 32; ++k) acc += A(r, k) * B(k, n);
+        if (acc != (int)acc) { std::printf("mma q8: int32 overflow\n"); std::exit(4); }
+        o[e] = (int)acc;
     }
     w->bar->arrive_and_wait();
     for (int e = 0; e < 4; ++e) d[e] = o[e];
@@ -137,7 +165,7 @@ inline int code(const unsigned char *row, int e) {
 // Jobs of out_rows[j] rows and rows[j] activation rows (same_x: all jobs read one x), K inputs;
 // DUAL: each job an expert's gate (w0, s0) and up (w1, s1), y = silu(gate x) * (up x).
 // FMT 4: grouped scales of gs (a power of two), ngp = in_padded / gs per row.
-template <int SB, bool DUAL, int FMT = 2, int MW = 8>
+template <int SB, bool DUAL, int FMT = 2, int MW = 8, bool Q8 = false>
 int check(std::vector<int> outs, std::vector<int> rows, int K, bool same_x, int grid, int ns,
           int gs = 0, int pc = 1024) {
     constexpr int M = DUAL ? 2 : 1;
@@ -170,8 +198,8 @@ int check(std::vector<int> outs, std::vector<int> rows, int K, bool same_x, int 
     }
     g_tick = land;
     launch({grid, 1, 1}, 1, (MW + 1) * 32, [&] {
-        gemv_st<FMT, SB, DUAL, MW>(jobs.data(), nj, ntr, nz, K, inp, ld, ngp,
-                                   FMT == 4 ? gs : 4, shift, ns, pc); }, MW * 32);
+        gemv_st<FMT, SB, DUAL, MW, Q8>(jobs.data(), nj, ntr, nz, K, inp, ld, ngp,
+                                       FMT == 4 ? gs : 4, shift, ns, pc); }, MW * 32);
     g_tick = nullptr;
     if (!g_copies.empty()) { std::printf("copies never landed\n"); return 1; }
     double md = 0, mx = 0;
@@ -196,9 +224,9 @@ int check(std::vector<int> outs, std::vector<int> rows, int K, bool same_x, int 
                 md = std::max(md, std::fabs(got - ref)); mx = std::max(mx, std::fabs(ref));
             }
     }
-    std::printf("fmt %d gs %d SB %d DUAL %d MW %d K %d jobs %d grid %d ns %d piece %d: rel err "
-                "%.2g, unwritten %ld, touched %ld\n", FMT, gs, SB, (int)DUAL, MW, K, nj, grid,
-                ns, pc, md / mx, unwritten, touched);
+    std::printf("fmt %d gs %d SB %d DUAL %d MW %d Q8 %d K %d jobs %d grid %d ns %d piece %d: "
+                "rel err %.2g, unwritten %ld, touched %ld\n", FMT, gs, SB, (int)DUAL, MW,
+                (int)Q8, K, nj, grid, ns, pc, md / mx, unwritten, touched);
     return unwritten > 0 || touched > 0 || !(md <= 1e-5 * mx);
 }
 
@@ -231,7 +259,15 @@ int main() {
            check<4, false, 2, 16>({20, 48}, {3, 4}, 2100, false, 3, 3) +
            check<1, true, 2, 16>({48, 20, 33}, {1, 1, 1}, 4096, true, 3, 3) +
            check<4, true, 4, 16>({32, 9}, {4, 2}, 4096, false, 1, 3, 128) +
-           check<1, false, 4, 16>({33}, {1}, 4096, false, 2, 4, 16);
+           check<1, false, 4, 16>({33}, {1}, 4096, false, 2, 4, 16) +
+           // Q8 (fmt 2): the same tables, rings and row counts on the integer path
+           check<1, false, 2, 8, true>({40, 17}, {1, 1}, 3000, false, 2, 3) +
+           check<1, false, 2, 8, true>({33, 16, 5}, {1, 1, 1}, 700, true, 3, 4) +
+           check<4, false, 2, 8, true>({20, 48}, {3, 4}, 2100, false, 3, 3) +
+           check<1, true, 2, 8, true>({48, 20, 33}, {1, 1, 1}, 4096, true, 3, 3) +
+           check<4, true, 2, 8, true>({40, 17}, {4, 3}, 3000, true, 2, 3, 0, 512) +
+           check<1, false, 2, 16, true>({40, 17}, {1, 1}, 3000, false, 2, 3) +
+           check<4, true, 2, 16, true>({32, 17}, {2, 4}, 3000, false, 2, 3);
 }
 """
 
