@@ -275,3 +275,17 @@ def test_split_k_host_choice_fills_the_gpu():
             for k in (512, 6144, 16384, 20000):
                 _, kts, smem = matmul._sk_geometry(sb_rows, matmul.Layout.of(2, k, 0).in_padded, c)
                 assert kts >= 1 and 3 * (smem + 1024) <= 227 * 1024
+
+
+@pytest.mark.gpu
+def test_q8_non_finite_rows(rng):
+    # gemv_st's integer path: a row holding a NaN or an infinity comes back NaN throughout (no
+    # power-of-two scale fits it); the other rows of the same tile are as without it.
+    t = make_tensor(rng, 2, 300, 6144, 0)
+    x = rng.standard_normal((4, 6144)).astype(np.float32)
+    x[1, 77], x[2, 5000] = np.nan, np.inf
+    jobs = Jobs(t, [300], [x])
+    y = jobs.run(jobs.launch(True, None, "q8"))[0]
+    assert np.isnan(y[1]).all() and np.isnan(y[2]).all()
+    ref = jobs.reference()[0]
+    assert row_rel_err(y[[0, 3]], ref[[0, 3]]) < TC_TOL
