@@ -31,9 +31,10 @@
 // accumulation; per-row scale on the final sum), in another order: each math warp keeps two
 // accumulators (even and odd quads: two independent mma chains), and MW k slices meet per row.
 // Fixed order everywhere: the same bits on every call, not the same bits as gemv_tc.
-// Q8 (fmt 2 only): the same stream with the integer tensor-core path as its math (st_stage_q8
-// below): a quarter of the bf16 path's instructions per weight byte, other bits (within the
-// same bound of the float64 result).
+// Q8 (fmt 2, and fmt 4 with groups of 32 or more): the same stream with the integer
+// tensor-core path as its math (st_stage_q8 below): a quarter (fmt 4: about half) of the bf16
+// path's instructions per weight byte, other bits (within the same bound of the float64
+// result).
 #define ST_ROWS 16
 // MW (a template argument, 8 or 16): the math warps, each a k slice; the block has MW + 1
 // warps, the last the producer.
@@ -46,6 +47,13 @@
 
 __device__ __forceinline__ unsigned st_smem(const void *p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// Bytes of a and b (a: 0..3, b: 4..7) picked by sel's nibbles.
+__device__ __forceinline__ unsigned st_prmt(unsigned a, unsigned b, unsigned sel) {
+    unsigned r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
 }
 
 __device__ __forceinline__ void st_bar_init(unsigned long long *b, unsigned count) {
@@ -122,9 +130,17 @@ __host__ __device__ constexpr int st_scale_stride(int pc, int gs) { return 2 * p
 // (common.cuh's layout). The staged x holds per column and (step, i, t) 8 bytes, the parts of
 // the elements of nibbles 0, 2, 4, 6 and then 1, 3, 5, 7: one 8-byte load gives b0 and b1.
 // Columns are cstride bytes apart (in_padded + 32: the 8 columns of a load lie in other banks).
+// Fmt 4 (PAIRS): an mma must lie in one group, so it takes quad q of two steps 2 j, 2 j + 1
+// (elements b * 1024 + q * 128 + 32 (j % 4) + [0, 32), one group for gs >= 32): the lane's
+// 16-bit halves q % 2 of word q / 2 of both chunks, joined by one prmt, then masked as above
+// (a0: elements 0, 2 of each step's quad, a2: 1, 3). The staged x holds per (pair, q, t) 8
+// bytes: step 2 j's k0, k2, step 2 j + 1's k0, k2, then k1, k3 of each. The -8 offset comes
+// from a second mma (A all -8, signed) as the accumulator's start, each mma's int32 sum is
+// scaled by its group's scale into an fp32 accumulator.
 #define ST_Q8_EXP 5  // a row's largest magnitude is scaled into [2^5, 2^6)
 
-template <bool Q8> struct StAcc { using T = float; };
+// The accumulators: int32 on the fmt 2 Q8 path (exact to the end), else fp32.
+template <bool INT> struct StAcc { using T = float; };
 template <> struct StAcc<true> { using T = int; };
 
 // Bytes of the Q8 staging scratch behind the staged x: per math warp and row its largest
@@ -141,8 +157,8 @@ __device__ __forceinline__ float st_nanmax(float a, float b) {
 // Rows [srow0, srow0 + SB) of x (float32 [rows, x_stride]), all of K -> xq (int8 parts
 // [4 * SB][cstride]), zero past in_features and past `rows`; sig[s] = 2^-k of row s (NaN for a
 // row with a NaN or an infinity), qsum[c] = the sum of column c. The MW math warps (named
-// barrier 1) stage; the caller syncs before and after.
-template <int SB, int MW>
+// barrier 1) stage; the caller syncs before and after. PAIRS: fmt 4's order (above).
+template <int SB, int MW, bool PAIRS>
 __device__ __forceinline__ void st_stage_q8(signed char *xq, int cstride, float *sig, int *qsum,
                                             float *fscr, int *iscr,
                                             const float *__restrict__ x, int x_stride,
@@ -206,9 +222,9 @@ __device__ __forceinline__ void st_stage_q8(signed char *xq, int cstride, float 
                     y = (y - r) * 128.f;
                 }
             }
-            const int r = e & 1023, q = r >> 7, l = (r >> 2) & 31;
-            const int off = ((((e >> 10) * 8 + (l >> 2)) * 4 + (q >> 1)) * 4 + (l & 3)) * 8 +
-                            (q & 1) * 2;
+            const int r = e & 1023, q = r >> 7, l = (r >> 2) & 31, gst = (e >> 10) * 8 + (l >> 2);
+            const int off = PAIRS ? (((gst >> 1) * 8 + q) * 4 + (l & 3)) * 8 + (gst & 1) * 2
+                                  : ((gst * 4 + (q >> 1)) * 4 + (l & 3)) * 8 + (q & 1) * 2;
 #pragma unroll
             for (int c = 0; c < 4; ++c) {
                 signed char *d = xq + (size_t)(4 * s + c) * cstride + off;
@@ -229,6 +245,49 @@ __device__ __forceinline__ void st_stage_q8(signed char *xq, int cstride, float 
         int v = 0;
         for (int w = 0; w < MW; ++w) v += iscr[w * 4 * SB + tid];
         qsum[tid] = v;
+    }
+}
+
+// One 64-byte step of a warp on the bf16 path (gemv_tc's numerics): quad q of the lane's
+// chunks (wa: row gid, wb: row gid + 8, per matrix) against the staged bf16 parts of global
+// step gst (sl: the step within the piece, for fmt 4's group of each mma: ss the stage's scale
+// rows of row gid, sst floats apart); even and odd quads in two accumulator chains.
+template <int FMT, int M, int NT>
+__device__ __forceinline__ void st_bf16_step(float (&acc)[M][2][NT][4], const uint4 (&wa)[M],
+                                             const uint4 (&wb)[M],
+                                             const unsigned short *const (&xcol)[NT], int gst,
+                                             int sl, const float *ss, int sst, int gs_shift) {
+    const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+        uint2 bv[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+            bv[nt] = *reinterpret_cast<const uint2 *>(xcol[nt] + gst * 128 + q * 16);
+        // fmt 4: this mma's group within the piece (elements e0 .. e0 + 15)
+        const int gl = (((sl >> 3) * 1024 + q * 128 + (sl & 7) * 16) >> gs_shift);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            unsigned int a0, a1, a2, a3;
+            tc_quad(wa[m], q, a0, a2);
+            tc_quad(wb[m], q, a1, a3);
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                float(&c)[4] = acc[m][q & 1][nt];
+                if (FMT == 4) {
+                    float d[4];
+                    tc_mma(d, a0, a1, a2, a3, bv[nt], zero);
+                    const float *sm = ss + m * ST_ROWS * sst + gl;
+                    const float s0 = sm[0], s1 = sm[8 * sst];
+                    c[0] = fmaf(s0, d[0], c[0]);
+                    c[1] = fmaf(s0, d[1], c[1]);
+                    c[2] = fmaf(s1, d[2], c[2]);
+                    c[3] = fmaf(s1, d[3], c[3]);
+                } else {
+                    tc_mma(c, a0, a1, a2, a3, bv[nt], c);
+                }
+            }
+        }
     }
 }
 
@@ -253,7 +312,57 @@ __device__ __forceinline__ void st_q8_step(int (&acc)[M][2][NT][4], const uint4 
             const unsigned int a1 = ub[i] & 0x0F0F0F0Fu, a3 = (ub[i] >> 4) & 0x0F0F0F0Fu;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt)
-                tc_mma_q8(acc[m][i & 1][nt], a0, a1, a2, a3, bv[nt], acc[m][i & 1][nt]);
+                tc_mma_q8<false>(acc[m][i & 1][nt], a0, a1, a2, a3, bv[nt],
+                                 acc[m][i & 1][nt]);
+        }
+    }
+}
+
+// One pair of 64-byte steps (2 j, 2 j + 1: pa / pb rows gid / gid + 8 of each matrix at the
+// two steps) of a warp on the fmt 4 Q8 path: mma q of quad q against the staged parts of pair
+// gp; each mma's sum scaled by its group's scale (ss: the stage's scale rows of row gid; gl0:
+// the pair's first element within the piece) into the fp32 accumulators.
+template <int M, int NT>
+__device__ __forceinline__ void st_q8_pair(float (&acc)[M][2][NT][4], const uint4 (&pa)[2][M],
+                                           const uint4 (&pb)[2][M],
+                                           const signed char *const (&qcol)[NT], int gp,
+                                           const float *ss, int sst, int gl0, int gs_shift) {
+    const int zero[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+        uint2 bv[NT];
+        int c8[NT][4];  // -8 times each column's sum over the mma's 32 k
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            bv[nt] = *reinterpret_cast<const uint2 *>(qcol[nt] + (gp * 8 + q) * 32);
+            tc_mma_q8<true>(c8[nt], 0xF8F8F8F8u, 0xF8F8F8F8u, 0xF8F8F8F8u, 0xF8F8F8F8u, bv[nt],
+                            zero);
+        }
+        const int gl = (gl0 + q * 128) >> gs_shift;
+        const unsigned int sel = (q & 1) ? 0x7632u : 0x5410u;
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            const unsigned int x0[4] = {pa[0][m].x, pa[0][m].y, pa[0][m].z, pa[0][m].w};
+            const unsigned int x1[4] = {pa[1][m].x, pa[1][m].y, pa[1][m].z, pa[1][m].w};
+            const unsigned int y0[4] = {pb[0][m].x, pb[0][m].y, pb[0][m].z, pb[0][m].w};
+            const unsigned int y1[4] = {pb[1][m].x, pb[1][m].y, pb[1][m].z, pb[1][m].w};
+            const unsigned int ua = st_prmt(x0[q >> 1], x1[q >> 1], sel);
+            const unsigned int ub = st_prmt(y0[q >> 1], y1[q >> 1], sel);
+            const unsigned int a0 = ua & 0x0F0F0F0Fu, a2 = (ua >> 4) & 0x0F0F0F0Fu;
+            const unsigned int a1 = ub & 0x0F0F0F0Fu, a3 = (ub >> 4) & 0x0F0F0F0Fu;
+            const float *sm = ss + m * ST_ROWS * sst + gl;
+            const float s0 = sm[0], s1 = sm[8 * sst];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                int d[4];
+                tc_mma_q8<false>(d, a0, a1, a2, a3, bv[nt], c8[nt]);
+                float(&c)[4] = acc[m][q & 1][nt];
+                // int32 -> fp32 exactly (|d| < 2^22) by the 1.5 * 2^23 magic
+                c[0] = fmaf(s0, __int_as_float(d[0] + 0x4B400000) - 12582912.f, c[0]);
+                c[1] = fmaf(s0, __int_as_float(d[1] + 0x4B400000) - 12582912.f, c[1]);
+                c[2] = fmaf(s1, __int_as_float(d[2] + 0x4B400000) - 12582912.f, c[2]);
+                c[3] = fmaf(s1, __int_as_float(d[3] + 0x4B400000) - 12582912.f, c[3]);
+            }
         }
     }
 }
@@ -271,8 +380,7 @@ template <int FMT, int SB, bool DUAL, int MW, bool Q8 = false>
 __global__ void __launch_bounds__((MW + 1) * 32, 1)
 gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_features,
         int in_padded, int ld, int ngp, int gs, int gs_shift, int ns, int pc) {
-    static_assert(!Q8 || FMT == 2, "gemv_st: the Q8 path serves fmt 2");
-    using T = typename StAcc<Q8>::T;
+    using T = typename StAcc<Q8 && FMT == 2>::T;
     constexpr int NT = Q8 ? (4 * SB + 7) / 8 : TcNT<SB>::value, NCOL = 8 * NT, M = DUAL ? 2 : 1;
     const int rs = pc + 64;  // a stage's weight row stride
     const int sst = FMT == 4 ? st_scale_stride(pc, gs) : 0;  // floats per scale row of a stage
@@ -341,7 +449,7 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
 
     // The math warps.
     const int ks = warp, gid = lane >> 2, t = lane & 3;
-    const unsigned short *xcol[TcNT<SB>::value];
+    const unsigned short *xcol[TcNT<SB>::value];  // bf16: this lane's column of each n-tile
     tc_cols<SB>(xcol, xb, cstride, lane);
     const signed char *qcol[NT];  // Q8: this lane's column of each n-tile
 #pragma unroll
@@ -349,7 +457,6 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
     unsigned long long staged_x = ~0ull;  // what xb holds: x, first row, rows
     int staged_s = -1, staged_n = -1;
     int it = 0;
-    const float zero[4] = {0.f, 0.f, 0.f, 0.f};
     for (int tile = t0; tile < t1; ++tile) {
         GemvJob job;
         int row0, srow0;
@@ -357,7 +464,7 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
         if (job.x != staged_x || srow0 != staged_s || job.rows != staged_n) {
             st_math_sync<MW>();  // every math warp is done with the staged x
             if constexpr (Q8)
-                st_stage_q8<SB, MW>(xq, cstride, qsig, qsum, fscr, iscr,
+                st_stage_q8<SB, MW, FMT == 4>(xq, cstride, qsig, qsum, fscr, iscr,
                                     reinterpret_cast<const float *>(job.x), job.x_stride,
                                     job.rows, srow0, in_features, in_padded);
             else
@@ -385,53 +492,42 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
             const float *ss =
                 reinterpret_cast<const float *>(ring + (size_t)slot * stage + wbytes) + gid * sst;
             const int nsteps = min(pc, ld - p * pc) >> 6;
+            if constexpr (Q8 && FMT == 4) {  // pairs of steps (nsteps is a multiple of 8)
 #pragma unroll
-            for (int h = 0; h < 16 / MW; ++h) {
-                const int sl = ks + MW * h;  // this warp's step of the stage
-                if (sl >= nsteps) break;
-                uint4 wa[M], wb[M];
+                for (int h = 0; h < (8 + MW - 1) / MW; ++h) {
+                    const int pr = ks + MW * h;  // this warp's pair of the stage
+                    if (pr >= nsteps >> 1) break;
+                    uint4 pa[2][M], pb[2][M];
 #pragma unroll
-                for (int m = 0; m < M; ++m) {
-                    const unsigned char *r = st + (m * ST_ROWS + gid) * rs + sl * 64;
-                    wa[m] = *reinterpret_cast<const uint4 *>(r);
-                    wb[m] = *reinterpret_cast<const uint4 *>(r + 8 * rs);
-                }
-                const int gst = p * (pc >> 6) + sl;
-                if constexpr (Q8) {
-                    st_q8_step<M, NT>(acc, wa, wb, qcol, gst);
-                } else {
-#pragma unroll
-                    for (int q = 0; q < 8; ++q) {
-                        uint2 bv[NT];
-#pragma unroll
-                        for (int nt = 0; nt < NT; ++nt)
-                            bv[nt] = *reinterpret_cast<const uint2 *>(xcol[nt] + gst * 128 +
-                                                                      q * 16);
-                        // fmt 4: this mma's group within the piece (elements e0 .. e0 + 15)
-                        const int gl = (((sl >> 3) * 1024 + q * 128 + (sl & 7) * 16) >> gs_shift);
+                    for (int u = 0; u < 2; ++u)
 #pragma unroll
                         for (int m = 0; m < M; ++m) {
-                            unsigned int a0, a1, a2, a3;
-                            tc_quad(wa[m], q, a0, a2);
-                            tc_quad(wb[m], q, a1, a3);
-#pragma unroll
-                            for (int nt = 0; nt < NT; ++nt) {
-                                float(&c)[4] = acc[m][q & 1][nt];
-                                if (FMT == 4) {
-                                    float d[4];
-                                    tc_mma(d, a0, a1, a2, a3, bv[nt], zero);
-                                    const float *sm = ss + m * ST_ROWS * sst + gl;
-                                    const float s0 = sm[0], s1 = sm[8 * sst];
-                                    c[0] = fmaf(s0, d[0], c[0]);
-                                    c[1] = fmaf(s0, d[1], c[1]);
-                                    c[2] = fmaf(s1, d[2], c[2]);
-                                    c[3] = fmaf(s1, d[3], c[3]);
-                                } else {
-                                    tc_mma(c, a0, a1, a2, a3, bv[nt], c);
-                                }
-                            }
+                            const unsigned char *r =
+                                st + (m * ST_ROWS + gid) * rs + (2 * pr + u) * 64;
+                            pa[u][m] = *reinterpret_cast<const uint4 *>(r);
+                            pb[u][m] = *reinterpret_cast<const uint4 *>(r + 8 * rs);
                         }
+                    const int sl = 2 * pr;  // the pair's first step within the piece
+                    st_q8_pair<M, NT>(acc, pa, pb, qcol, (p * (pc >> 6) + sl) >> 1, ss, sst,
+                                      (sl >> 3) * 1024 + (sl & 7) * 16, gs_shift);
+                }
+            } else {
+#pragma unroll
+                for (int h = 0; h < 16 / MW; ++h) {
+                    const int sl = ks + MW * h;  // this warp's step of the stage
+                    if (sl >= nsteps) break;
+                    uint4 wa[M], wb[M];
+#pragma unroll
+                    for (int m = 0; m < M; ++m) {
+                        const unsigned char *r = st + (m * ST_ROWS + gid) * rs + sl * 64;
+                        wa[m] = *reinterpret_cast<const uint4 *>(r);
+                        wb[m] = *reinterpret_cast<const uint4 *>(r + 8 * rs);
                     }
+                    const int gst = p * (pc >> 6) + sl;
+                    if constexpr (Q8)
+                        st_q8_step<M, NT>(acc, wa, wb, qcol, gst);
+                    else
+                        st_bf16_step<FMT, M, NT>(acc, wa, wb, xcol, gst, sl, ss, sst, gs_shift);
                 }
             }
             __syncwarp();
@@ -459,8 +555,9 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
 #pragma unroll
             for (int m = 0; m < M; ++m) {
                 float sum = 0.f;
-                if constexpr (Q8) {  // exact part sums, then fp32 from the smallest part up
-                    int c[4] = {0, 0, 0, 0};
+                if constexpr (Q8) {  // part sums (fmt 2: exact ints with the -8 offset), then
+                                     // fp32 from the smallest part up
+                    T c[4] = {0, 0, 0, 0};
 #pragma unroll
                     for (int k = 0; k < MW; ++k) {
                         const T *pr = red + ((k * M + m) * ST_ROWS + r) * NCOL + 4 * s;
@@ -469,7 +566,8 @@ gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_fe
                     }
 #pragma unroll
                     for (int j = 3; j >= 0; --j)
-                        sum = sum * 0.0078125f + (float)(c[j] - 8 * qsum[4 * s + j]);
+                        sum = sum * 0.0078125f +
+                              (FMT == 2 ? (float)(c[j] - 8 * qsum[4 * s + j]) : (float)c[j]);
                     sum *= qsig[s];
                 } else {
 #pragma unroll

@@ -112,11 +112,12 @@ ST_STAGES = (6, 3)  # stages wanted, fewest accepted
 ST_WARPS = int(os.environ.get("COLIWORKER_ST_WARPS", "8"))
 ST_BLOCKS = int(os.environ.get("COLIWORKER_ST_BLOCKS", "1"))
 ST_SMEM_SM = 228 * 1024  # shared memory of an SM; each resident block reserves 1 KiB of it
-# gemv_st's integer path for fmt 2 (its Q8 template argument, gemv_stream.cuh): the codes as u8
-# against each activation row scaled by a power of two and split in four int8 parts, exact
-# int32 sums on the m16n8k32 tensor-core path; a quarter of the bf16 path's instructions per
-# weight byte, other bits (within 1e-7 of float64 where the bf16 path is). Off until measured
-# faster; COLIWORKER_ST_Q8=1 sets it from the start.
+# gemv_st's integer path (its Q8 template argument, gemv_stream.cuh) for fmt 2 and fmt 4 with
+# groups of 32 or more: the codes as u8 against each activation row scaled by a power of two
+# and split in four int8 parts, exact int32 sums on the m16n8k32 tensor-core path (fmt 4: each
+# mma's sum scaled by its group's); fewer instructions per weight byte than the bf16 path,
+# other bits (within 1e-7 of float64 where the bf16 path is). Off until measured faster;
+# COLIWORKER_ST_Q8=1 sets it from the start.
 ST_Q8 = os.environ.get("COLIWORKER_ST_Q8", "0") == "1"
 
 
@@ -135,7 +136,7 @@ TC_VARIANTS = (
             for c in SK_CLUSTERS[1:])
     + tuple(f"gemv_st<{f}, {sb}, {d}, {mw}>" for f in (2, 4) for sb in (1, 4)
             for d in ("false", "true") for mw in (8, 16))
-    + tuple(f"gemv_st<2, {sb}, {d}, {mw}, true>" for sb in (1, 4)
+    + tuple(f"gemv_st<{f}, {sb}, {d}, {mw}, true>" for f in (2, 4) for sb in (1, 4)
             for d in ("false", "true") for mw in (8, 16))
 )  # fmt: skip
 
@@ -176,8 +177,9 @@ def _st_geometry(
 
 
 def _st_q8(spec: WeightSpec) -> bool:
-    """Whether gemv_st runs its integer path (Q8) for this spec: ``ST_Q8`` on, fmt 2."""
-    return ST_Q8 and spec.fmt == 2
+    """Whether gemv_st runs its integer path (Q8) for this spec: ``ST_Q8`` on, fmt 2 or fmt
+    4 with groups of 32 or more (an mma's 32 elements in one group)."""
+    return ST_Q8 and (spec.fmt == 2 or (spec.fmt == 4 and spec.group_size >= 32))
 
 
 def stream_eligible(spec: WeightSpec, max_rows: int, dual: bool = False) -> bool:

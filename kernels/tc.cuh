@@ -80,17 +80,24 @@ __device__ __forceinline__ uint2 tc_slot(const unsigned short (&p)[4]) {
     return make_uint2(p[0] | (unsigned int)p[1] << 16, p[2] | (unsigned int)p[3] << 16);
 }
 
-// d = A x B + c on the integer tensor-core path: A (16 rows x 32 k) unsigned 8-bit (the int4
-// codes 0..15, unpacked by masks), B (32 k x 8 columns) signed 8-bit, int32 sums (exact).
-// Fragments as the PTX manual's m16n8k32: a0 / a1 rows gid / gid + 8 at k = 4 t + [0, 4),
-// a2 / a3 at k = 16 + 4 t + [0, 4); b0 / b1 column gid at the same k; c0, c1 row gid and c2,
-// c3 row gid + 8, columns 2 t, 2 t + 1.
-__device__ __forceinline__ void tc_mma_q8(int (&d)[4], unsigned int a0, unsigned int a1,
-                                          unsigned int a2, unsigned int a3, uint2 b,
-                                          const int (&c)[4]) {
-    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%10,%11,%12,%13};"
-        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y), "r"(c[0]), "r"(c[1]),
-          "r"(c[2]), "r"(c[3]));
+// d = A x B + c on the integer tensor-core path: A (16 rows x 32 k) 8-bit, unsigned (the int4
+// codes 0..15, unpacked by masks) or, SA, signed; B (32 k x 8 columns) signed 8-bit; int32
+// sums (exact). Fragments as the PTX manual's m16n8k32: a0 / a1 rows gid / gid + 8 at k = 4 t
+// + [0, 4), a2 / a3 at k = 16 + 4 t + [0, 4); b0 / b1 column gid at the same k; c0, c1 row gid
+// and c2, c3 row gid + 8, columns 2 t, 2 t + 1.
+template <bool SA> __device__ __forceinline__ void tc_mma_q8(
+    int (&d)[4], unsigned int a0, unsigned int a1, unsigned int a2, unsigned int a3, uint2 b,
+    const int (&c)[4]) {
+    if (SA)
+        asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%10,%11,%12,%13};"
+            : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y), "r"(c[0]), "r"(c[1]),
+              "r"(c[2]), "r"(c[3]));
+    else
+        asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+            "{%8,%9}, {%10,%11,%12,%13};"
+            : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b.x), "r"(b.y), "r"(c[0]), "r"(c[1]),
+              "r"(c[2]), "r"(c[3]));
 }

@@ -172,7 +172,7 @@ def test_tensor_core_expert_group_matches_both_paths(cupy_backend, rng, fmt, gs,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "fmt,gs,q8", [(2, 0, False), (2, 0, True), (4, 64, False), (4, 128, False)]
+    "fmt,gs,q8", [(2, 0, False), (2, 0, True), (4, 64, False), (4, 64, True), (4, 128, False)]
 )
 @pytest.mark.parametrize("rows", [[1] * 8, [4] * 8, [2, 1, 4, 3, 1]])
 @pytest.mark.parametrize("d,ie", [(6144, 2048), (2048 + 64, 640)])

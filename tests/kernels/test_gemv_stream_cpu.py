@@ -19,8 +19,9 @@ from _emulate import build_and_run, without_ptx
 
 from coliworker.kernels import sources
 
-_ASM = ("tc_bf16", "tc_nib2", "tc_quad", "tc_mma", "tc_mma_q8", "st_smem", "st_bar_init",
-        "st_arrive", "st_arrive_tx", "st_wait", "st_copy", "st_math_sync")  # fmt: skip
+_ASM = ("tc_bf16", "tc_nib2", "tc_quad", "tc_mma", "tc_mma_q8", "st_smem", "st_prmt",
+        "st_bar_init", "st_arrive", "st_arrive_tx", "st_wait", "st_copy",
+        "st_math_sync")  # fmt: skip
 
 _SHIM = r"""
 #include "fibers.h"
@@ -77,9 +78,11 @@ inline void tc_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigne
     w->bar->arrive_and_wait();
     for (int e = 0; e < 4; ++e) d[e] = o[e];
 }
-// mma.m16n8k32 u8 x s8 -> s32. A [16 x 32]: (r, k) in lane (r % 8) * 4 + (k % 16) / 4,
+inline unsigned st_prmt(unsigned a, unsigned b, unsigned sel) { return prmt(a, b, sel); }
+// mma.m16n8k32 u8 (SA: s8) x s8 -> s32. A [16 x 32]: (r, k) in lane (r % 8) * 4 + (k % 16) / 4,
 // register r / 8 + 2 (k / 16), byte k % 4; B [32 x 8]: (k, n) in lane n * 4 + (k % 16) / 4,
 // register 4 + k / 16, byte k % 4. Sums in int64, checked to fit int32 (the kernel's bound).
+template <bool SA>
 inline void tc_mma_q8(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, uint2 b,
                       const int (&c)[4]) {
     const int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
@@ -89,7 +92,8 @@ inline void tc_mma_q8(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsign
     w->bar->arrive_and_wait();
     auto byte = [](unsigned reg, int k) { return (reg >> (8 * (k & 3))) & 255u; };
     auto A = [&](int r, int k) {
-        return (long long)byte(w->u[(r & 7) * 4 + ((k & 15) >> 2)][(r >> 3) + 2 * (k >> 4)], k);
+        const unsigned v = byte(w->u[(r & 7) * 4 + ((k & 15) >> 2)][(r >> 3) + 2 * (k >> 4)], k);
+        return SA ? (long long)(signed char)v : (long long)v;
     };
     auto B = [&](int k, int n) {
         return (long long)(signed char)byte(w->u[n * 4 + ((k & 15) >> 2)][4 + (k >> 4)], k);
@@ -267,7 +271,15 @@ int main() {
            check<1, true, 2, 8, true>({48, 20, 33}, {1, 1, 1}, 4096, true, 3, 3) +
            check<4, true, 2, 8, true>({40, 17}, {4, 3}, 3000, true, 2, 3, 0, 512) +
            check<1, false, 2, 16, true>({40, 17}, {1, 1}, 3000, false, 2, 3) +
-           check<4, true, 2, 16, true>({32, 17}, {2, 4}, 3000, false, 2, 3);
+           check<4, true, 2, 16, true>({32, 17}, {2, 4}, 3000, false, 2, 3) +
+           // Q8 fmt 4 (group sizes 32 to 256: pairs of steps per mma)
+           check<1, false, 4, 8, true>({40, 17}, {1, 1}, 3000, false, 2, 3, 64) +
+           check<4, false, 4, 8, true>({33}, {3}, 4096, false, 2, 3, 32) +
+           check<1, true, 4, 8, true>({48, 20}, {1, 1}, 2100, true, 2, 3, 256) +
+           check<4, true, 4, 8, true>({32, 9}, {4, 2}, 4096, false, 1, 3, 128) +
+           check<4, true, 4, 8, true>({32}, {4}, 4096, false, 1, 3, 256, 512) +
+           check<1, false, 4, 8, true>({20}, {1}, 2100, false, 1, 4, 64, 512) +
+           check<1, false, 4, 16, true>({33}, {1}, 4096, false, 2, 4, 32);
 }
 """
 
