@@ -156,8 +156,9 @@ __device__ __forceinline__ float st_nanmax(float a, float b) {
 
 // Rows [srow0, srow0 + SB) of x (float32 [rows, x_stride]), all of K -> xq (int8 parts
 // [4 * SB][cstride]), zero past in_features and past `rows`; sig[s] = 2^-k of row s (NaN for a
-// row with a NaN or an infinity), qsum[c] = the sum of column c. The MW math warps (named
-// barrier 1) stage; the caller syncs before and after. PAIRS: fmt 4's order (above).
+// row with a NaN or an infinity), qsum[c] = the sum of column c (not PAIRS: fmt 4's order,
+// above, whose offset comes from an mma). The MW math warps (named barrier 1) stage; the caller
+// syncs before and after.
 template <int SB, int MW, bool PAIRS>
 __device__ __forceinline__ void st_stage_q8(signed char *xq, int cstride, float *sig, int *qsum,
                                             float *fscr, int *iscr,
@@ -233,6 +234,7 @@ __device__ __forceinline__ void st_stage_q8(signed char *xq, int cstride, float 
                     (unsigned short)(b[c][1] | b[c][3] << 8);
             }
         }
+        if (PAIRS) continue;  // fmt 4 takes its -8 offset from an mma, not from qsum
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
             int v = qs[s][c];
@@ -240,6 +242,7 @@ __device__ __forceinline__ void st_stage_q8(signed char *xq, int cstride, float 
             if (lane == 0) iscr[warp * 4 * SB + 4 * s + c] = v;
         }
     }
+    if (PAIRS) return;
     st_math_sync<MW>();
     if (tid < 4 * SB) {
         int v = 0;
