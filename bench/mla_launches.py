@@ -41,6 +41,7 @@ CLUSTERS = (1, 2, 4, 8)
 VARIANTS = (
     ("new kernels", dict(ABSORB_W=True, FL_CLUSTER=None)),
     ("old kernels", dict(ABSORB_W=False, FL_CLUSTER=1)),
+    ("fp16 flash", dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=True)),
 )
 
 
@@ -239,11 +240,12 @@ def main() -> int:
             d2h.append(res.phases.d2h_ns / 1e3)
         restore = instrument(backend, log)
         launches = breakdown(dec, log, args.calls)
-        variants = {}
+        variants, variant_err = {}, {}
         for label, kw in VARIANTS:
             old = settings(**kw)
             if old:
                 forget_plans(backend)
+                variant_err[label] = dec.rel_err()
                 variants[label] = breakdown(dec, log, args.calls)
                 settings(**old)
         by_cluster = {}
@@ -267,7 +269,8 @@ def main() -> int:
                    kernel_us=float(np.median(kerns)), h2d_us=float(np.median(h2d)),
                    d2h_us=float(np.median(d2h)), launch_us=launches,
                    nsplit=plain_splits(seqs, g["H"], t, backend._sms[0], g["K"], g["R"]),
-                   variants_us=variants, flash_merge_us_by_cluster=by_cluster,
+                   variants_us=variants, variants_rel_err=variant_err,
+                   flash_merge_us_by_cluster=by_cluster,
                    flash_merge_us_by_nsplit=sweep)  # fmt: skip
         results.append(row)
         lines.append(
@@ -275,7 +278,8 @@ def main() -> int:
             f" h2d {row['h2d_us']:.1f} d2h {row['d2h_us']:.1f} err {err:.1e} | "
             + " ".join(f"{n} {x:.1f}" for n, x in launches.items())
             + "".join(
-                f" | {lb}: " + " ".join(f"{n} {x:.1f}" for n, x in d.items())
+                f" | {lb} (err {variant_err[lb]:.1e}): "
+                + " ".join(f"{n} {x:.1f}" for n, x in d.items())
                 for lb, d in variants.items()
             )
             + f" | nsplit {row['nsplit']}; flash+merge by C: "

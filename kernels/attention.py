@@ -12,7 +12,9 @@ staged once; the default where it fits: K <= 512 and its shared memory) and ``ml
 distributed shared memory, fewer or no mla_merge partials) serves the widths where its clusters
 fit in one wave (``cluster_choice``). Both are measured against the kernels they replace in
 ``bench/results/mla-launches-2026-12-01.md``; the tests run both ways on the GPU, and on the
-CPU through a stand-in for the CUDA built-ins.
+CPU through a stand-in for the CUDA built-ins. ``mla_flash_h`` / ``mla_flash_hc`` (``FL_F16``,
+COLIWORKER_FLASH_F16=1) do the flash kernels' work on fp16 tensor cores, every q row and cache
+row split once into fp16 parts as it is staged (attention_flash.cuh says how its numerics hold).
 
 The value projection and o_proj are gemv jobs (``matmul.py``); ``run`` chains every launch of
 a call in its arena (``call``: the backend's call context, ``server/cupy_calls.py``), with the
@@ -23,6 +25,7 @@ per shape (``launch.Launch``) and take device pointers.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -64,8 +67,16 @@ VARIANTS = (
     + ("mla_merge",)
     + tuple(f"mla_flash<{n}>" for n in (1, 2, 4, 8, 16, 32))
     + tuple(f"mla_flash_c<{n}, {c}>" for n, cs in FL_CLUSTERS.items() for c in cs)
+    + tuple(f"mla_flash_h<{n}>" for n in (1, 2, 4, 8, 16, 32))
+    + tuple(f"mla_flash_hc<{n}, {c}>" for n, cs in FL_CLUSTERS.items() for c in cs)
 )
 FLASH = True
+#: mla_flash_h / mla_flash_hc (fp16 tensor cores, each q row and cache row scaled by its power of
+#: two and split once into fp16 parts as it is staged: attention_flash.cuh) in place of
+#: mla_flash / mla_flash_c where their shared memory fits; COLIWORKER_FLASH_F16=1 turns it on
+#: (off until measured faster on the GPU). Tests run both.
+FL_F16 = os.environ.get("COLIWORKER_FLASH_F16", "0") == "1"
+FH_MAX_W = 64 * 12  # FH_MP: the widest row mla_flash_h stages
 FL_TT = 16  # cache rows per tile (attention.cu)
 FL_HB = 64  # heads per block
 FL_MIN_ROWS = 32  # fewest cache rows per T slice (2 tiles): fewer slices, less pacc to merge
@@ -166,15 +177,27 @@ def _merge(s: int, heads: int, k: int, nsplit: int) -> Launch:
 
 
 @functools.cache
-def _flash_geometry(k: int, r: int) -> tuple[int, int, int, int] | None:
-    """(NTC, QST, KST, shared bytes) of mla_flash, or None where it does not fit."""
-    krp = -(-(k + r) // 8) * 8
+def _flash_geometry(k: int, r: int, f16: bool = False) -> tuple[int, int, int, int] | None:
+    """(NTC, QST, KST, shared bytes) of mla_flash, or with ``f16`` of mla_flash_h (QSTH, KSTH:
+    row strides in fp16 values), or None where it does not fit."""
     ntc = next((n for n in (1, 2, 4, 8, 16, 32) if 16 * n >= k), None)
     if ntc is None:
         return None
+    if f16:  # two fp16 planes (4 bytes a value, as fp32), exponents of 64 q rows and a tile
+        krp = -(-(k + r) // 16) * 16
+        qst, kst = krp + 8, max(krp, 16 * ntc) + 8  # 8 mod 16: conflict-free ldmatrix rows
+        smem = 4 * (FL_HB * qst + FL_TT * kst + 2 * FL_HB * FL_TT) + 4 * (FL_HB + FL_TT)
+        fits = smem <= FL_SMEM_MAX and kst - 8 <= FH_MAX_W
+        return (ntc, qst, kst, smem) if fits else None
+    krp = -(-(k + r) // 8) * 8
     qst, kst = krp + 4, max(krp, 16 * ntc) + 4  # 4 mod 8: conflict-free fragment loads
     smem = 4 * (FL_HB * qst + FL_TT * kst + 2 * FL_HB * FL_TT)
     return (ntc, qst, kst, smem) if smem <= FL_SMEM_MAX else None
+
+
+def _f16(k: int, r: int) -> bool:
+    """Whether the flash launch at these widths is mla_flash_h's (``FL_F16`` and it fits)."""
+    return FL_F16 and _flash_geometry(k, r, True) is not None
 
 
 def flash_ok(k: int, r: int) -> bool:
@@ -188,7 +211,7 @@ def flash_splits(s: int, heads: int, t_max: int, n_sm: int, k: int, r: int) -> i
     rounded down to a multiple of the forced C. Scratch as ``attend_splits``'s."""
     per = s * -(-heads // FL_HB)
     n = max(1, min(max(1, n_sm // per), -(-t_max // FL_MIN_ROWS), 1024))
-    key = (per, n, k, r, n_sm, FL_CLUSTER, t_max)
+    key = (per, n, k, r, n_sm, FL_CLUSTER, t_max, FL_F16)
     got = _splits.get(key)
     if got is None:
         have = _cluster_sizes(k, r)
@@ -266,9 +289,9 @@ def flash_cluster(k: int, r: int, nsplit: int, s: int, heads: int) -> int:
 
 
 def _cluster_sizes(k: int, r: int) -> tuple[int, ...]:
-    """The C of mla_flash_c at these widths (none where mla_flash does not serve them or the
-    exchanged context does not fit in its Q and KV buffers)."""
-    geo = _flash_geometry(k, r)
+    """The C of mla_flash_c (mla_flash_hc) at these widths (none where mla_flash does not serve
+    them or the exchanged context does not fit in its Q and KV buffers)."""
+    geo = _flash_geometry(k, r, _f16(k, r))
     if geo is None:
         return ()
     ntc, qst, kst, _ = geo
@@ -284,11 +307,13 @@ _resident: dict[tuple, int] = {}
 def _max_clusters(k: int, r: int, c: int) -> int:
     """Clusters of C mla_flash_c blocks at these widths resident at once on this device
     (asked of the driver once per device and widths)."""
-    key = (cupy.cuda.runtime.getDevice(), k, r, c)
+    f16 = _f16(k, r)
+    key = (cupy.cuda.runtime.getDevice(), k, r, c, f16)
     n = _resident.get(key)
     if n is None:
-        ntc, _, _, smem = _flash_geometry(k, r)  # type: ignore[misc]
-        fn = get_function("attention.cu", f"mla_flash_c<{ntc}, {c}>", VARIANTS, smem)
+        ntc, _, _, smem = _flash_geometry(k, r, f16)  # type: ignore[misc]
+        name = f"mla_flash_hc<{ntc}, {c}>" if f16 else f"mla_flash_c<{ntc}, {c}>"
+        fn = get_function("attention.cu", name, VARIANTS, smem)
         n = _resident[key] = max_active_clusters(fn, c, 256, smem)
     return n
 
@@ -301,18 +326,21 @@ def flash_launch(s: int, heads: int, k: int, r: int, scale: float, nsplit: int
     dev = cupy.cuda.runtime.getDevice()
 
     def make() -> tuple[Launch, Launch | None]:
-        geo = _flash_geometry(k, r)
+        f16 = _f16(k, r)
+        geo = _flash_geometry(k, r, f16)
         assert geo is not None  # callers check flash_ok
         ntc, qst, kst, smem = geo
         c = flash_cluster(k, r, nsplit, s, heads)
         name = f"mla_flash_c<{ntc}, {c}>" if c > 1 else f"mla_flash<{ntc}>"
+        if f16:
+            name = name.replace("mla_flash", "mla_flash_h").replace("_h_c", "_hc")
         fn = get_function("attention.cu", name, VARIANTS, smem)
         att = Launch(fn, (nsplit, s, -(-heads // FL_HB)), (256,),
                      (np.int32(s), np.int32(heads), np.int32(k), np.int32(r), np.float32(scale),
                       np.int32(nsplit), np.int32(qst), np.int32(kst)), smem)  # fmt: skip
         return att, (None if c > 1 and nsplit == c else _merge(s, heads, k, nsplit // c))
 
-    key = (dev, "flash", s, heads, k, r, float(scale), nsplit, FL_CLUSTER)
+    key = (dev, "flash", s, heads, k, r, float(scale), nsplit, FL_CLUSTER, FL_F16)
     return _cached(key, make)  # type: ignore[return-value,arg-type]
 
 
@@ -376,7 +404,7 @@ def run(
     n_up = sum(len(x) for x in latents)
     a = call.take()
     key = ("attention", id(kv_b), id(o_proj), S, H, q_dim, R, V, scale, n_up, nsplit,
-           caches is None, flash, mm.settings(), ABSORB_W, FL_CLUSTER)  # fmt: skip
+           caches is None, flash, mm.settings(), ABSORB_W, FL_CLUSTER, FL_F16)  # fmt: skip
     plan = a.plans.get(key)
     if plan is None:  # _plan sizes the arena first: a reallocated arena forgets its plans
         plan = _plan(call, kv_b, o_proj, S, H, q_dim, R, V, scale, n_up, nsplit, flash,

@@ -127,6 +127,139 @@ __device__ __forceinline__ void fl_cluster_wait_exit() {
 // stores of a warp's 8 heads hit distinct banks.
 __device__ __forceinline__ int fl_ast(int K) { return ((K + 31) & ~31) + 8; }
 
+// The end of a slice (mla_flash, mla_flash_h): this block's unnormalized context acc (warp
+// layout of fl_body), running max m and this lane's share of the sum l of its heads written as
+// mla_attend's partials (C = 1), or merged over the C slices of its cluster in distributed
+// shared memory (Qs and Ss, both free by now, hold what the blocks exchange).
+template <int NTC, int C>
+__device__ __forceinline__ void
+fl_tail(float (&acc)[NTC][4], const float (&m)[2], float (&l)[2], float *Qs, float *Ss,
+        float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc,
+        float *__restrict__ cl, int S, int H, int K, int nsplit) {
+    const int z = blockIdx.x, s = blockIdx.y, hb = blockIdx.z * FL_HB;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int gid = lane >> 2, t4 = lane & 3;
+    const int hg = warp & 3, half = warp >> 2;
+
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+    }
+    if (C == 1) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int h = hb + hg * 16 + gid + 8 * i;
+            if (h >= H) continue;
+            const size_t slot = ((size_t)s * H + h) * nsplit + z;
+            if (half == 0 && t4 == 0) {
+                pm[slot] = m[i];
+                pl[slot] = l[i];
+            }
+#pragma unroll
+            for (int j = 0; j < NTC; ++j) {
+                const int c = half * 8 * NTC + 8 * j + 2 * t4;
+                if (c < K) pacc[slot * K + c] = acc[j][2 * i];
+                if (c + 1 < K) pacc[slot * K + c + 1] = acc[j][2 * i + 1];
+            }
+        }
+        return;
+    }
+    // The C slices of this cluster merged in distributed shared memory: each block leaves its
+    // unnormalized context A [64][AST] (in Qs) and its heads' m, l (in Ss); rank r then merges
+    // heads [r * 64 / C, (r + 1) * 64 / C) over the C blocks in rank order, with the weights
+    // e^(m_q - M) of mla_merge, and writes cl (the cluster is the whole T: nsplit == C) or one
+    // partial per cluster for mla_merge (pm, pl, pacc of nsplit / C slices).
+    constexpr int HPR = FL_HB / C;
+    const int AST = fl_ast(K);
+    float *A = Qs, *ML = Ss, *WT = Ss + 2 * FL_HB;  // WT [HPR][C] weights, then M [HPR], L [HPR]
+    __syncthreads();  // every warp is done with Qs, KVs and Ss
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int hl = hg * 16 + gid + 8 * i;
+        if (half == 0 && t4 == 0) {
+            ML[hl] = m[i];
+            ML[FL_HB + hl] = l[i];
+        }
+#pragma unroll
+        for (int j = 0; j < NTC; ++j) {
+            const int c = half * 8 * NTC + 8 * j + 2 * t4;
+            if (c + 1 < K) {
+                *reinterpret_cast<float2 *>(A + hl * AST + c) =
+                    make_float2(acc[j][2 * i], acc[j][2 * i + 1]);
+            } else if (c < K) {
+                A[hl * AST + c] = acc[j][2 * i];
+            }
+        }
+    }
+    fl_cluster_sync();
+    const unsigned rank = static_cast<unsigned>(z % C);
+    const int nz = nsplit / C, zc = z / C;
+    if (threadIdx.x < HPR) {
+        const int hl = rank * HPR + threadIdx.x;
+        float mq[C], M = -COLI_INF, L = 0.f;
+#pragma unroll
+        for (int q = 0; q < C; ++q) {
+            mq[q] = fl_dsmem(ML + hl, q);
+            M = fmaxf(M, mq[q]);
+        }
+#pragma unroll
+        for (int q = 0; q < C; ++q) {
+            const float e = M != -COLI_INF ? expf(mq[q] - M) : 0.f;  // empty slices: 0
+            WT[threadIdx.x * C + q] = e;
+            L = fmaf(fl_dsmem(ML + FL_HB + hl, q), e, L);
+        }
+        WT[HPR * C + threadIdx.x] = M;
+        WT[HPR * C + HPR + threadIdx.x] = L;
+        const int h = hb + hl;
+        if (nz > 1 && h < H) {
+            const size_t slot = ((size_t)s * H + h) * nz + zc;
+            pm[slot] = M;
+            pl[slot] = L;
+        }
+    }
+    __syncthreads();
+    if ((K & 3) == 0) {
+        const int n4 = K >> 2;
+        for (int i = threadIdx.x; i < HPR * n4; i += FL_WARPS * 32) {
+            const int hr = i / n4, c = (i - hr * n4) * 4, hl = rank * HPR + hr, h = hb + hl;
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int q = 0; q < C; ++q) {
+                const float e = WT[hr * C + q];
+                const float4 a = fl_dsmem4(A + hl * AST + c, q);
+                v.x = fmaf(a.x, e, v.x);
+                v.y = fmaf(a.y, e, v.y);
+                v.z = fmaf(a.z, e, v.z);
+                v.w = fmaf(a.w, e, v.w);
+            }
+            if (h >= H) continue;
+            if (nz == 1) {
+                const float L = WT[HPR * C + HPR + hr], inv = L > 0.f ? 1.f / L : 0.f;
+                *reinterpret_cast<float4 *>(cl + ((size_t)h * S + s) * K + c) =
+                    make_float4(v.x * inv, v.y * inv, v.z * inv, v.w * inv);
+            } else {
+                *reinterpret_cast<float4 *>(pacc + (((size_t)s * H + h) * nz + zc) * K + c) = v;
+            }
+        }
+    } else {
+        for (int i = threadIdx.x; i < HPR * K; i += FL_WARPS * 32) {
+            const int hr = i / K, c = i - hr * K, hl = rank * HPR + hr, h = hb + hl;
+            float v = 0.f;
+#pragma unroll
+            for (int q = 0; q < C; ++q) v = fmaf(fl_dsmem(A + hl * AST + c, q), WT[hr * C + q], v);
+            if (h >= H) continue;
+            if (nz == 1) {
+                const float L = WT[HPR * C + HPR + hr];
+                cl[((size_t)h * S + s) * K + c] = v * (L > 0.f ? 1.f / L : 0.f);
+            } else {
+                pacc[(((size_t)s * H + h) * nz + zc) * K + c] = v;
+            }
+        }
+    }
+    fl_cluster_wait_exit();  // no block leaves while another reads its shared memory
+}
+
 // NTC: 8-column n-tiles of the latent per warp (2 * 8 * NTC >= K). QST, KST: row strides of Qs
 // and KVs (>= the padded K + R, >= 16 * NTC, 4 mod 8). Outputs as mla_attend's (C = 1), or
 // merged over the C slices of a cluster (``mla_flash_c``).
@@ -262,124 +395,7 @@ fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
         }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");  // a slice without rows still staged Q
-
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
-        l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
-    }
-    if (C == 1) {
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int h = hb + hg * 16 + gid + 8 * i;
-            if (h >= H) continue;
-            const size_t slot = ((size_t)s * H + h) * nsplit + z;
-            if (half == 0 && t4 == 0) {
-                pm[slot] = m[i];
-                pl[slot] = l[i];
-            }
-#pragma unroll
-            for (int j = 0; j < NTC; ++j) {
-                const int c = half * 8 * NTC + 8 * j + 2 * t4;
-                if (c < K) pacc[slot * K + c] = acc[j][2 * i];
-                if (c + 1 < K) pacc[slot * K + c + 1] = acc[j][2 * i + 1];
-            }
-        }
-        return;
-    }
-    // The C slices of this cluster merged in distributed shared memory: each block leaves its
-    // unnormalized context A [64][AST] (in Qs) and its heads' m, l (in Ss); rank r then merges
-    // heads [r * 64 / C, (r + 1) * 64 / C) over the C blocks in rank order, with the weights
-    // e^(m_q - M) of mla_merge, and writes cl (the cluster is the whole T: nsplit == C) or one
-    // partial per cluster for mla_merge (pm, pl, pacc of nsplit / C slices).
-    constexpr int HPR = FL_HB / C;
-    const int AST = fl_ast(K);
-    float *A = Qs, *ML = Ss, *WT = Ss + 2 * FL_HB;  // WT [HPR][C] weights, then M [HPR], L [HPR]
-    __syncthreads();  // every warp is done with Qs, KVs and Ss
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        const int hl = hg * 16 + gid + 8 * i;
-        if (half == 0 && t4 == 0) {
-            ML[hl] = m[i];
-            ML[FL_HB + hl] = l[i];
-        }
-#pragma unroll
-        for (int j = 0; j < NTC; ++j) {
-            const int c = half * 8 * NTC + 8 * j + 2 * t4;
-            if (c + 1 < K) {
-                *reinterpret_cast<float2 *>(A + hl * AST + c) =
-                    make_float2(acc[j][2 * i], acc[j][2 * i + 1]);
-            } else if (c < K) {
-                A[hl * AST + c] = acc[j][2 * i];
-            }
-        }
-    }
-    fl_cluster_sync();
-    const unsigned rank = static_cast<unsigned>(z % C);
-    const int nz = nsplit / C, zc = z / C;
-    if (threadIdx.x < HPR) {
-        const int hl = rank * HPR + threadIdx.x;
-        float mq[C], M = -COLI_INF, L = 0.f;
-#pragma unroll
-        for (int q = 0; q < C; ++q) {
-            mq[q] = fl_dsmem(ML + hl, q);
-            M = fmaxf(M, mq[q]);
-        }
-#pragma unroll
-        for (int q = 0; q < C; ++q) {
-            const float e = M != -COLI_INF ? expf(mq[q] - M) : 0.f;  // empty slices: 0
-            WT[threadIdx.x * C + q] = e;
-            L = fmaf(fl_dsmem(ML + FL_HB + hl, q), e, L);
-        }
-        WT[HPR * C + threadIdx.x] = M;
-        WT[HPR * C + HPR + threadIdx.x] = L;
-        const int h = hb + hl;
-        if (nz > 1 && h < H) {
-            const size_t slot = ((size_t)s * H + h) * nz + zc;
-            pm[slot] = M;
-            pl[slot] = L;
-        }
-    }
-    __syncthreads();
-    if ((K & 3) == 0) {
-        const int n4 = K >> 2;
-        for (int i = threadIdx.x; i < HPR * n4; i += FL_WARPS * 32) {
-            const int hr = i / n4, c = (i - hr * n4) * 4, hl = rank * HPR + hr, h = hb + hl;
-            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-            for (int q = 0; q < C; ++q) {
-                const float e = WT[hr * C + q];
-                const float4 a = fl_dsmem4(A + hl * AST + c, q);
-                v.x = fmaf(a.x, e, v.x);
-                v.y = fmaf(a.y, e, v.y);
-                v.z = fmaf(a.z, e, v.z);
-                v.w = fmaf(a.w, e, v.w);
-            }
-            if (h >= H) continue;
-            if (nz == 1) {
-                const float L = WT[HPR * C + HPR + hr], inv = L > 0.f ? 1.f / L : 0.f;
-                *reinterpret_cast<float4 *>(cl + ((size_t)h * S + s) * K + c) =
-                    make_float4(v.x * inv, v.y * inv, v.z * inv, v.w * inv);
-            } else {
-                *reinterpret_cast<float4 *>(pacc + (((size_t)s * H + h) * nz + zc) * K + c) = v;
-            }
-        }
-    } else {
-        for (int i = threadIdx.x; i < HPR * K; i += FL_WARPS * 32) {
-            const int hr = i / K, c = i - hr * K, hl = rank * HPR + hr, h = hb + hl;
-            float v = 0.f;
-#pragma unroll
-            for (int q = 0; q < C; ++q) v = fmaf(fl_dsmem(A + hl * AST + c, q), WT[hr * C + q], v);
-            if (h >= H) continue;
-            if (nz == 1) {
-                const float L = WT[HPR * C + HPR + hr];
-                cl[((size_t)h * S + s) * K + c] = v * (L > 0.f ? 1.f / L : 0.f);
-            } else {
-                pacc[(((size_t)s * H + h) * nz + zc) * K + c] = v;
-            }
-        }
-    }
-    fl_cluster_wait_exit();  // no block leaves while another reads its shared memory
+    fl_tail<NTC, C>(acc, m, l, Qs, Ss, pm, pl, pacc, cl, S, H, K, nsplit);
 }
 
 // Slices as ``nsplit`` blocks in x, partials for mla_merge (cl unused).
@@ -401,4 +417,335 @@ mla_flash_c(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ 
             float *__restrict__ cl, int S, int H, int K, int R, float scale, int nsplit, int QST,
             int KST) {
     fl_body<NTC, C>(pm, pl, pacc, qfull, kv, cl, S, H, K, R, scale, nsplit, QST, KST);
+}
+
+// ---- mla_flash_h: mla_flash's tiles on fp16 tensor cores, every operand split once ----------
+//
+// The same grid, block, warp roles, softmax and tail (fl_tail) as mla_flash; what differs is
+// how the operands reach the tensor cores. Dynamic shared memory (``flash_h_smem`` bytes):
+//   Qh [2][64][QSTH]     fp16: the block's q rows, hi plane then lo plane
+//   Kh [2][FL_TT][KSTH]  fp16: one tile of cache rows [latent | rope | zeros], hi then lo
+//   Ss [2][64][FL_TT]    fp32: partial scores of the two k halves (as mla_flash's)
+//   QE [64], TE [FL_TT]  int: the exponents of the q rows and of the tile's rows
+// QSTH and KSTH are 8 mod 16 (rows of 4 mod 8 words: the ldmatrix rows of a phase hit distinct
+// banks) and hold >= the padded K + R (KSTH also >= 16 NTC); every row starts 16-byte aligned.
+//
+// Numerics. A row x (a q row per block, a cache row per tile) is scaled by 2^e, its power of
+// two with max |x| 2^e in [2^14, 2^15) (e <= 100: an all-zero row), and split once, as it is
+// staged, into hi = fp16(x 2^e) and lo = fp16(x 2^e - hi), both rounded to nearest: 22
+// significant bits (a relative error below 2^-22, against 2^-20 for mla_flash's tf32 parts)
+// for every value down to 2^-17 of its row's largest; below that lo is subnormal (an absolute
+// error under 2^-39 of the largest). mma.m16n8k16 multiplies fp16 exactly and adds in fp32; a
+// score is (ql kh + qh kl + qh kh) 2^-e_q 2^-e_t. The context's A operand is p 2^(14 + E - e_t)
+// (E: the smallest e_t of the tile, its largest row), split the same way; each tile's three
+// products start from zero and go into acc times 2^-(14 + E), so the tile's rows meet at its
+// largest row's scale: a row more than 2^30 below it keeps only what lies above 2^-24 of it.
+//
+// Fragments (PTX m16n8k16 .f16, gid = lane / 4, t = lane % 4): A a0 (gid, 2t..2t+1), a1 (gid +
+// 8, ..), a2 (gid, 2t+8..2t+9), a3 (gid + 8, ..); B b0 (k 2t..2t+1, n gid), b1 (k 2t+8.., n
+// gid); C as m16n8k8's. q and K tiles are read by ldmatrix.x4 (four 8x8 blocks), the latent
+// as B of the context by ldmatrix.x4.trans (its rows are k). A lane's softmax rows are the
+// tile rows 2t, 2t+1, 2t+8, 2t+9: those of its A fragment of P.
+#define FH_MP 12  // value pairs per lane of a staged row: rows up to 64 * FH_MP values
+
+// e with max |x| 2^e in [2^14, 2^15) for m = max |x|, at most 100 (m = 0 or subnormal: 100;
+// m = inf: -114).
+__device__ __forceinline__ int fh_exp(float m) {
+    const int ex = static_cast<int>((__float_as_uint(m) >> 23) & 255u);
+    return ex == 0 ? 100 : min(141 - ex, 100);
+}
+
+// 2^e, e in [-126, 127].
+__device__ __forceinline__ float fh_pow2(int e) {
+    return __uint_as_float(static_cast<unsigned>(e + 127) << 23);
+}
+
+// hi = (fp16(a), fp16(b)), lo = (fp16(a - hi.a), fp16(b - hi.b)): a in the low half.
+__device__ __forceinline__ void fh_split2(float a, float b, unsigned &hi, unsigned &lo) {
+    asm("{\n\t.reg .b16 ha, hb;\n\t.reg .f32 fa, fb;\n\t"
+        "cvt.rn.f16.f32 ha, %2;\n\tcvt.rn.f16.f32 hb, %3;\n\t"
+        "cvt.f32.f16 fa, ha;\n\tcvt.f32.f16 fb, hb;\n\t"
+        "sub.f32 fa, %2, fa;\n\tsub.f32 fb, %3, fb;\n\t"
+        "mov.b32 %0, {ha, hb};\n\tcvt.rn.f16x2.f32 %1, fb, fa;\n\t}"
+        : "=r"(hi), "=r"(lo)
+        : "f"(a), "f"(b));
+}
+
+__device__ __forceinline__ void fh_mma(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                       unsigned b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ldmatrix: four 8x8 fp16 blocks, lanes 8i..8i+7 giving the row addresses of block i; r[i]
+// holds this lane's pair of block i (row lane / 4, columns 2 (lane % 4)..; transposed: column
+// lane / 4, rows 2 (lane % 4)..).
+__device__ __forceinline__ void fh_ldsm4(unsigned (&r)[4], const unsigned short *p) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void fh_ldsm4t(unsigned (&r)[4], const unsigned short *p) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+__device__ __forceinline__ void fh_ldsm2t(unsigned (&r)[4], const unsigned short *p) {
+    const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(a));
+}
+
+// One row staged by one warp: [a (na values) | b (nb values) | zeros] up to W (even, at most
+// 64 FH_MP), scaled by 2^e (its fh_exp) and split into the planes hi, lo (words: value pairs);
+// returns e. VEC: float2 loads (na, nb even, a and b 8-byte aligned).
+template <bool VEC>
+__device__ __forceinline__ int fh_row(unsigned *hi, unsigned *lo, const float *a, int na,
+                                      const float *b, int nb, int W, int lane) {
+    float v[FH_MP][2];
+    float mx = 0.f;
+#pragma unroll
+    for (int i = 0; i < FH_MP; ++i) {
+        const int c = 2 * (lane + 32 * i);
+        if (VEC) {
+            float2 x = make_float2(0.f, 0.f);
+            if (c < na) x = *reinterpret_cast<const float2 *>(a + c);
+            else if (c - na < nb) x = *reinterpret_cast<const float2 *>(b + (c - na));
+            v[i][0] = x.x;
+            v[i][1] = x.y;
+        } else {
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                const int ck = c + k;
+                v[i][k] = ck < na ? a[ck] : (ck - na < nb ? b[ck - na] : 0.f);
+            }
+        }
+        mx = fmaxf(mx, fmaxf(fabsf(v[i][0]), fabsf(v[i][1])));
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    const int e = fh_exp(mx);
+    const float f = fh_pow2(e);
+#pragma unroll
+    for (int i = 0; i < FH_MP; ++i) {
+        const int c = 2 * (lane + 32 * i);
+        if (c < W) fh_split2(v[i][0] * f, v[i][1] * f, hi[c >> 1], lo[c >> 1]);
+    }
+    return e;
+}
+
+template <int NTC, int C>
+__device__ __forceinline__ void
+fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc,
+        const float *__restrict__ qfull, const KvDesc *__restrict__ kv, float *__restrict__ cl,
+        int S, int H, int K, int R, float scale, int nsplit, int QSTH, int KSTH) {
+    extern __shared__ float4 smem4[];
+    unsigned short *Qh = reinterpret_cast<unsigned short *>(smem4);
+    unsigned short *Kh = Qh + 2 * FL_HB * QSTH;
+    float *Ss = reinterpret_cast<float *>(Kh + 2 * FL_TT * KSTH);
+    int *QE = reinterpret_cast<int *>(Ss + 2 * FL_HB * FL_TT);
+    int *TE = QE + FL_HB;
+    const int z = blockIdx.x, s = blockIdx.y, hb = blockIdx.z * FL_HB;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int gid = lane >> 2, t4 = lane & 3, mi = lane >> 3;
+    const int hg = warp & 3, half = warp >> 2;
+    const KvDesc d = kv[s];
+    const float *__restrict__ lat = reinterpret_cast<const float *>(d.latent);
+    const float *__restrict__ rop = reinterpret_cast<const float *>(d.rope);
+    const int chunk = ((d.len + nsplit - 1) / nsplit + FL_TT - 1) / FL_TT * FL_TT;
+    const int tb = z * chunk, te = min(d.len, tb + chunk);
+    const int KR = K + R, KRP = (KR + 15) & ~15, W = KSTH - 8;
+
+    // The q rows of the block's heads (warp w: rows 8w .. 8w + 7), split once.
+    {
+        unsigned *qh = reinterpret_cast<unsigned *>(Qh), *ql = qh + FL_HB * QSTH / 2;
+        const bool vec = (KR & 1) == 0;
+        for (int r = warp * 8; r < warp * 8 + 8; ++r) {
+            const float *q = qfull + ((size_t)s * H + hb + r) * KR;
+            const int n = r < H - hb ? KR : 0;
+            const int e = vec ? fh_row<true>(qh + r * QSTH / 2, ql + r * QSTH / 2, q, n, q, 0,
+                                             KRP, lane)
+                              : fh_row<false>(qh + r * QSTH / 2, ql + r * QSTH / 2, q, n, q, 0,
+                                              KRP, lane);
+            if (lane == 0) QE[r] = e;
+        }
+    }
+    __syncthreads();
+    float fq[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) fq[i] = fh_pow2(-QE[hg * 16 + gid + 8 * i]);
+
+    float acc[NTC][4];
+#pragma unroll
+    for (int j = 0; j < NTC; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    float m[2] = {-COLI_INF, -COLI_INF}, l[2] = {0.f, 0.f};
+    const int nks = KRP / 16, ks0 = half ? nks / 2 : 0, ks1 = half ? nks : nks / 2;
+    // ldmatrix row addresses: q (A: blocks rows 0-7 / 8-15 x k 0-7 / 8-15), the tile for the
+    // scores (B: rows n 0-7 x k 0-7, 8-15; n 8-15 x ..) and for the context (B transposed:
+    // rows k 0-7 / 8-15 of columns 8j.., then of 8(j + 1)..).
+    const unsigned short *qa = Qh + (hg * 16 + (lane & 15)) * QSTH + 8 * (lane >> 4);
+    const unsigned short *kb = Kh + ((lane & 7) + 8 * (mi >> 1)) * KSTH + 8 * (mi & 1);
+    const unsigned short *vb = Kh + ((lane & 7) + 8 * (mi & 1)) * KSTH + half * 8 * NTC +
+                               8 * (mi >> 1);
+    const bool vec = ((K | R) & 1) == 0;
+
+    for (int t0 = tb; t0 < te; t0 += FL_TT) {
+        __syncthreads();  // every warp is done with the previous tile (and Ss, TE)
+        {
+            unsigned *kh = reinterpret_cast<unsigned *>(Kh), *kl = kh + FL_TT * KSTH / 2;
+#pragma unroll
+            for (int rr = 0; rr < FL_TT / FL_WARPS; ++rr) {
+                const int r = warp * (FL_TT / FL_WARPS) + rr;
+                const int n = t0 + r < te;
+                const float *la = lat + (size_t)(t0 + r) * K, *ro = rop + (size_t)(t0 + r) * R;
+                const int e = vec ? fh_row<true>(kh + r * KSTH / 2, kl + r * KSTH / 2, la, n * K,
+                                                 ro, n * R, W, lane)
+                                  : fh_row<false>(kh + r * KSTH / 2, kl + r * KSTH / 2, la,
+                                                  n * K, ro, n * R, W, lane);
+                if (lane == 0) TE[r] = e;
+            }
+        }
+        __syncthreads();
+        // The next tile's rows into L2 while this one is computed.
+        if (t0 + FL_TT < te) {
+            const int nr = min(FL_TT, te - t0 - FL_TT);
+            const char *a = reinterpret_cast<const char *>(lat + (size_t)(t0 + FL_TT) * K);
+            for (int o = threadIdx.x * 128; o < nr * K * 4; o += FL_WARPS * 32 * 128)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(a + o));
+            const char *b = reinterpret_cast<const char *>(rop + (size_t)(t0 + FL_TT) * R);
+            for (int o = threadIdx.x * 128; o < nr * R * 4; o += FL_WARPS * 32 * 128)
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(b + o));
+        }
+
+        // Scores of heads hg, rows 0..15, k-steps [ks0, ks1): six independent mma chains.
+        float shh[2][4] = {}, shl[2][4] = {}, slh[2][4] = {};
+#pragma unroll 2
+        for (int ks = ks0; ks < ks1; ++ks) {
+            const int k0 = ks * 16;
+            unsigned ah[4], al[4], bh[4], bl[4];
+            fh_ldsm4(ah, qa + k0);
+            fh_ldsm4(al, qa + FL_HB * QSTH + k0);
+            fh_ldsm4(bh, kb + k0);
+            fh_ldsm4(bl, kb + FL_TT * KSTH + k0);
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+                fh_mma(slh[nt], al, bh[2 * nt], bh[2 * nt + 1]);
+                fh_mma(shl[nt], ah, bl[2 * nt], bl[2 * nt + 1]);
+                fh_mma(shh[nt], ah, bh[2 * nt], bh[2 * nt + 1]);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            float *o = Ss + (half * FL_HB + hg * 16 + gid) * FL_TT + nt * 8 + 2 * t4;
+            o[0] = (slh[nt][0] + shl[nt][0]) + shh[nt][0];
+            o[1] = (slh[nt][1] + shl[nt][1]) + shh[nt][1];
+            o[8 * FL_TT] = (slh[nt][2] + shl[nt][2]) + shh[nt][2];
+            o[8 * FL_TT + 1] = (slh[nt][3] + shl[nt][3]) + shh[nt][3];
+        }
+        __syncthreads();
+
+        // This lane's rows 2t4, 2t4 + 1, 2t4 + 8, 2t4 + 9: their exponents, the tile's smallest
+        // (its largest row), and P's scale per row.
+        int er[4], E = 100;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            er[r] = TE[(r >> 1) * 8 + 2 * t4 + (r & 1)];
+            E = min(E, er[r]);
+        }
+        E = min(E, __shfl_xor_sync(0xffffffffu, E, 1));
+        E = min(E, __shfl_xor_sync(0xffffffffu, E, 2));
+        float pf[4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r) pf[r] = 14 + E - er[r] >= -126 ? fh_pow2(14 + E - er[r]) : 0.f;
+        const float ft = fh_pow2(-14 - E);
+
+        // Online softmax of heads gid, gid + 8 over this lane's rows.
+        float p[2][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const float *s0 = Ss + (hg * 16 + gid + 8 * i) * FL_TT;
+            const float *s1 = s0 + FL_HB * FL_TT;
+            float mt = -COLI_INF;
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int row = (r >> 1) * 8 + 2 * t4 + (r & 1);
+                const float v = (s0[row] + s1[row]) * fq[i] * fh_pow2(-er[r]) * scale;
+                p[i][r] = t0 + row < te ? v : -COLI_INF;
+                mt = fmaxf(mt, p[i][r]);
+            }
+            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
+            const float mn = fmaxf(m[i], mt);  // finite: row t0 < te is in every quad's max
+            const float alpha = expf(m[i] - mn);
+            float sum = 0.f;
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                p[i][r] = expf(p[i][r] - mn);
+                sum += p[i][r];
+            }
+            l[i] = l[i] * alpha + sum;  // this lane's rows only; the quad is summed at the end
+            m[i] = mn;
+#pragma unroll
+            for (int j = 0; j < NTC; ++j) {
+                acc[j][2 * i] *= alpha;
+                acc[j][2 * i + 1] *= alpha;
+            }
+        }
+        // Context: acc[heads, cols] += P[heads, rows] @ latent[rows, cols], one k16 step.
+        unsigned ah[4], al[4];
+        fh_split2(p[0][0] * pf[0], p[0][1] * pf[1], ah[0], al[0]);
+        fh_split2(p[1][0] * pf[0], p[1][1] * pf[1], ah[1], al[1]);
+        fh_split2(p[0][2] * pf[2], p[0][3] * pf[3], ah[2], al[2]);
+        fh_split2(p[1][2] * pf[2], p[1][3] * pf[3], ah[3], al[3]);
+#pragma unroll
+        for (int j = 0; j < NTC; j += 2) {
+            unsigned bh[4], bl[4];
+            if (NTC == 1) {
+                fh_ldsm2t(bh, vb);
+                fh_ldsm2t(bl, vb + FL_TT * KSTH);
+            } else {
+                fh_ldsm4t(bh, vb + 8 * j);
+                fh_ldsm4t(bl, vb + FL_TT * KSTH + 8 * j);
+            }
+#pragma unroll
+            for (int jj = 0; jj < 2 && j + jj < NTC; ++jj) {
+                float t[4] = {0.f, 0.f, 0.f, 0.f};
+                fh_mma(t, al, bh[2 * jj], bh[2 * jj + 1]);
+                fh_mma(t, ah, bl[2 * jj], bl[2 * jj + 1]);
+                fh_mma(t, ah, bh[2 * jj], bh[2 * jj + 1]);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[j + jj][e] = fmaf(t[e], ft, acc[j + jj][e]);
+            }
+        }
+    }
+    __syncthreads();  // the tail's clusters reuse Qh and Ss
+    fl_tail<NTC, C>(acc, m, l, reinterpret_cast<float *>(smem4), Ss, pm, pl, pacc, cl, S, H, K,
+                    nsplit);
+}
+
+// mla_flash's launch and outputs; QSTH, KSTH in fp16 values.
+template <int NTC>
+__global__ void __launch_bounds__(FL_WARPS * 32, 1)
+mla_flash_h(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc,
+            const float *__restrict__ qfull, const KvDesc *__restrict__ kv,
+            float *__restrict__ cl, int S, int H, int K, int R, float scale, int nsplit,
+            int QSTH, int KSTH) {
+    fh_body<NTC, 1>(pm, pl, pacc, qfull, kv, cl, S, H, K, R, scale, nsplit, QSTH, KSTH);
+}
+
+// mla_flash_c's clusters on mla_flash_h's tiles.
+template <int NTC, int C>
+__global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(FL_WARPS * 32, 1)
+mla_flash_hc(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc,
+             const float *__restrict__ qfull, const KvDesc *__restrict__ kv,
+             float *__restrict__ cl, int S, int H, int K, int R, float scale, int nsplit,
+             int QSTH, int KSTH) {
+    fh_body<NTC, C>(pm, pl, pacc, qfull, kv, cl, S, H, K, R, scale, nsplit, QSTH, KSTH);
 }

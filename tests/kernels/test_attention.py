@@ -84,14 +84,16 @@ def test_attention_ragged_glm52(cupy_backend, rng):
     print(f"GLM-5.2 MLA ragged + o_proj, 1 seq T=4096: kernel {kern / 1e3:.1f} us")
 
 
-@pytest.fixture(params=["flash", "fp32", "new"])
+@pytest.fixture(params=["flash", "fp32", "new", "f16"])
 def attention_path(request, monkeypatch):
-    """mla_flash + mla_merge, mla_attend + mla_merge, or the new kernels (mla_absorb_w,
-    mla_flash_c with its clusters chosen as FL_CLUSTER = None chooses them)."""
+    """mla_flash + mla_merge, mla_attend + mla_merge, the new kernels (mla_absorb_w,
+    mla_flash_c with its clusters chosen as FL_CLUSTER = None chooses them), or those with the
+    fp16 flash kernels (mla_flash_h / mla_flash_hc)."""
     from coliworker.kernels import attention
 
     monkeypatch.setattr(attention, "FLASH", request.param != "fp32")
-    if request.param == "new":
+    monkeypatch.setattr(attention, "FL_F16", request.param == "f16")
+    if request.param in ("new", "f16"):
         monkeypatch.setattr(attention, "ABSORB_W", True)
         monkeypatch.setattr(attention, "FL_CLUSTER", None)
     return request.param
@@ -103,8 +105,9 @@ def attention_path(request, monkeypatch):
     [(3, 16, 8, 12, 40), (70, 5, 3, 4, 9), (64, 192, 64, 256, 512), (4, 24, 8, 16, 1100)],
 )
 def test_attention_ragged_both_paths(cupy_backend, rng, attention_path, h, q, r, v, k):
-    """mla_flash (tensor cores, split tf32) and mla_attend (fp32) against float64: ragged
-    lengths (1, under one tile, several slices), heads beyond one 64-head block, odd widths."""
+    """mla_flash (tensor cores, split tf32), mla_flash_h (fp16 parts) and mla_attend (fp32)
+    against float64: ragged lengths (1, under one tile, several slices), heads beyond one
+    64-head block, odd widths."""
     b = cupy_backend
     kv_b, o_proj, dk, do = _mla(rng, b, h, q, r, v, k, 40, 2, 0)
     lens = [1, 15, 700, 2051]
@@ -118,11 +121,12 @@ def test_attention_ragged_both_paths(cupy_backend, rng, attention_path, h, q, r,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("f16", [False, True], ids=["tf32", "f16"])
 @pytest.mark.parametrize(
     "nsplit,cluster",
     [(8, None), (4, None), (6, None), (32, 2), (32, 1), (1, None), (132, None), (132, 4), (16, 8)],
 )
-def test_flash_clusters(cupy_backend, rng, monkeypatch, nsplit, cluster):
+def test_flash_clusters(cupy_backend, rng, monkeypatch, nsplit, cluster, f16):
     """mla_flash_c at GLM-5.2 widths: clusters of C T slices merged in distributed shared
     memory, into cl where C == nsplit (no mla_merge), else into partials for mla_merge
     (nsplit 6 as chosen: C = 2; 132 forced to C = 4; 16 to C = 8), and mla_flash (C = 1: 132
@@ -132,6 +136,7 @@ def test_flash_clusters(cupy_backend, rng, monkeypatch, nsplit, cluster):
 
     monkeypatch.setattr(attention, "flash_splits", lambda *a: nsplit)
     monkeypatch.setattr(attention, "FL_CLUSTER", cluster)
+    monkeypatch.setattr(attention, "FL_F16", f16)
     monkeypatch.setattr(attention, "ABSORB_W", True)
     b = cupy_backend
     h, q, r, v, k = 64, 192, 64, 256, 512
@@ -145,7 +150,42 @@ def test_flash_clusters(cupy_backend, rng, monkeypatch, nsplit, cluster):
 
 
 @pytest.mark.gpu
-def test_new_kernels_graph_replay(cupy_backend, rng, monkeypatch):
+@pytest.mark.parametrize("lat_scale,spread", [(1e4, 0), (1e-4, 0), (1.0, 12)])
+def test_flash_f16_scales(cupy_backend, rng, monkeypatch, lat_scale, spread):
+    """mla_flash_h at GLM-5.2 widths with latents far outside fp16's range (each row's power
+    of two brings it in) and with cache rows 2^-spread .. 2^spread apart within a tile (P's
+    scale per row), the scores then from the rope alone, against float64."""
+    from coliworker.kernels import attention
+
+    monkeypatch.setattr(attention, "FL_F16", True)
+    b = cupy_backend
+    h, q, r, v, k = 64, 192, 64, 256, 512
+    kv_b, o_proj, dk, do = _mla(rng, b, h, q, r, v, k, 40, 2, 0)
+    caches, lats, ropes = [], [], []
+    for n in (300, 33):
+        lat = rng.standard_normal((n, k)) * lat_scale
+        if spread:
+            lat *= np.exp2(rng.integers(-spread, spread + 1, (n, 1)))
+        lat = lat.astype(np.float32)
+        rope = rng.standard_normal((n, r)).astype(np.float32)
+        c = b.new_kv(0, k, r)
+        c.append(lat, rope)
+        caches.append(c)
+        lats.append(lat)
+        ropes.append(rope)
+    qa = rng.standard_normal((2, h, q + r)).astype(np.float32)
+    if spread:
+        qa[:, :, :q] = 0  # q_nope zero: the scores from the rope
+    scale = 1 / np.sqrt(q + r)
+    for op, dop in ((None, None), (o_proj, do)):
+        res = b.attention_ragged(dk, dop, qa, caches, q, r, v, scale)
+        ref = reference.attention_ragged(kv_b, op, qa, lats, ropes, q, r, v, scale)
+        assert rel_err(res.out, ref) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("f16", [False, True], ids=["tf32", "f16"])
+def test_new_kernels_graph_replay(cupy_backend, rng, monkeypatch, f16):
     """mla_absorb_w and mla_flash_c (clusters into partials, then mla_merge; and into cl) in a
     captured graph give the bits of their direct launches (test_graphs.py does this for the
     default kernels)."""
@@ -154,6 +194,7 @@ def test_new_kernels_graph_replay(cupy_backend, rng, monkeypatch):
 
     monkeypatch.setattr(attention, "ABSORB_W", True)
     monkeypatch.setattr(attention, "FL_CLUSTER", None)
+    monkeypatch.setattr(attention, "FL_F16", f16)
     b = cupy_backend
     h, q, r, v, k = 64, 192, 64, 256, 512
     kv_b, o_proj, dk, do = _mla(rng, b, h, q, r, v, k, 40, 2, 0)

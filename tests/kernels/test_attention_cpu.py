@@ -204,22 +204,98 @@ inline float4 fl_dsmem4(const float *p, unsigned rank) {
 }
 inline void fl_cluster_sync() { g_cbar->arrive_and_wait(); }
 inline void fl_cluster_wait_exit() { g_cbar->arrive_and_wait(); }
+// fp16 (binary16) by round to nearest even, subnormals and overflow included, and back.
+inline unsigned short f2h(float f) {
+    const unsigned short sign = (__float_as_uint(f) >> 16) & 0x8000;
+    const float a = std::fabs(f);
+    if (std::isnan(f)) return sign | 0x7e00;
+    if (a >= 65520.f) return sign | 0x7c00;
+    if (a < 6.103515625e-05f) return sign | (unsigned short)std::nearbyint(a * 16777216.f);
+    int ex;
+    std::frexp(a, &ex);
+    float q = std::nearbyint(std::ldexp(a, 11 - ex));
+    if (q == 2048.f) { q = 1024.f; ++ex; }
+    if (ex + 14 >= 31) return sign | 0x7c00;
+    return sign | (unsigned short)((ex + 14) << 10) | (unsigned short)((unsigned)q - 1024);
+}
+inline double h2d(unsigned short h) {
+    const int e = (h >> 10) & 31, m = h & 1023;
+    const double v = e == 0 ? std::ldexp((double)m, -24)
+                   : e == 31 ? (m ? NAN : INFINITY) : std::ldexp((double)(m + 1024), e - 25);
+    return (h & 0x8000) ? -v : v;
+}
+inline void fh_split2(float a, float b, unsigned &hi, unsigned &lo) {
+    const unsigned short ha = f2h(a), hb = f2h(b);
+    hi = ha | (unsigned)hb << 16;
+    lo = f2h(a - (float)h2d(ha)) | (unsigned)f2h(b - (float)h2d(hb)) << 16;
+}
+inline double hpart(unsigned u, int k) { return h2d((unsigned short)(u >> (16 * (k & 1)))); }
+// mma.m16n8k16 f16: the fragment layout of the PTX manual, the sum in float64.
+inline void fh_mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+    const int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
+    Warp *w = tl_warp;
+    unsigned *u = w->u[lane];
+    u[0] = a[0]; u[1] = a[1]; u[2] = a[2]; u[3] = a[3]; u[4] = b0; u[5] = b1;
+    w->bar->arrive_and_wait();
+    auto A = [&](int r, int k) {
+        return hpart(w->u[(r & 7) * 4 + ((k & 7) >> 1)][(r >> 3) + 2 * (k >> 3)], k);
+    };
+    auto B = [&](int k, int n) { return hpart(w->u[n * 4 + ((k & 7) >> 1)][4 + (k >> 3)], k); };
+    float o[4];
+    for (int e = 0; e < 4; ++e) {
+        const int r = gid + 8 * (e >> 1), c = 2 * t + (e & 1);
+        double acc = 0;
+        for (int k = 0; k < 16; ++k) acc += A(r, k) * B(k, c);
+        o[e] = (float)(acc + d[e]);
+    }
+    w->bar->arrive_and_wait();
+    for (int e = 0; e < 4; ++e) d[e] = o[e];
+}
+// ldmatrix .x4 / .x2 (.trans): every lane leaves its row address, then reads its pairs.
+template <int N, bool T>
+inline void fh_ldsm(unsigned (&r)[4], const unsigned short *p) {
+    const int lane = threadIdx.x & 31;
+    Warp *w = tl_warp;
+    std::memcpy(w->u[lane], &p, sizeof p);
+    w->bar->arrive_and_wait();
+    auto row = [&](int l) {
+        const unsigned short *q;
+        std::memcpy(&q, w->u[l], sizeof q);
+        return q;
+    };
+    for (int i = 0; i < N; ++i) {
+        if (T) r[i] = row(8 * i + 2 * (lane & 3))[lane >> 2]
+                    | (unsigned)row(8 * i + 2 * (lane & 3) + 1)[lane >> 2] << 16;
+        else { std::memcpy(&r[i], row(8 * i + (lane >> 2)) + 2 * (lane & 3), 4); }
+    }
+    w->bar->arrive_and_wait();
+}
+inline void fh_ldsm4(unsigned (&r)[4], const unsigned short *p) { fh_ldsm<4, false>(r, p); }
+inline void fh_ldsm4t(unsigned (&r)[4], const unsigned short *p) { fh_ldsm<4, true>(r, p); }
+inline void fh_ldsm2t(unsigned (&r)[4], const unsigned short *p) { fh_ldsm<2, true>(r, p); }
 #include "common.cuh"
 #include "kernel.inc"
 
-int run(int H, std::vector<int> lens, int nsplit, int C) {
-    const int K = 512, R = 64, KR = K + R, S = (int)lens.size();
-    const int QST = 580, KST = 580, nhb = (H + 63) / 64;
+int run(int H, std::vector<int> lens, int nsplit, int C, bool f16 = false, int K = 512,
+        int R = 64, float lat_scale = 3, int spread = 0) {
+    const int KR = K + R, S = (int)lens.size();
+    const int QST = f16 ? 584 : 580, KST = QST, nhb = (H + 63) / 64;
     const float scale = 1.f / std::sqrt(256.f);
     std::mt19937 rng(nsplit * 31 + C + H);
     std::normal_distribution<float> nd;
     std::vector<float> qf((size_t)S * H * KR);
     for (auto &x : qf) x = nd(rng);
+    for (size_t i = 0; spread && i < qf.size(); ++i)  // scores from the rope alone
+        if (i % KR < (size_t)K) qf[i] = 0;
     std::vector<std::vector<float>> lat(S), rop(S);
     std::vector<KvDesc> kv(S);
     for (int s = 0; s < S; ++s) {
         lat[s].resize((size_t)lens[s] * K); rop[s].resize((size_t)lens[s] * R);
-        for (auto &x : lat[s]) x = 3 * nd(rng);
+        for (auto &x : lat[s]) x = lat_scale * nd(rng);
+        for (int t = 0; spread && t < lens[s]; ++t) {  // rows 2^-spread .. 2^spread apart
+            const float f = std::ldexp(1.f, (int)(rng() % (2 * spread + 1)) - spread);
+            for (int c = 0; c < K; ++c) lat[s][(size_t)t * K + c] *= f;
+        }
         for (auto &x : rop[s]) x = nd(rng);
         kv[s] = {(unsigned long long)lat[s].data(), (unsigned long long)rop[s].data(), lens[s], 0};
     }
@@ -232,13 +308,19 @@ int run(int H, std::vector<int> lens, int nsplit, int C) {
                  scale, nsplit, QST, KST);
         };
     };
-    if (C == 1) launch({nsplit, S, nhb}, 1, 256, args(mla_flash<32>));
+    if (f16 && K == 512) {
+        if (C == 1) launch({nsplit, S, nhb}, 1, 256, args(mla_flash_h<32>));
+        else if (C == 2) launch({nsplit, S, nhb}, 2, 256, args(mla_flash_hc<32, 2>));
+        else launch({nsplit, S, nhb}, 8, 256, args(mla_flash_hc<32, 8>));
+    } else if (f16) {
+        launch({nsplit, S, nhb}, 1, 256, args(mla_flash_h<1>));  // K <= 16: one n-tile a half
+    } else if (C == 1) launch({nsplit, S, nhb}, 1, 256, args(mla_flash<32>));
     else if (C == 2) launch({nsplit, S, nhb}, 2, 256, args(mla_flash_c<32, 2>));
     else if (C == 4) launch({nsplit, S, nhb}, 4, 256, args(mla_flash_c<32, 4>));
     else launch({nsplit, S, nhb}, 8, 256, args(mla_flash_c<32, 8>));
     const int nz = nsplit / C;
     if (!(C > 1 && nz == 1))
-        launch({H, S, K / 128}, 1, 128,
+        launch({H, S, (K + 127) / 128}, 1, 128,
                [&] { mla_merge(cl.data(), pm.data(), pl.data(), pacc.data(), S, H, K, nz); });
     double md = 0, mx = 0; long nan = 0;
     for (int s = 0; s < S; ++s)
@@ -262,20 +344,28 @@ int run(int H, std::vector<int> lens, int nsplit, int C) {
                 md = std::max(md, std::fabs(g - o[c] / l)); mx = std::max(mx, std::fabs(o[c] / l));
             }
         }
-    printf("H %d S %d nsplit %d C %d: rel err %.2g, unwritten %ld\n", H, S, nsplit, C, md / mx,
-           nan);
+    printf("%s H %d S %d K %d nsplit %d C %d: rel err %.2g, unwritten %ld\n",
+           f16 ? "fp16" : "tf32", H, S, K, nsplit, C, md / mx, nan);
     return nan > 0 || md > 1e-5 * mx;
 }
 
 int main() {
     // clusters into cl (an empty sequence beside), partials + mla_merge over two head blocks
     // (heads beyond H), C = 4 and C = 8 (slices without rows)
+    // mla_flash_h (fp16 parts): the same, K = 11 and 12 (one n-tile a half; odd widths: scalar
+    // loads), latents 1e4 and 1e-6 times larger (each row's scale), rows 2^-12 .. 2^12 apart in
+    // one tile (P's scale per row)
     return run(64, {40, 1}, 2, 2) + run(70, {70}, 4, 2) + run(64, {50}, 4, 4) +
-           run(64, {33, 1}, 8, 8);
+           run(64, {33, 1}, 8, 8) + run(64, {40, 1}, 2, 2, true) + run(70, {70, 17}, 4, 1, true) +
+           run(64, {33, 1}, 8, 8, true) + run(5, {20, 3}, 2, 1, true, 12, 4) +
+           run(3, {37}, 2, 1, true, 11, 3) + run(64, {90}, 2, 1, true, 512, 64, 1e4f) +
+           run(64, {90}, 2, 1, true, 512, 64, 1e-6f) + run(64, {70}, 2, 1, true, 512, 64, 3, 12);
 }
 """
-_FL_ASM = ("fl_mma", "fl_cp4", "fl_cp16", "fl_remote", "fl_dsmem", "fl_dsmem4", "fl_cluster_sync",
-           "fl_cluster_wait_exit")  # fmt: skip
+_FL_ASM = (
+    "fl_mma", "fl_cp4", "fl_cp16", "fl_remote", "fl_dsmem", "fl_dsmem4", "fl_cluster_sync",
+    "fl_cluster_wait_exit", "fh_split2", "fh_mma", "fh_ldsm4", "fh_ldsm4t", "fh_ldsm2t",
+)  # fmt: skip
 
 
 def _flash_source(src: str) -> str:
