@@ -127,6 +127,71 @@ __device__ __forceinline__ void fl_cluster_wait_exit() {
 // stores of a warp's 8 heads hit distinct banks.
 __device__ __forceinline__ int fl_ast(int K) { return ((K + 31) & ~31) + 8; }
 
+// Prefetch the next tile's cache rows (after [t0, t0 + FL_TT), up to te) into L2.
+__device__ __forceinline__ void fl_prefetch(const float *lat, const float *rop, int t0, int te,
+                                            int K, int R) {
+    if (t0 + FL_TT >= te) return;
+    const int nr = min(FL_TT, te - t0 - FL_TT);
+    const char *a = reinterpret_cast<const char *>(lat + (size_t)(t0 + FL_TT) * K);
+    for (int o = threadIdx.x * 128; o < nr * K * 4; o += FL_WARPS * 32 * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(a + o));
+    const char *b = reinterpret_cast<const char *>(rop + (size_t)(t0 + FL_TT) * R);
+    for (int o = threadIdx.x * 128; o < nr * R * 4; o += FL_WARPS * 32 * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(b + o));
+}
+
+// A warp's partial scores (C fragments of its two n-tiles, three products each) into Ss at o:
+// the row of head gid, column 2 t4 (head gid + 8 lies 8 rows below).
+__device__ __forceinline__ void fl_scores_out(float *o, const float (&slh)[2][4],
+                                              const float (&shl)[2][4], const float (&shh)[2][4]) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+        o[nt * 8] = (slh[nt][0] + shl[nt][0]) + shh[nt][0];
+        o[nt * 8 + 1] = (slh[nt][1] + shl[nt][1]) + shh[nt][1];
+        o[nt * 8 + 8 * FL_TT] = (slh[nt][2] + shl[nt][2]) + shh[nt][2];
+        o[nt * 8 + 8 * FL_TT + 1] = (slh[nt][3] + shl[nt][3]) + shh[nt][3];
+    }
+}
+
+// The online softmax of one tile for heads gid, gid + 8 (s: head gid's row of Ss) over this
+// lane's tile rows ``rows`` (rows at or past ``valid`` are out): p = e^(score - m), m, l and acc
+// carried over (acc times e^(m_old - m)). A score is (both halves' partials) fq[i] fk[r] scale.
+template <int NTC>
+__device__ __forceinline__ void fl_softmax(float (&p)[2][4], float (&m)[2], float (&l)[2],
+                                           float (&acc)[NTC][4], const float *s,
+                                           const int (&rows)[4], const float (&fq)[2],
+                                           const float (&fk)[4], float scale, int valid) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const float *s0 = s + 8 * i * FL_TT;
+        const float *s1 = s0 + FL_HB * FL_TT;
+        float mt = -COLI_INF;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const float v = (s0[rows[r]] + s1[rows[r]]) * fq[i] * fk[r] * scale;
+            p[i][r] = rows[r] < valid ? v : -COLI_INF;
+            mt = fmaxf(mt, p[i][r]);
+        }
+        mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
+        mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
+        const float mn = fmaxf(m[i], mt);  // finite: row t0 < te is in every quad's max
+        const float alpha = expf(m[i] - mn);
+        float sum = 0.f;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            p[i][r] = expf(p[i][r] - mn);
+            sum += p[i][r];
+        }
+        l[i] = l[i] * alpha + sum;  // this lane's rows only; the quad is summed at the end
+        m[i] = mn;
+#pragma unroll
+        for (int j = 0; j < NTC; ++j) {
+            acc[j][2 * i] *= alpha;
+            acc[j][2 * i + 1] *= alpha;
+        }
+    }
+}
+
 // The end of a slice (mla_flash, mla_flash_h): this block's unnormalized context acc (warp
 // layout of fl_body), running max m and this lane's share of the sum l of its heads written as
 // mla_attend's partials (C = 1), or merged over the C slices of its cluster in distributed
@@ -304,16 +369,7 @@ fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
         else fl_stage<false>(KVs, KST, FL_TT, W, la, K, K, ro, R, R, te - t0);
         asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
         __syncthreads();
-        // The next tile's rows into L2 while this one is computed.
-        if (t0 + FL_TT < te) {
-            const int nr = min(FL_TT, te - t0 - FL_TT);
-            const char *a = reinterpret_cast<const char *>(lat + (size_t)(t0 + FL_TT) * K);
-            for (int o = threadIdx.x * 128; o < nr * K * 4; o += FL_WARPS * 32 * 128)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(a + o));
-            const char *b = reinterpret_cast<const char *>(rop + (size_t)(t0 + FL_TT) * R);
-            for (int o = threadIdx.x * 128; o < nr * R * 4; o += FL_WARPS * 32 * 128)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(b + o));
-        }
+        fl_prefetch(lat, rop, t0, te, K, R);  // the next tile into L2 meanwhile
 
         // Scores of heads hg, rows 0..15, k-steps [ks0, ks1). The three products of the split
         // operands accumulate apart, six independent mma chains: one chain per n-tile would
@@ -338,47 +394,16 @@ fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
                 fl_mma(shh[nt], ah[0], ah[1], ah[2], ah[3], bh0, bh1);
             }
         }
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-            float *o = Ss + (half * FL_HB + hg * 16 + gid) * FL_TT + nt * 8 + 2 * t4;
-            o[0] = (slh[nt][0] + shl[nt][0]) + shh[nt][0];
-            o[1] = (slh[nt][1] + shl[nt][1]) + shh[nt][1];
-            o[8 * FL_TT] = (slh[nt][2] + shl[nt][2]) + shh[nt][2];
-            o[8 * FL_TT + 1] = (slh[nt][3] + shl[nt][3]) + shh[nt][3];
-        }
+        fl_scores_out(Ss + (half * FL_HB + hg * 16 + gid) * FL_TT + 2 * t4, slh, shl, shh);
         __syncthreads();
 
         // Online softmax: this lane's rows t4, t4 + 4, 8 + t4, 12 + t4 of heads gid, gid + 8.
         float p[2][4];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const float *s0 = Ss + (hg * 16 + gid + 8 * i) * FL_TT;
-            const float *s1 = s0 + FL_HB * FL_TT;
-            float mt = -COLI_INF;
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const int row = (r >> 1) * 8 + (r & 1) * 4 + t4;
-                const float v = (s0[row] + s1[row]) * scale;
-                p[i][r] = t0 + row < te ? v : -COLI_INF;
-                mt = fmaxf(mt, p[i][r]);
-            }
-            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
-            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
-            const float mn = fmaxf(m[i], mt);  // finite: row t0 < te is in every quad's max
-            const float alpha = expf(m[i] - mn);
-            float sum = 0.f;
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                p[i][r] = expf(p[i][r] - mn);
-                sum += p[i][r];
-            }
-            l[i] = l[i] * alpha + sum;  // this lane's rows only; the quad is summed at the end
-            m[i] = mn;
-#pragma unroll
-            for (int j = 0; j < NTC; ++j) {
-                acc[j][2 * i] *= alpha;
-                acc[j][2 * i + 1] *= alpha;
-            }
+        {
+            const int rows[4] = {t4, t4 + 4, 8 + t4, 12 + t4};
+            const float one2[2] = {1.f, 1.f}, one4[4] = {1.f, 1.f, 1.f, 1.f};
+            fl_softmax(p, m, l, acc, Ss + (hg * 16 + gid) * FL_TT, rows, one2, one4, scale,
+                       te - t0);
         }
         // Context: acc[heads, cols] += P[heads, rows] @ latent[rows, cols].
         const int cb = half * 8 * NTC + gid;
@@ -613,16 +638,7 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
             }
         }
         __syncthreads();
-        // The next tile's rows into L2 while this one is computed.
-        if (t0 + FL_TT < te) {
-            const int nr = min(FL_TT, te - t0 - FL_TT);
-            const char *a = reinterpret_cast<const char *>(lat + (size_t)(t0 + FL_TT) * K);
-            for (int o = threadIdx.x * 128; o < nr * K * 4; o += FL_WARPS * 32 * 128)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(a + o));
-            const char *b = reinterpret_cast<const char *>(rop + (size_t)(t0 + FL_TT) * R);
-            for (int o = threadIdx.x * 128; o < nr * R * 4; o += FL_WARPS * 32 * 128)
-                asm volatile("prefetch.global.L2 [%0];" ::"l"(b + o));
-        }
+        fl_prefetch(lat, rop, t0, te, K, R);  // the next tile into L2 meanwhile
 
         // Scores of heads hg, rows 0..15, k-steps [ks0, ks1): six independent mma chains.
         float shh[2][4] = {}, shl[2][4] = {}, slh[2][4] = {};
@@ -641,14 +657,7 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
                 fh_mma(shh[nt], ah, bh[2 * nt], bh[2 * nt + 1]);
             }
         }
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-            float *o = Ss + (half * FL_HB + hg * 16 + gid) * FL_TT + nt * 8 + 2 * t4;
-            o[0] = (slh[nt][0] + shl[nt][0]) + shh[nt][0];
-            o[1] = (slh[nt][1] + shl[nt][1]) + shh[nt][1];
-            o[8 * FL_TT] = (slh[nt][2] + shl[nt][2]) + shh[nt][2];
-            o[8 * FL_TT + 1] = (slh[nt][3] + shl[nt][3]) + shh[nt][3];
-        }
+        fl_scores_out(Ss + (half * FL_HB + hg * 16 + gid) * FL_TT + 2 * t4, slh, shl, shh);
         __syncthreads();
 
         // This lane's rows 2t4, 2t4 + 1, 2t4 + 8, 2t4 + 9: their exponents, the tile's smallest
@@ -668,35 +677,12 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
 
         // Online softmax of heads gid, gid + 8 over this lane's rows.
         float p[2][4];
+        {
+            const int rows[4] = {2 * t4, 2 * t4 + 1, 2 * t4 + 8, 2 * t4 + 9};
+            float fk[4];
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const float *s0 = Ss + (hg * 16 + gid + 8 * i) * FL_TT;
-            const float *s1 = s0 + FL_HB * FL_TT;
-            float mt = -COLI_INF;
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const int row = (r >> 1) * 8 + 2 * t4 + (r & 1);
-                const float v = (s0[row] + s1[row]) * fq[i] * fh_pow2(-er[r]) * scale;
-                p[i][r] = t0 + row < te ? v : -COLI_INF;
-                mt = fmaxf(mt, p[i][r]);
-            }
-            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
-            mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
-            const float mn = fmaxf(m[i], mt);  // finite: row t0 < te is in every quad's max
-            const float alpha = expf(m[i] - mn);
-            float sum = 0.f;
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                p[i][r] = expf(p[i][r] - mn);
-                sum += p[i][r];
-            }
-            l[i] = l[i] * alpha + sum;  // this lane's rows only; the quad is summed at the end
-            m[i] = mn;
-#pragma unroll
-            for (int j = 0; j < NTC; ++j) {
-                acc[j][2 * i] *= alpha;
-                acc[j][2 * i + 1] *= alpha;
-            }
+            for (int r = 0; r < 4; ++r) fk[r] = fh_pow2(-er[r]);
+            fl_softmax(p, m, l, acc, Ss + (hg * 16 + gid) * FL_TT, rows, fq, fk, scale, te - t0);
         }
         // Context: acc[heads, cols] += P[heads, rows] @ latent[rows, cols], one k16 step.
         unsigned ah[4], al[4];
