@@ -528,42 +528,54 @@ __device__ __forceinline__ void fh_ldsm2t(unsigned (&r)[4], const unsigned short
                  : "r"(a));
 }
 
-// One row staged by one warp: [a (na values) | b (nb values) | zeros] up to W (even, at most
-// 64 FH_MP), scaled by 2^e (its fh_exp) and split into the planes hi, lo (words: value pairs);
-// returns e. VEC: float2 loads (na, nb even, a and b 8-byte aligned).
-template <bool VEC>
-__device__ __forceinline__ int fh_row(unsigned *hi, unsigned *lo, const float *a, int na,
-                                      const float *b, int nb, int W, int lane) {
-    float v[FH_MP][2];
-    float mx = 0.f;
+// Rows staged by one warp, NR at a time (their loads in flight together): row i is [a[i] (na[i]
+// values) | b[i] (nb[i] values) | zeros] up to W (even, at most 64 FH_MP), scaled by 2^e[i]
+// (its fh_exp) and split into the planes hi[i], lo[i] (words: value pairs). VEC: float2 loads
+// (na, nb even, a and b 8-byte aligned).
+template <bool VEC, int NR>
+__device__ __forceinline__ void fh_rows(unsigned *const (&hi)[NR], unsigned *const (&lo)[NR],
+                                        const float *const (&a)[NR], const int (&na)[NR],
+                                        const float *const (&b)[NR], const int (&nb)[NR], int W,
+                                        int lane, int (&e)[NR]) {
+    float v[NR][FH_MP][2];
+    float mx[NR];
 #pragma unroll
-    for (int i = 0; i < FH_MP; ++i) {
-        const int c = 2 * (lane + 32 * i);
-        if (VEC) {
-            float2 x = make_float2(0.f, 0.f);
-            if (c < na) x = *reinterpret_cast<const float2 *>(a + c);
-            else if (c - na < nb) x = *reinterpret_cast<const float2 *>(b + (c - na));
-            v[i][0] = x.x;
-            v[i][1] = x.y;
-        } else {
+    for (int r = 0; r < NR; ++r) {
+        mx[r] = 0.f;
 #pragma unroll
-            for (int k = 0; k < 2; ++k) {
-                const int ck = c + k;
-                v[i][k] = ck < na ? a[ck] : (ck - na < nb ? b[ck - na] : 0.f);
+        for (int i = 0; i < FH_MP; ++i) {
+            const int c = 2 * (lane + 32 * i);
+            if (VEC) {
+                float2 x = make_float2(0.f, 0.f);
+                const int cb = c - na[r];
+                if (c < na[r]) x = *reinterpret_cast<const float2 *>(a[r] + c);
+                else if (cb < nb[r]) x = *reinterpret_cast<const float2 *>(b[r] + cb);
+                v[r][i][0] = x.x;
+                v[r][i][1] = x.y;
+            } else {
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                    const int ck = c + k;
+                    const int cb = ck - na[r];
+                    v[r][i][k] = ck < na[r] ? a[r][ck] : (cb < nb[r] ? b[r][cb] : 0.f);
+                }
             }
+            mx[r] = fmaxf(mx[r], fmaxf(fabsf(v[r][i][0]), fabsf(v[r][i][1])));
         }
-        mx = fmaxf(mx, fmaxf(fabsf(v[i][0]), fabsf(v[i][1])));
     }
 #pragma unroll
-    for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    const int e = fh_exp(mx);
-    const float f = fh_pow2(e);
+    for (int r = 0; r < NR; ++r) {
 #pragma unroll
-    for (int i = 0; i < FH_MP; ++i) {
-        const int c = 2 * (lane + 32 * i);
-        if (c < W) fh_split2(v[i][0] * f, v[i][1] * f, hi[c >> 1], lo[c >> 1]);
+        for (int o = 16; o; o >>= 1)
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], o));
+        e[r] = fh_exp(mx[r]);
+        const float f = fh_pow2(e[r]);
+#pragma unroll
+        for (int i = 0; i < FH_MP; ++i) {
+            const int c = 2 * (lane + 32 * i);
+            if (c < W) fh_split2(v[r][i][0] * f, v[r][i][1] * f, hi[r][c >> 1], lo[r][c >> 1]);
+        }
     }
-    return e;
 }
 
 template <int NTC, int C>
@@ -588,18 +600,19 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
     const int tb = z * chunk, te = min(d.len, tb + chunk);
     const int KR = K + R, KRP = (KR + 15) & ~15, W = KSTH - 8;
 
-    // The q rows of the block's heads (warp w: rows 8w .. 8w + 7), split once.
+    // The q rows of the block's heads (warp w: rows 8w .. 8w + 7, two at a time), split once.
     {
         unsigned *qh = reinterpret_cast<unsigned *>(Qh), *ql = qh + FL_HB * QSTH / 2;
-        const bool vec = (KR & 1) == 0;
-        for (int r = warp * 8; r < warp * 8 + 8; ++r) {
-            const float *q = qfull + ((size_t)s * H + hb + r) * KR;
-            const int n = r < H - hb ? KR : 0;
-            const int e = vec ? fh_row<true>(qh + r * QSTH / 2, ql + r * QSTH / 2, q, n, q, 0,
-                                             KRP, lane)
-                              : fh_row<false>(qh + r * QSTH / 2, ql + r * QSTH / 2, q, n, q, 0,
-                                              KRP, lane);
-            if (lane == 0) QE[r] = e;
+        for (int r = warp * 8; r < warp * 8 + 8; r += 2) {
+            const float *q0 = qfull + ((size_t)s * H + hb + r) * KR, *q1 = q0 + KR;
+            unsigned *const h2[2] = {qh + r * QSTH / 2, qh + (r + 1) * QSTH / 2};
+            unsigned *const l2[2] = {ql + r * QSTH / 2, ql + (r + 1) * QSTH / 2};
+            const float *const a2[2] = {q0, q1};
+            const int n2[2] = {r < H - hb ? KR : 0, r + 1 < H - hb ? KR : 0}, z2[2] = {0, 0};
+            int e[2];
+            if ((KR & 1) == 0) fh_rows<true, 2>(h2, l2, a2, n2, a2, z2, KRP, lane, e);
+            else fh_rows<false, 2>(h2, l2, a2, n2, a2, z2, KRP, lane, e);
+            if (lane == 0) QE[r] = e[0], QE[r + 1] = e[1];
         }
     }
     __syncthreads();
@@ -623,18 +636,27 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
 
     for (int t0 = tb; t0 < te; t0 += FL_TT) {
         __syncthreads();  // every warp is done with the previous tile (and Ss, TE)
-        {
+        {  // this warp's FL_TT / FL_WARPS rows of the tile, split once
+            constexpr int NR = FL_TT / FL_WARPS;
             unsigned *kh = reinterpret_cast<unsigned *>(Kh), *kl = kh + FL_TT * KSTH / 2;
+            unsigned *h2[NR], *l2[NR];
+            const float *a2[NR], *b2[NR];
+            int na[NR], nb[NR], e[NR];
 #pragma unroll
-            for (int rr = 0; rr < FL_TT / FL_WARPS; ++rr) {
-                const int r = warp * (FL_TT / FL_WARPS) + rr;
-                const int n = t0 + r < te;
-                const float *la = lat + (size_t)(t0 + r) * K, *ro = rop + (size_t)(t0 + r) * R;
-                const int e = vec ? fh_row<true>(kh + r * KSTH / 2, kl + r * KSTH / 2, la, n * K,
-                                                 ro, n * R, W, lane)
-                                  : fh_row<false>(kh + r * KSTH / 2, kl + r * KSTH / 2, la,
-                                                  n * K, ro, n * R, W, lane);
-                if (lane == 0) TE[r] = e;
+            for (int i = 0; i < NR; ++i) {
+                const int r = warp * NR + i, in = t0 + r < te;
+                h2[i] = kh + r * KSTH / 2;
+                l2[i] = kl + r * KSTH / 2;
+                a2[i] = lat + (size_t)(t0 + r) * K;
+                b2[i] = rop + (size_t)(t0 + r) * R;
+                na[i] = in * K;
+                nb[i] = in * R;
+            }
+            if (vec) fh_rows<true, NR>(h2, l2, a2, na, b2, nb, W, lane, e);
+            else fh_rows<false, NR>(h2, l2, a2, na, b2, nb, W, lane, e);
+            if (lane == 0) {
+#pragma unroll
+                for (int i = 0; i < NR; ++i) TE[warp * NR + i] = e[i];
             }
         }
         __syncthreads();
