@@ -368,14 +368,15 @@ _BYTES = {n: struct.Struct(f"{16 * n}s") for n in (1, 2, 3)}
 
 
 def patch(buf: Any, off: int, slots: Sequence[tuple[int, int, tuple[int, ...]]],
-          experts: Sequence[tuple[Any, Any, Any]]) -> None:  # fmt: skip
+          triples: Sequence[tuple[Any, tuple, bytes]]) -> None:  # fmt: skip
     """Tables that ``write_group`` packed at ``off`` of ``buf`` for experts of the same shape
-    (specs, widths, rows) made those of ``experts``: their addresses written into ``slots``
-    (``write_group``'s), nothing else changes. A slot's matrices are consecutive (all three,
-    gate and up, or down), so its bytes are one range of the triple's packed addresses."""
+    (specs, widths, rows) made those of the experts of ``triples`` (their ``_triple`` entries):
+    their addresses written into ``slots`` (``write_group``'s), nothing else changes. A slot's
+    matrices are consecutive (all three, gate and up, or down), so its bytes are one range of
+    the triple's packed addresses."""
     bytes3 = _BYTES[3].pack_into
     for pos, c, ms in slots:
-        b = _triple(experts[c])[2]
+        b = triples[c][2]
         if len(ms) == 3:  # a moe record: all three (the usual slot)
             bytes3(buf, off + pos, b)
         else:
@@ -418,10 +419,11 @@ def _module(name: str) -> Any:
     return mod
 
 
-def group_shape(experts: Sequence[tuple[Any, Any, Any]]) -> tuple:
-    """What a group's plan and tables depend on beside the experts' addresses: each expert's
-    gate, up and down specs (interned: by identity) and its hidden and output widths."""
-    return tuple([_triple(t)[1] for t in experts])
+def group_shape(triples: Sequence[tuple[Any, tuple, bytes]]) -> tuple:
+    """What a group's plan and tables depend on beside the experts' addresses, from the
+    experts' ``_triple`` entries: each expert's gate, up and down specs (interned: by identity)
+    and its hidden and output widths."""
+    return tuple([t[1] for t in triples])
 
 
 def prepare(
@@ -450,8 +452,10 @@ def prepare(
     settings = mm.settings()
     key = ("group", settings, *map(id, experts), *rows, T, D, extra_in, extra_out, xr)
     hit = a.plans.get(key)
+    triples = None  # the experts' _triple entries, looked up once where a plan is not theirs
     if hit is None:
-        skey = ("group shape", settings, group_shape(experts), *rows, T, D, extra_in,
+        triples = [_triple(t) for t in experts]
+        skey = ("group shape", settings, group_shape(triples), *rows, T, D, extra_in,
                 extra_out, xr)  # fmt: skip
         hit = a.plans.get(skey)
     if hit is not None:  # where: None for the same experts, else the address slots to patch
@@ -460,7 +464,7 @@ def prepare(
         call.put(0, x, 4 * T * D)
         a.host[t_off : t_off + len(table)] = table
         if where is not None:
-            patch(a.host, t_off, where, experts)
+            patch(a.host, t_off, where, triples)  # type: ignore[arg-type]
         return a, calls, off, rep
     plan = plan_group(experts, rows)
     N, dout = max(plan.n_rows, 1), experts[0][2].out_features
