@@ -88,6 +88,11 @@ def instrument(backend, log: list):
 
     att.absorb_launch = lambda *a, **k: Timed("absorb", absorb(*a, **k), log)
     att.flash_launch = pair(flash, "flash")
+    qsplit = getattr(att, "qsplit_launch", None)
+    if qsplit is not None:  # mla_flash_h's q rows, split once (None without FL_F16)
+        att.qsplit_launch = lambda *a, **k: (
+            None if (x := qsplit(*a, **k)) is None else Timed("qsplit", x, log)
+        )
     att.attend_launch = pair(attend, "attend")
     if gemv_name:
         setattr(att, gemv_name, gemv_make)
@@ -96,6 +101,8 @@ def instrument(backend, log: list):
 
     def restore() -> None:
         att.absorb_launch, att.flash_launch, att.attend_launch = saved[:3]
+        if qsplit is not None:
+            att.qsplit_launch = qsplit
         if gemv_name:
             setattr(att, gemv_name, saved[3])
         graphs.ENABLED = saved[4]

@@ -69,6 +69,7 @@ VARIANTS = (
     + tuple(f"mla_flash_c<{n}, {c}>" for n, cs in FL_CLUSTERS.items() for c in cs)
     + tuple(f"mla_flash_h<{n}>" for n in (1, 2, 4, 8, 16, 32))
     + tuple(f"mla_flash_hc<{n}, {c}>" for n, cs in FL_CLUSTERS.items() for c in cs)
+    + ("mla_qsplit",)
 )
 FLASH = True
 #: mla_flash_h / mla_flash_hc (fp16 tensor cores, each q row and cache row scaled by its power of
@@ -76,7 +77,7 @@ FLASH = True
 #: mla_flash / mla_flash_c where their shared memory fits; COLIWORKER_FLASH_F16=1 turns it on
 #: (off until measured faster on the GPU). Tests run both.
 FL_F16 = os.environ.get("COLIWORKER_FLASH_F16", "0") == "1"
-FH_MAX_W = 64 * 12  # FH_MP: the widest row mla_flash_h stages
+FH_MAX_W = 64 * 10  # FH_MP: the widest row mla_flash_h stages
 FL_TT = 16  # cache rows per tile (attention.cu)
 FL_HB = 64  # heads per block
 FL_MIN_ROWS = 32  # fewest cache rows per T slice (2 tiles): fewer slices, less pacc to merge
@@ -318,11 +319,28 @@ def _max_clusters(k: int, r: int, c: int) -> int:
     return n
 
 
+def qsplit_launch(s: int, heads: int, k: int, r: int) -> Launch | None:
+    """mla_qsplit where the flash launch is mla_flash_h's (else None), taking three pointers:
+    qs (per q row its fp16 hi and lo planes of ``_krp16`` values), qe (int32 exponents) and
+    qfull."""
+    if not _f16(k, r):
+        return None
+    fn = get_function("attention.cu", "mla_qsplit", VARIANTS)
+    rows = s * heads
+    return Launch(fn, (-(-rows // 8),), (256,),
+                  (np.int32(rows), np.int32(k + r), np.int32(_krp16(k, r))), 0)  # fmt: skip
+
+
+def _krp16(k: int, r: int) -> int:
+    return -(-(k + r) // 16) * 16
+
+
 def flash_launch(s: int, heads: int, k: int, r: int, scale: float, nsplit: int
                  ) -> tuple[Launch, Launch | None]:  # fmt: skip
     """(mla_flash or mla_flash_c, mla_merge or None). The first takes six pointers: the five
     of ``attend_launch``'s attend, then cl (written by mla_flash_c when its clusters span
-    nsplit: then there is no merge); the merge takes the same four as there."""
+    nsplit: then there is no merge); the merge takes the same four as there. mla_flash_h and
+    mla_flash_hc (``FL_F16``) take qs in qfull's place and qe after cl (``qsplit_launch``)."""
     dev = cupy.cuda.runtime.getDevice()
 
     def make() -> tuple[Launch, Launch | None]:
@@ -393,7 +411,8 @@ def run(
     (batch attention: its whole cache; ragged: ``fresh[s]`` new rows of ``caches[s]``, which
     have room for them). Arena inputs: q, the KvDescs, the gemv jobs, the rows; output: ctx
     float32 [S, H*V] or o_proj's [S, D_out]; scratch: qfull, cl, ctx (with o_proj), pm, pl,
-    pacc. The plan (launches, layout, gemv jobs) is kept per arena and call shape."""
+    pacc, and mla_qsplit's qs, qe (with mla_flash_h). The plan (launches, layout, gemv jobs)
+    is kept per arena and call shape."""
     S, H = q.shape[0], q.shape[1]
     K, R, V = kv_b.in_features, rope_dim, v_dim
     flash = flash_ok(K, R)
@@ -450,14 +469,17 @@ def _launch_args(kv_b: Any, base: int, scratch: Sequence[int], d_off: int, j_off
     a ragged call's ``scatter`` new rows into their caches), attend, merge, the value
     projection and o_proj where the plan has them. Every argument is an address in the arena
     (``base``) or in kv_b, or a count in the plan's key, so a plan makes them once."""
-    absorb, attend, merge, value, proj = launches
+    absorb, split, attend, merge, value, proj = launches
     u64 = np.uint64
-    qfull, cl, _, pm, pl, pacc = (u64(base + o) for o in scratch)
+    qfull, cl, _, pm, pl, pacc, qs, qe = (u64(base + o) for o in scratch)
     desc = u64(base + d_off)
     args = (qfull, u64(base), u64(kv_b.ptrs[0]), u64(kv_b.ptrs[1]), desc, u64(base + l_off),
             u64(base + r_off), np.int32(scatter))  # fmt: skip
     out: list[tuple] = [(absorb, args)]
-    if flash:
+    if split is not None:  # mla_flash_h's q rows, split once
+        out.append((split, (qs, qe, qfull)))
+        out.append((attend, (pm, pl, pacc, qs, desc, cl, qe)))
+    elif flash:
         out.append((attend, (pm, pl, pacc, qfull, desc, cl)))
     else:
         out.append((attend, (pm, pl, pacc, qfull, desc)))
@@ -482,8 +504,10 @@ def _plan(
     K = kv_b.in_features
     n_jobs = H + (o_proj is not None)
     absorb = absorb_launch(kv_b.spec, S, H, q_dim, R, V)
+    split = None
     if flash:
         attend, merge = flash_launch(S, H, K, R, scale, nsplit)
+        split = qsplit_launch(S, H, K, R)
     else:
         attend, merge = attend_launch(S, H, K, R, scale, nsplit)
     value = gemv_launch(kv_b.spec, H, S, V)
@@ -496,7 +520,8 @@ def _plan(
     in_end = r_off + 4 * n_up * R
     out_off = align(in_end)
     sizes = [4 * S * H * (K + R), 4 * H * S * K, 4 * S * H * V if o_proj else 0,
-             4 * S * H * nsplit, 4 * S * H * nsplit, 4 * S * H * nsplit * K]  # fmt: skip
+             4 * S * H * nsplit, 4 * S * H * nsplit, 4 * S * H * nsplit * K,
+             4 * S * H * _krp16(K, R) if split else 0, 4 * S * H if split else 0]  # fmt: skip
     scratch = [align(out_off + 4 * S * dout)]
     for n in sizes[:-1]:
         scratch.append(align(scratch[-1] + n))
@@ -511,7 +536,7 @@ def _plan(
                               o_proj.out_features, H * V, o_proj.out_features)  # fmt: skip
     launches = _launch_args(kv_b, base, scratch, d_off, j_off, l_off, r_off,
                             0 if batch else n_up, H, flash,
-                            (absorb, attend, merge, value, proj))  # fmt: skip
+                            (absorb, split, attend, merge, value, proj))  # fmt: skip
     return ((kv_b, o_proj), dev_end, host_end, d_off, j_off, l_off, r_off, in_end, out_off,
             dout, scratch, np.frombuffer(bytes(jobs), np.uint8), launches,
             call.new_replay())  # fmt: skip

@@ -471,7 +471,7 @@ mla_flash_c(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ 
 // gid); C as m16n8k8's. q and K tiles are read by ldmatrix.x4 (four 8x8 blocks), the latent
 // as B of the context by ldmatrix.x4.trans (its rows are k). A lane's softmax rows are the
 // tile rows 2t, 2t+1, 2t+8, 2t+9: those of its A fragment of P.
-#define FH_MP 12  // value pairs per lane of a staged row: rows up to 64 * FH_MP values
+#define FH_MP 10  // value pairs per lane of a staged row: rows up to 64 * FH_MP values
 
 // e with max |x| 2^e in [2^14, 2^15) for m = max |x|, at most 100 (m = 0 or subnormal: 100;
 // m = inf: -114).
@@ -485,13 +485,14 @@ __device__ __forceinline__ float fh_pow2(int e) {
     return __uint_as_float(static_cast<unsigned>(e + 127) << 23);
 }
 
-// hi = (fp16(a), fp16(b)), lo = (fp16(a - hi.a), fp16(b - hi.b)): a in the low half.
+// hi = (fp16(a), fp16(b)), lo = (fp16(a - hi.a), fp16(b - hi.b)): a in the low half. Two
+// packed conversions to fp16 (cvt.rn.f16x2.f32), two back.
 __device__ __forceinline__ void fh_split2(float a, float b, unsigned &hi, unsigned &lo) {
     asm("{\n\t.reg .b16 ha, hb;\n\t.reg .f32 fa, fb;\n\t"
-        "cvt.rn.f16.f32 ha, %2;\n\tcvt.rn.f16.f32 hb, %3;\n\t"
+        "cvt.rn.f16x2.f32 %0, %3, %2;\n\tmov.b32 {ha, hb}, %0;\n\t"
         "cvt.f32.f16 fa, ha;\n\tcvt.f32.f16 fb, hb;\n\t"
         "sub.f32 fa, %2, fa;\n\tsub.f32 fb, %3, fb;\n\t"
-        "mov.b32 %0, {ha, hb};\n\tcvt.rn.f16x2.f32 %1, fb, fa;\n\t}"
+        "cvt.rn.f16x2.f32 %1, fb, fa;\n\t}"
         : "=r"(hi), "=r"(lo)
         : "f"(a), "f"(b));
 }
@@ -581,8 +582,9 @@ __device__ __forceinline__ void fh_rows(unsigned *const (&hi)[NR], unsigned *con
 template <int NTC, int C>
 __device__ __forceinline__ void
 fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc,
-        const float *__restrict__ qfull, const KvDesc *__restrict__ kv, float *__restrict__ cl,
-        int S, int H, int K, int R, float scale, int nsplit, int QSTH, int KSTH) {
+        const unsigned short *__restrict__ qs, const KvDesc *__restrict__ kv,
+        float *__restrict__ cl, const int *__restrict__ qe, int S, int H, int K, int R,
+        float scale, int nsplit, int QSTH, int KSTH) {
     extern __shared__ float4 smem4[];
     unsigned short *Qh = reinterpret_cast<unsigned short *>(smem4);
     unsigned short *Kh = Qh + 2 * FL_HB * QSTH;
@@ -600,25 +602,26 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
     const int tb = z * chunk, te = min(d.len, tb + chunk);
     const int KR = K + R, KRP = (KR + 15) & ~15, W = KSTH - 8;
 
-    // The q rows of the block's heads (warp w: rows 8w .. 8w + 7, two at a time), split once.
+    // The block's q rows, split by mla_qsplit, in flight with the first tile (heads past H:
+    // zeros, exponent 0); waited for before the first scores.
     {
-        unsigned *qh = reinterpret_cast<unsigned *>(Qh), *ql = qh + FL_HB * QSTH / 2;
-        for (int r = warp * 8; r < warp * 8 + 8; r += 2) {
-            const float *q0 = qfull + ((size_t)s * H + hb + r) * KR, *q1 = q0 + KR;
-            unsigned *const h2[2] = {qh + r * QSTH / 2, qh + (r + 1) * QSTH / 2};
-            unsigned *const l2[2] = {ql + r * QSTH / 2, ql + (r + 1) * QSTH / 2};
-            const float *const a2[2] = {q0, q1};
-            const int n2[2] = {r < H - hb ? KR : 0, r + 1 < H - hb ? KR : 0}, z2[2] = {0, 0};
-            int e[2];
-            if ((KR & 1) == 0) fh_rows<true, 2>(h2, l2, a2, n2, a2, z2, KRP, lane, e);
-            else fh_rows<false, 2>(h2, l2, a2, n2, a2, z2, KRP, lane, e);
-            if (lane == 0) QE[r] = e[0], QE[r + 1] = e[1];
+        const int nc = KRP / 8;  // 16-byte chunks of a plane's row
+        const unsigned short *q0 = qs + ((size_t)s * H + hb) * 2 * KRP;
+        for (int i = threadIdx.x; i < 2 * FL_HB * nc; i += FL_WARPS * 32) {
+            const int r = i / (2 * nc), pl = (i / nc) & 1, c = (i % nc) * 8;
+            const int n = r < H - hb ? 16 : 0;
+            const unsigned short *src = n ? q0 + ((size_t)r * 2 + pl) * KRP + c : q0;
+            fl_cp16(reinterpret_cast<float *>(Qh + (pl * FL_HB + r) * QSTH + c),
+                    reinterpret_cast<const float *>(src), n);
         }
+        if (threadIdx.x < FL_HB) {
+            const int h = hb + threadIdx.x, n = h < H ? 4 : 0;
+            fl_cp4(reinterpret_cast<float *>(QE + threadIdx.x),
+                   reinterpret_cast<const float *>(qe + (size_t)s * H + (n ? h : 0)), n);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
     }
-    __syncthreads();
-    float fq[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) fq[i] = fh_pow2(-QE[hg * 16 + gid + 8 * i]);
+    float fq[2] = {1.f, 1.f};
 
     float acc[NTC][4];
 #pragma unroll
@@ -659,7 +662,14 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
                 for (int i = 0; i < NR; ++i) TE[warp * NR + i] = e[i];
             }
         }
-        __syncthreads();
+        if (t0 == tb) {  // the q rows are in
+            asm volatile("cp.async.wait_all;" ::: "memory");
+            __syncthreads();
+#pragma unroll
+            for (int i = 0; i < 2; ++i) fq[i] = fh_pow2(-QE[hg * 16 + gid + 8 * i]);
+        } else {
+            __syncthreads();
+        }
         fl_prefetch(lat, rop, t0, te, K, R);  // the next tile into L2 meanwhile
 
         // Scores of heads hg, rows 0..15, k-steps [ks0, ks1): six independent mma chains.
@@ -733,27 +743,47 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
             }
         }
     }
+    asm volatile("cp.async.wait_all;" ::: "memory");  // a slice without rows still staged q
     __syncthreads();  // the tail's clusters reuse Qh and Ss
     fl_tail<NTC, C>(acc, m, l, reinterpret_cast<float *>(smem4), Ss, pm, pl, pacc, cl, S, H, K,
                     nsplit);
 }
 
-// mla_flash's launch and outputs; QSTH, KSTH in fp16 values.
+// The q rows split once per call for mla_flash_h: qfull [rows][KR] (rows = S * H) -> qs, row r's
+// hi plane [KRP] then its lo plane [KRP] (fp16, zeros past KR) at qs + 2 r KRP, and its
+// exponent qe[r] (fh_rows: KRP <= 64 FH_MP). One warp a row; grid ceil(rows / 8), block 256.
+__global__ void __launch_bounds__(FL_WARPS * 32)
+mla_qsplit(unsigned short *__restrict__ qs, int *__restrict__ qe,
+           const float *__restrict__ qfull, int rows, int KR, int KRP) {
+    const int r = blockIdx.x * FL_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (r >= rows) return;
+    const float *const a[1] = {qfull + (size_t)r * KR};
+    unsigned *const hi[1] = {reinterpret_cast<unsigned *>(qs + (size_t)r * 2 * KRP)};
+    unsigned *const lo[1] = {hi[0] + KRP / 2};
+    const int n[1] = {KR}, z[1] = {0};
+    int e[1];
+    if ((KR & 1) == 0) fh_rows<true, 1>(hi, lo, a, n, a, z, KRP, lane, e);
+    else fh_rows<false, 1>(hi, lo, a, n, a, z, KRP, lane, e);
+    if (lane == 0) qe[r] = e[0];
+}
+
+// mla_flash's launch and outputs, its q rows from mla_qsplit (qs, qe); QSTH, KSTH in fp16
+// values.
 template <int NTC>
 __global__ void __launch_bounds__(FL_WARPS * 32, 1)
 mla_flash_h(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc,
-            const float *__restrict__ qfull, const KvDesc *__restrict__ kv,
-            float *__restrict__ cl, int S, int H, int K, int R, float scale, int nsplit,
-            int QSTH, int KSTH) {
-    fh_body<NTC, 1>(pm, pl, pacc, qfull, kv, cl, S, H, K, R, scale, nsplit, QSTH, KSTH);
+            const unsigned short *__restrict__ qs, const KvDesc *__restrict__ kv,
+            float *__restrict__ cl, const int *__restrict__ qe, int S, int H, int K, int R,
+            float scale, int nsplit, int QSTH, int KSTH) {
+    fh_body<NTC, 1>(pm, pl, pacc, qs, kv, cl, qe, S, H, K, R, scale, nsplit, QSTH, KSTH);
 }
 
 // mla_flash_c's clusters on mla_flash_h's tiles.
 template <int NTC, int C>
 __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(FL_WARPS * 32, 1)
 mla_flash_hc(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc,
-             const float *__restrict__ qfull, const KvDesc *__restrict__ kv,
-             float *__restrict__ cl, int S, int H, int K, int R, float scale, int nsplit,
-             int QSTH, int KSTH) {
-    fh_body<NTC, C>(pm, pl, pacc, qfull, kv, cl, S, H, K, R, scale, nsplit, QSTH, KSTH);
+             const unsigned short *__restrict__ qs, const KvDesc *__restrict__ kv,
+             float *__restrict__ cl, const int *__restrict__ qe, int S, int H, int K, int R,
+             float scale, int nsplit, int QSTH, int KSTH) {
+    fh_body<NTC, C>(pm, pl, pacc, qs, kv, cl, qe, S, H, K, R, scale, nsplit, QSTH, KSTH);
 }

@@ -308,12 +308,24 @@ int run(int H, std::vector<int> lens, int nsplit, int C, bool f16 = false, int K
                  scale, nsplit, QST, KST);
         };
     };
+    const int KRP = (KR + 15) / 16 * 16;
+    std::vector<unsigned short> qs((size_t)S * H * 2 * KRP);
+    std::vector<int> qe((size_t)S * H);
+    if (f16)
+        launch({(S * H + 7) / 8, 1, 1}, 1, 256,
+               [&] { mla_qsplit(qs.data(), qe.data(), qf.data(), S * H, KR, KRP); });
+    auto hargs = [&](auto kern) {
+        return [&, kern] {
+            kern(pm.data(), pl.data(), pacc.data(), qs.data(), kv.data(), cl.data(), qe.data(),
+                 S, H, K, R, scale, nsplit, QST, KST);
+        };
+    };
     if (f16 && K == 512) {
-        if (C == 1) launch({nsplit, S, nhb}, 1, 256, args(mla_flash_h<32>));
-        else if (C == 2) launch({nsplit, S, nhb}, 2, 256, args(mla_flash_hc<32, 2>));
-        else launch({nsplit, S, nhb}, 8, 256, args(mla_flash_hc<32, 8>));
+        if (C == 1) launch({nsplit, S, nhb}, 1, 256, hargs(mla_flash_h<32>));
+        else if (C == 2) launch({nsplit, S, nhb}, 2, 256, hargs(mla_flash_hc<32, 2>));
+        else launch({nsplit, S, nhb}, 8, 256, hargs(mla_flash_hc<32, 8>));
     } else if (f16) {
-        launch({nsplit, S, nhb}, 1, 256, args(mla_flash_h<1>));  // K <= 16: one n-tile a half
+        launch({nsplit, S, nhb}, 1, 256, hargs(mla_flash_h<1>));  // K <= 16: one n-tile a half
     } else if (C == 1) launch({nsplit, S, nhb}, 1, 256, args(mla_flash<32>));
     else if (C == 2) launch({nsplit, S, nhb}, 2, 256, args(mla_flash_c<32, 2>));
     else if (C == 4) launch({nsplit, S, nhb}, 4, 256, args(mla_flash_c<32, 4>));
