@@ -77,7 +77,7 @@ FLASH = True
 #: mla_flash / mla_flash_c where their shared memory fits; COLIWORKER_FLASH_F16=1 turns it on
 #: (off until measured faster on the GPU). Tests run both.
 FL_F16 = os.environ.get("COLIWORKER_FLASH_F16", "0") == "1"
-FH_MAX_W = 64 * 10  # FH_MP: the widest row mla_flash_h stages
+FH_MAX_W = 128 * 5  # FH_MQ: the widest row mla_flash_h stages
 FL_TT = 16  # cache rows per tile (attention.cu)
 FL_HB = 64  # heads per block
 FL_MIN_ROWS = 32  # fewest cache rows per T slice (2 tiles): fewer slices, less pacc to merge

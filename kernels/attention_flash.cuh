@@ -153,12 +153,27 @@ __device__ __forceinline__ void fl_scores_out(float *o, const float (&slh)[2][4]
     }
 }
 
-// The online softmax of one tile for heads gid, gid + 8 (s: head gid's row of Ss) over this
-// lane's tile rows ``rows`` (rows at or past ``valid`` are out): p = e^(score - m), m, l and acc
-// carried over (acc times e^(m_old - m)). A score is (both halves' partials) fq[i] fk[r] scale.
+// acc's heads gid (i = 0), gid + 8 (i = 1) times f[i]; nothing where every lane's f is 1 (the
+// running max did not move: most tiles past the first few), the same bits either way.
 template <int NTC>
+__device__ __forceinline__ void fl_rescale(float (&acc)[NTC][4], const float (&f)[2]) {
+    if (__all_sync(0xffffffffu, f[0] == 1.f && f[1] == 1.f)) return;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int j = 0; j < NTC; ++j) {
+            acc[j][2 * i] *= f[i];
+            acc[j][2 * i + 1] *= f[i];
+        }
+    }
+}
+
+// The online softmax of one tile for heads gid, gid + 8 (s: head gid's row of Ss) over this
+// lane's tile rows ``rows`` (rows at or past ``valid`` are out): p = e^(score - m), m and l
+// carried over; alpha = e^(m_old - m), the factor of the context so far (fl_rescale). A score
+// is (both halves' partials) fq[i] fk[r] scale.
 __device__ __forceinline__ void fl_softmax(float (&p)[2][4], float (&m)[2], float (&l)[2],
-                                           float (&acc)[NTC][4], const float *s,
+                                           float (&alpha)[2], const float *s,
                                            const int (&rows)[4], const float (&fq)[2],
                                            const float (&fk)[4], float scale, int valid) {
 #pragma unroll
@@ -175,20 +190,15 @@ __device__ __forceinline__ void fl_softmax(float (&p)[2][4], float (&m)[2], floa
         mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 1));
         mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 2));
         const float mn = fmaxf(m[i], mt);  // finite: row t0 < te is in every quad's max
-        const float alpha = expf(m[i] - mn);
+        alpha[i] = expf(m[i] - mn);
         float sum = 0.f;
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
             p[i][r] = expf(p[i][r] - mn);
             sum += p[i][r];
         }
-        l[i] = l[i] * alpha + sum;  // this lane's rows only; the quad is summed at the end
+        l[i] = l[i] * alpha[i] + sum;  // this lane's rows only; the quad is summed at the end
         m[i] = mn;
-#pragma unroll
-        for (int j = 0; j < NTC; ++j) {
-            acc[j][2 * i] *= alpha;
-            acc[j][2 * i + 1] *= alpha;
-        }
     }
 }
 
@@ -402,8 +412,10 @@ fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
         {
             const int rows[4] = {t4, t4 + 4, 8 + t4, 12 + t4};
             const float one2[2] = {1.f, 1.f}, one4[4] = {1.f, 1.f, 1.f, 1.f};
-            fl_softmax(p, m, l, acc, Ss + (hg * 16 + gid) * FL_TT, rows, one2, one4, scale,
+            float alpha[2];
+            fl_softmax(p, m, l, alpha, Ss + (hg * 16 + gid) * FL_TT, rows, one2, one4, scale,
                        te - t0);
+            fl_rescale(acc, alpha);
         }
         // Context: acc[heads, cols] += P[heads, rows] @ latent[rows, cols].
         const int cb = half * 8 * NTC + gid;
@@ -461,17 +473,19 @@ mla_flash_c(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ 
 // significant bits (a relative error below 2^-22, against 2^-20 for mla_flash's tf32 parts)
 // for every value down to 2^-17 of its row's largest; below that lo is subnormal (an absolute
 // error under 2^-39 of the largest). mma.m16n8k16 multiplies fp16 exactly and adds in fp32; a
-// score is (ql kh + qh kl + qh kh) 2^-e_q 2^-e_t. The context's A operand is p 2^(14 + E - e_t)
-// (E: the smallest e_t of the tile, its largest row), split the same way; each tile's three
-// products start from zero and go into acc times 2^-(14 + E), so the tile's rows meet at its
-// largest row's scale: a row more than 2^30 below it keeps only what lies above 2^-24 of it.
+// score is (ql kh + qh kl + qh kh) 2^-e_q 2^-e_t. acc holds the context times 2^c, c = 14 + E
+// of the slice's first tile (E: the smallest e_t of a tile, its largest row), then the least
+// 14 + E so far (acc shifted down with the softmax's rescale); the context's A operand is
+// p 2^(c - e_t) (at most 2^14), split the same way, so the products land in acc's units and the
+// rows meet at the largest row's scale so far: a row more than 2^30 below it keeps only what
+// lies above 2^-24 of that scale. acc times 2^-c at the end.
 //
 // Fragments (PTX m16n8k16 .f16, gid = lane / 4, t = lane % 4): A a0 (gid, 2t..2t+1), a1 (gid +
 // 8, ..), a2 (gid, 2t+8..2t+9), a3 (gid + 8, ..); B b0 (k 2t..2t+1, n gid), b1 (k 2t+8.., n
 // gid); C as m16n8k8's. q and K tiles are read by ldmatrix.x4 (four 8x8 blocks), the latent
 // as B of the context by ldmatrix.x4.trans (its rows are k). A lane's softmax rows are the
 // tile rows 2t, 2t+1, 2t+8, 2t+9: those of its A fragment of P.
-#define FH_MP 10  // value pairs per lane of a staged row: rows up to 64 * FH_MP values
+#define FH_MQ 5  // value quads per lane of a staged row: rows up to 128 * FH_MQ values
 
 // e with max |x| 2^e in [2^14, 2^15) for m = max |x|, at most 100 (m = 0 or subnormal: 100;
 // m = inf: -114).
@@ -530,38 +544,39 @@ __device__ __forceinline__ void fh_ldsm2t(unsigned (&r)[4], const unsigned short
 }
 
 // Rows staged by one warp, NR at a time (their loads in flight together): row i is [a[i] (na[i]
-// values) | b[i] (nb[i] values) | zeros] up to W (even, at most 64 FH_MP), scaled by 2^e[i]
-// (its fh_exp) and split into the planes hi[i], lo[i] (words: value pairs). VEC: float2 loads
-// (na, nb even, a and b 8-byte aligned).
+// values) | b[i] (nb[i] values) | zeros] up to W (a multiple of 4, at most 128 FH_MQ), scaled
+// by 2^e[i] (its fh_exp) and split into the planes hi[i], lo[i] (words: value pairs). Lane l
+// takes the quads 4 (l + 32 j). VEC: float4 loads (na, nb multiples of 4, a and b 16-byte
+// aligned); every load is predicated, none branches.
 template <bool VEC, int NR>
 __device__ __forceinline__ void fh_rows(unsigned *const (&hi)[NR], unsigned *const (&lo)[NR],
                                         const float *const (&a)[NR], const int (&na)[NR],
                                         const float *const (&b)[NR], const int (&nb)[NR], int W,
                                         int lane, int (&e)[NR]) {
-    float v[NR][FH_MP][2];
+    float4 v[NR][FH_MQ];
     float mx[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
         mx[r] = 0.f;
 #pragma unroll
-        for (int i = 0; i < FH_MP; ++i) {
-            const int c = 2 * (lane + 32 * i);
+        for (int j = 0; j < FH_MQ; ++j) {
+            const int c = 4 * (lane + 32 * j);
+            float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
             if (VEC) {
-                float2 x = make_float2(0.f, 0.f);
-                const int cb = c - na[r];
-                if (c < na[r]) x = *reinterpret_cast<const float2 *>(a[r] + c);
-                else if (cb < nb[r]) x = *reinterpret_cast<const float2 *>(b[r] + cb);
-                v[r][i][0] = x.x;
-                v[r][i][1] = x.y;
+                const float *src = c < na[r] ? a[r] + c : b[r] + (c - na[r]);
+                if (c < na[r] + nb[r]) x = __ldg(reinterpret_cast<const float4 *>(src));
             } else {
+                float t[4];
 #pragma unroll
-                for (int k = 0; k < 2; ++k) {
+                for (int k = 0; k < 4; ++k) {
                     const int ck = c + k;
-                    const int cb = ck - na[r];
-                    v[r][i][k] = ck < na[r] ? a[r][ck] : (cb < nb[r] ? b[r][cb] : 0.f);
+                    const float *src = ck < na[r] ? a[r] + ck : b[r] + (ck - na[r]);
+                    t[k] = ck < na[r] + nb[r] ? __ldg(src) : 0.f;
                 }
+                x = make_float4(t[0], t[1], t[2], t[3]);
             }
-            mx[r] = fmaxf(mx[r], fmaxf(fabsf(v[r][i][0]), fabsf(v[r][i][1])));
+            v[r][j] = x;
+            mx[r] = fmaxf(mx[r], fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w))));
         }
     }
 #pragma unroll
@@ -572,9 +587,14 @@ __device__ __forceinline__ void fh_rows(unsigned *const (&hi)[NR], unsigned *con
         e[r] = fh_exp(mx[r]);
         const float f = fh_pow2(e[r]);
 #pragma unroll
-        for (int i = 0; i < FH_MP; ++i) {
-            const int c = 2 * (lane + 32 * i);
-            if (c < W) fh_split2(v[r][i][0] * f, v[r][i][1] * f, hi[r][c >> 1], lo[r][c >> 1]);
+        for (int j = 0; j < FH_MQ; ++j) {
+            const int c = 4 * (lane + 32 * j);
+            if (c >= W) continue;
+            unsigned h0, l0, h1, l1;
+            fh_split2(v[r][j].x * f, v[r][j].y * f, h0, l0);
+            fh_split2(v[r][j].z * f, v[r][j].w * f, h1, l1);
+            *reinterpret_cast<uint2 *>(hi[r] + (c >> 1)) = make_uint2(h0, h1);
+            *reinterpret_cast<uint2 *>(lo[r] + (c >> 1)) = make_uint2(l0, l1);
         }
     }
 }
@@ -627,6 +647,7 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
 #pragma unroll
     for (int j = 0; j < NTC; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     float m[2] = {-COLI_INF, -COLI_INF}, l[2] = {0.f, 0.f};
+    int c = 0;  // acc is the context times 2^c (below)
     const int nks = KRP / 16, ks0 = half ? nks / 2 : 0, ks1 = half ? nks : nks / 2;
     // ldmatrix row addresses: q (A: blocks rows 0-7 / 8-15 x k 0-7 / 8-15), the tile for the
     // scores (B: rows n 0-7 x k 0-7, 8-15; n 8-15 x ..) and for the context (B transposed:
@@ -635,7 +656,7 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
     const unsigned short *kb = Kh + ((lane & 7) + 8 * (mi >> 1)) * KSTH + 8 * (mi & 1);
     const unsigned short *vb = Kh + ((lane & 7) + 8 * (mi & 1)) * KSTH + half * 8 * NTC +
                                8 * (mi >> 1);
-    const bool vec = ((K | R) & 1) == 0;
+    const bool vec = ((K | R) & 3) == 0;
 
     for (int t0 = tb; t0 < te; t0 += FL_TT) {
         __syncthreads();  // every warp is done with the previous tile (and Ss, TE)
@@ -702,10 +723,14 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
         }
         E = min(E, __shfl_xor_sync(0xffffffffu, E, 1));
         E = min(E, __shfl_xor_sync(0xffffffffu, E, 2));
+        // acc holds the context times 2^c: c = 14 + E at the first tile, then the least such
+        // (the largest rows so far set the scale; a later tile's P is scaled to it).
+        const int cn = t0 == tb ? 14 + E : min(c, 14 + E);
+        const float sh = t0 == tb ? 1.f : (cn - c >= -126 ? fh_pow2(cn - c) : 0.f);
+        c = cn;
         float pf[4];
 #pragma unroll
-        for (int r = 0; r < 4; ++r) pf[r] = 14 + E - er[r] >= -126 ? fh_pow2(14 + E - er[r]) : 0.f;
-        const float ft = fh_pow2(-14 - E);
+        for (int r = 0; r < 4; ++r) pf[r] = c - er[r] >= -126 ? fh_pow2(c - er[r]) : 0.f;
 
         // Online softmax of heads gid, gid + 8 over this lane's rows.
         float p[2][4];
@@ -714,7 +739,12 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
             float fk[4];
 #pragma unroll
             for (int r = 0; r < 4; ++r) fk[r] = fh_pow2(-er[r]);
-            fl_softmax(p, m, l, acc, Ss + (hg * 16 + gid) * FL_TT, rows, fq, fk, scale, te - t0);
+            float alpha[2];
+            fl_softmax(p, m, l, alpha, Ss + (hg * 16 + gid) * FL_TT, rows, fq, fk, scale,
+                       te - t0);
+            alpha[0] *= sh;
+            alpha[1] *= sh;
+            fl_rescale(acc, alpha);
         }
         // Context: acc[heads, cols] += P[heads, rows] @ latent[rows, cols], one k16 step.
         unsigned ah[4], al[4];
@@ -734,14 +764,17 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
             }
 #pragma unroll
             for (int jj = 0; jj < 2 && j + jj < NTC; ++jj) {
-                float t[4] = {0.f, 0.f, 0.f, 0.f};
-                fh_mma(t, al, bh[2 * jj], bh[2 * jj + 1]);
-                fh_mma(t, ah, bl[2 * jj], bl[2 * jj + 1]);
-                fh_mma(t, ah, bh[2 * jj], bh[2 * jj + 1]);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) acc[j + jj][e] = fmaf(t[e], ft, acc[j + jj][e]);
+                fh_mma(acc[j + jj], al, bh[2 * jj], bh[2 * jj + 1]);
+                fh_mma(acc[j + jj], ah, bl[2 * jj], bl[2 * jj + 1]);
+                fh_mma(acc[j + jj], ah, bh[2 * jj], bh[2 * jj + 1]);
             }
         }
+    }
+    {  // the context in its own units: times 2^-c
+        const float f = fh_pow2(-c);
+#pragma unroll
+        for (int j = 0; j < NTC; ++j)
+            acc[j][0] *= f, acc[j][1] *= f, acc[j][2] *= f, acc[j][3] *= f;
     }
     asm volatile("cp.async.wait_all;" ::: "memory");  // a slice without rows still staged q
     __syncthreads();  // the tail's clusters reuse Qh and Ss
@@ -751,7 +784,7 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
 
 // The q rows split once per call for mla_flash_h: qfull [rows][KR] (rows = S * H) -> qs, row r's
 // hi plane [KRP] then its lo plane [KRP] (fp16, zeros past KR) at qs + 2 r KRP, and its
-// exponent qe[r] (fh_rows: KRP <= 64 FH_MP). One warp a row; grid ceil(rows / 8), block 256.
+// exponent qe[r] (fh_rows: KRP <= 128 FH_MQ). One warp a row; grid ceil(rows / 8), block 256.
 __global__ void __launch_bounds__(FL_WARPS * 32)
 mla_qsplit(unsigned short *__restrict__ qs, int *__restrict__ qe,
            const float *__restrict__ qfull, int rows, int KR, int KRP) {
@@ -762,7 +795,7 @@ mla_qsplit(unsigned short *__restrict__ qs, int *__restrict__ qe,
     unsigned *const lo[1] = {hi[0] + KRP / 2};
     const int n[1] = {KR}, z[1] = {0};
     int e[1];
-    if ((KR & 1) == 0) fh_rows<true, 1>(hi, lo, a, n, a, z, KRP, lane, e);
+    if ((KR & 3) == 0) fh_rows<true, 1>(hi, lo, a, n, a, z, KRP, lane, e);
     else fh_rows<false, 1>(hi, lo, a, n, a, z, KRP, lane, e);
     if (lane == 0) qe[r] = e[0];
 }

@@ -95,6 +95,15 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
     tl_warp->bar->arrive_and_wait();
     return r;
 }
+inline int __all_sync(unsigned, int pred) {  // a vote through the warp's float slots
+    const int lane = threadIdx.x & 31;
+    tl_warp->f[lane] = pred ? 1.f : 0.f;
+    tl_warp->bar->arrive_and_wait();
+    int all = 1;
+    for (int i = 0; i < 32; ++i) all &= tl_warp->f[i] != 0.f;
+    tl_warp->bar->arrive_and_wait();
+    return all;
+}
 inline int __shfl_xor_sync(unsigned m, int v, int o) {  // the float one's slots, bit for bit
     float f;
     std::memcpy(&f, &v, 4);
