@@ -576,7 +576,8 @@ __device__ __forceinline__ void fh_rows(unsigned *const (&hi)[NR], unsigned *con
                 x = make_float4(t[0], t[1], t[2], t[3]);
             }
             v[r][j] = x;
-            mx[r] = fmaxf(mx[r], fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w))));
+            const float m2 = fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w)));
+            mx[r] = fmaxf(mx[r], m2);
         }
     }
 #pragma unroll
