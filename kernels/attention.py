@@ -13,8 +13,9 @@ distributed shared memory, fewer or no mla_merge partials) serves the widths whe
 fit in one wave (``cluster_choice``). Both are measured against the kernels they replace in
 ``bench/results/mla-launches-2026-12-01.md``; the tests run both ways on the GPU, and on the
 CPU through a stand-in for the CUDA built-ins. ``mla_flash_h`` / ``mla_flash_hc`` (``FL_F16``,
-COLIWORKER_FLASH_F16=1) do the flash kernels' work on fp16 tensor cores, every q row and cache
-row split once into fp16 parts as it is staged (attention_flash.cuh says how its numerics hold).
+on by default; COLIWORKER_FLASH_F16=0 keeps the tf32 kernels) do the flash kernels' work on
+fp16 tensor cores, every q row (``mla_qsplit``, once per call) and cache row (as its tile is
+staged) split once into fp16 parts (attention_flash.cuh says how its numerics hold).
 
 The value projection and o_proj are gemv jobs (``matmul.py``); ``run`` chains every launch of
 a call in its arena (``call``: the backend's call context, ``server/cupy_calls.py``), with the
@@ -73,10 +74,13 @@ VARIANTS = (
 )
 FLASH = True
 #: mla_flash_h / mla_flash_hc (fp16 tensor cores, each q row and cache row scaled by its power of
-#: two and split once into fp16 parts as it is staged: attention_flash.cuh) in place of
-#: mla_flash / mla_flash_c where their shared memory fits; COLIWORKER_FLASH_F16=1 turns it on
-#: (off until measured faster on the GPU). Tests run both.
-FL_F16 = os.environ.get("COLIWORKER_FLASH_F16", "0") == "1"
+#: two and split once into fp16 parts: the q rows by mla_qsplit, the cache rows as a tile is
+#: staged; attention_flash.cuh) in place of mla_flash / mla_flash_c where their rows fit (K + R
+#: <= FH_MAX_W). Measured on an H100 beside the tf32 kernels in one run
+#: (bench/results/mla-flash-f16-2026-12-05.md): flash 143 -> 97 us at 8 sequences, 259 -> 174 us
+#: at 32, 41 -> 37 us (+ 4 us of mla_qsplit) at one, closer to float64. COLIWORKER_FLASH_F16=0
+#: keeps the tf32 kernels. Tests run both.
+FL_F16 = os.environ.get("COLIWORKER_FLASH_F16", "1") != "0"
 FH_MAX_W = 128 * 5  # FH_MQ: the widest row mla_flash_h stages
 FL_TT = 16  # cache rows per tile (attention.cu)
 FL_HB = 64  # heads per block
