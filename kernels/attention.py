@@ -253,9 +253,10 @@ def cluster_choice(per: int, nsplit: int, sizes: Sequence[int],
     """(C, nsplit) of mla_flash_c for ``per`` blocks per T slice (sequences x head blocks) and
     the one-wave ``nsplit``: the largest C of ``sizes`` whose ``per * nsplit' / C`` clusters
     are all resident at once (``max_clusters(C)``, the driver's count) with nsplit' a multiple
-    of C no more than ``FL_WAVE_LOSS`` below nsplit and, where ``tiles`` (tiles of the longest
-    slice, by nsplit) is given, no more tiles in its longest slice than at nsplit; else
-    (1, nsplit), mla_flash and mla_merge.
+    of C, at most nsplit rounded up to one, no more than ``FL_WAVE_LOSS`` below nsplit and,
+    where ``tiles`` (tiles of the longest slice, by nsplit) is given, no more tiles in its
+    longest slice than at nsplit (the largest such nsplit'); else (1, nsplit), mla_flash and
+    mla_merge.
 
     A second wave of clusters costs a whole slice's time again: measured on the H200 at
     GLM-5.2 widths, 8 sequences' 128 blocks in clusters of 8 (15 resident) took 1.8x the
@@ -265,7 +266,9 @@ def cluster_choice(per: int, nsplit: int, sizes: Sequence[int],
     in all (bench/results/mla-launches-2026-12-02-b15a625.json)."""
     most = tiles(nsplit) if tiles is not None else 0
     for c in sorted(sizes, reverse=True):
-        n = min(nsplit, max_clusters(c) * c // per) // c * c
+        # nsplit rounded to a multiple of C: up where the clusters still fit (an odd one-wave
+        # nsplit would otherwise lose its clusters to the tile rule), else down
+        n = min(-(-nsplit // c) * c, max_clusters(c) * c // per // c * c)
         if n >= c and n >= (1 - FL_WAVE_LOSS) * nsplit and (tiles is None or tiles(n) <= most):
             return c, n
     return 1, nsplit

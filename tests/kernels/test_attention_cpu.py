@@ -410,8 +410,9 @@ def attention_host(host_module):
 
 def test_cluster_choice_keeps_one_wave(attention_host, rng):
     """cluster_choice against a search of every (C, nsplit'): the largest C whose clusters
-    all fit at once with nsplit' a multiple of C within FL_WAVE_LOSS of nsplit (and, given the
-    tiles of the longest slice, none more than at nsplit), then the largest such nsplit';
+    all fit at once with nsplit' a multiple of C, at most nsplit rounded up to one and within
+    FL_WAVE_LOSS below it (and, given the tiles of the longest slice, none more than at
+    nsplit), then the largest such nsplit';
     else (1, nsplit); and cluster_for at the chosen nsplit gives the chosen C. The H200's
     resident counts at GLM-5.2 widths (66, 30, 15 for C = 2, 4, 8) give, at one sequence of
     T = 4096, C = 2 on 128 slices (2 tiles each; C = 8 on 120 would make them 3), and C = 8 on
@@ -431,13 +432,17 @@ def test_cluster_choice_keeps_one_wave(attention_host, rng):
         4,
     )
     assert att.cluster_choice(1, 128, (2, 4, 8), lambda c: 0) == (1, 128)
+    # T = 4097: one-wave nsplit 129 (2 tiles a slice); 128 slices would take 3 (48 rows), 130
+    # keep 2: clusters of 2 on 130, not mla_flash on 129 (flash + merge 41 against 54 us)
+    t4097 = functools.partial(att.slice_tiles, 4097)
+    assert att.cluster_choice(1, 129, (2, 4, 8), h200, t4097) == (2, 130)
     for _ in range(600):
         per, nsplit = int(rng.integers(1, 40)), int(rng.integers(1, 200))
         sizes = tuple(sorted({int(c) for c in rng.choice([2, 4, 8], int(rng.integers(0, 4)))}))
         resident = {c: int(rng.integers(0, 80)) for c in (2, 4, 8)}
         t_max = int(rng.integers(1, 9000))
         for tiles in (None, functools.partial(att.slice_tiles, t_max)):
-            fits = [(c, n) for c in sizes for n in range(c, nsplit + 1, c)
+            fits = [(c, n) for c in sizes for n in range(c, -(-nsplit // c) * c + 1, c)
                     if per * n <= resident[c] * c and n >= (1 - att.FL_WAVE_LOSS) * nsplit
                     and (tiles is None or tiles(n) <= tiles(nsplit))]  # fmt: skip
             want = max(fits) if fits else (1, nsplit)
