@@ -629,10 +629,10 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
         const int nc = KRP / 8;  // 16-byte chunks of a plane's row
         const unsigned short *q0 = qs + ((size_t)s * H + hb) * 2 * KRP;
         for (int i = threadIdx.x; i < 2 * FL_HB * nc; i += FL_WARPS * 32) {
-            const int r = i / (2 * nc), pl = (i / nc) & 1, c = (i % nc) * 8;
+            const int r = i / (2 * nc), pn = (i / nc) & 1, c = (i % nc) * 8;
             const int n = r < H - hb ? 16 : 0;
-            const unsigned short *src = n ? q0 + ((size_t)r * 2 + pl) * KRP + c : q0;
-            fl_cp16(reinterpret_cast<float *>(Qh + (pl * FL_HB + r) * QSTH + c),
+            const unsigned short *src = n ? q0 + ((size_t)r * 2 + pn) * KRP + c : q0;
+            fl_cp16(reinterpret_cast<float *>(Qh + (pn * FL_HB + r) * QSTH + c),
                     reinterpret_cast<const float *>(src), n);
         }
         if (threadIdx.x < FL_HB) {
