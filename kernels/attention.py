@@ -189,9 +189,9 @@ def _flash_geometry(k: int, r: int, f16: bool = False) -> tuple[int, int, int, i
     if ntc is None:
         return None
     if f16:  # two fp16 planes (4 bytes a value, as fp32), exponents of 64 q rows and a tile
-        krp = -(-(k + r) // 16) * 16
+        krp = _krp16(k, r)
         qst, kst = krp + 8, max(krp, 16 * ntc) + 8  # 8 mod 16: conflict-free ldmatrix rows
-        smem = 4 * (FL_HB * qst + FL_TT * kst + 2 * FL_HB * FL_TT) + 4 * (FL_HB + FL_TT)
+        smem = 4 * (FL_HB * qst + FL_TT * kst + 2 * FL_HB * FL_TT) + 8 * (FL_HB + FL_TT)
         fits = smem <= FL_SMEM_MAX and kst - 8 <= FH_MAX_W
         return (ntc, qst, kst, smem) if fits else None
     krp = -(-(k + r) // 8) * 8
@@ -328,18 +328,21 @@ def _max_clusters(k: int, r: int, c: int) -> int:
 
 def qsplit_launch(s: int, heads: int, k: int, r: int) -> Launch | None:
     """mla_qsplit where the flash launch is mla_flash_h's (else None), taking three pointers:
-    qs (per q row its fp16 hi and lo planes of ``_krp16`` values), qe (int32 exponents) and
-    qfull."""
+    qs (per q row its fp16 hi and lo planes of ``_krp16`` values), qe (int32 exponents, latent
+    and rope, per q row) and qfull."""
     if not _f16(k, r):
         return None
     fn = get_function("attention.cu", "mla_qsplit", VARIANTS)
     rows = s * heads
     return Launch(fn, (-(-rows // 8),), (256,),
-                  (np.int32(rows), np.int32(k + r), np.int32(_krp16(k, r))), 0)  # fmt: skip
+                  (np.int32(rows), np.int32(k), np.int32(r), np.int32(_krp16(k, r))),
+                  0)  # fmt: skip
 
 
 def _krp16(k: int, r: int) -> int:
-    return -(-(k + r) // 16) * 16
+    """mla_flash_h's staged row width: the latent and the rope each padded to 16 (no k16 step
+    holds both)."""
+    return -(-k // 16) * 16 + -(-r // 16) * 16
 
 
 def flash_launch(s: int, heads: int, k: int, r: int, scale: float, nsplit: int
@@ -528,7 +531,7 @@ def _plan(
     out_off = align(in_end)
     sizes = [4 * S * H * (K + R), 4 * H * S * K, 4 * S * H * V if o_proj else 0,
              4 * S * H * nsplit, 4 * S * H * nsplit, 4 * S * H * nsplit * K,
-             4 * S * H * _krp16(K, R) if split else 0, 4 * S * H if split else 0]  # fmt: skip
+             4 * S * H * _krp16(K, R) if split else 0, 8 * S * H if split else 0]  # fmt: skip
     scratch = [align(out_off + 4 * S * dout)]
     for n in sizes[:-1]:
         scratch.append(align(scratch[-1] + n))

@@ -463,17 +463,19 @@ mla_flash_c(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ 
 //   Qh [2][64][QSTH]     fp16: the block's q rows, hi plane then lo plane
 //   Kh [2][FL_TT][KSTH]  fp16: one tile of cache rows [latent | rope | zeros], hi then lo
 //   Ss [2][64][FL_TT]    fp32: partial scores of the two k halves (as mla_flash's)
-//   QE [64], TE [FL_TT]  int: the exponents of the q rows and of the tile's rows
+//   QE [64][2], TE [FL_TT][2]  int: the exponents (latent, rope) of the q rows and the tile's
 // QSTH and KSTH are 8 mod 16 (rows of 4 mod 8 words: the ldmatrix rows of a phase hit distinct
 // banks) and hold >= the padded K + R (KSTH also >= 16 NTC); every row starts 16-byte aligned.
 //
-// Numerics. A row x (a q row per block, a cache row per tile) is scaled by 2^e, its power of
-// two with max |x| 2^e in [2^14, 2^15) (e <= 100: an all-zero row), and split once, as it is
-// staged, into hi = fp16(x 2^e) and lo = fp16(x 2^e - hi), both rounded to nearest: 22
-// significant bits (a relative error below 2^-22, against 2^-20 for mla_flash's tf32 parts)
-// for every value down to 2^-17 of its row's largest; below that lo is subnormal (an absolute
-// error under 2^-39 of the largest). mma.m16n8k16 multiplies fp16 exactly and adds in fp32; a
-// score is (ql kh + qh kl + qh kh) 2^-e_q 2^-e_t. acc holds the context times 2^c, c = 14 + E
+// Numerics. Each segment x of a row (its latent, its rope; of a q row once per call, of a cache
+// row per tile) is scaled by 2^e, its power of two with max |x| 2^e in [2^14, 2^15) (e <= 100:
+// all zero), and split once into hi = fp16(x 2^e) and lo = fp16(x 2^e - hi), both rounded to
+// nearest: 22 significant bits (a relative error below 2^-22, against 2^-20 for mla_flash's
+// tf32 parts) for every value down to 2^-17 of its segment's largest; below that lo is
+// subnormal (an absolute error under 2^-39 of the largest). mma.m16n8k16 multiplies
+// fp16 exactly and adds in fp32; a score is (ql kh + qh kl + qh kh) 2^-e_q 2^-e_t over the
+// latent's steps plus the same over the rope's, each with its segments' exponents (e_t below is
+// a cache row's latent exponent). acc holds the context times 2^c, c = 14 + E
 // of the slice's first tile (E: the smallest e_t of a tile, its largest row), then the least
 // 14 + E so far (acc shifted down with the softmax's rescale); the context's A operand is
 // p 2^(c - e_t) (at most 2^14), split the same way, so the products land in acc's units and the
@@ -482,7 +484,8 @@ mla_flash_c(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ 
 //
 // Fragments (PTX m16n8k16 .f16, gid = lane / 4, t = lane % 4): A a0 (gid, 2t..2t+1), a1 (gid +
 // 8, ..), a2 (gid, 2t+8..2t+9), a3 (gid + 8, ..); B b0 (k 2t..2t+1, n gid), b1 (k 2t+8.., n
-// gid); C as m16n8k8's. q and K tiles are read by ldmatrix.x4 (four 8x8 blocks), the latent
+// gid); C as m16n8k8's. A staged row is [latent (K) | zeros to KP = K rounded up to 16 | rope
+// (R) | zeros to KRP = KP + R rounded up to 16]: no k16 step holds both segments. q and K tiles are read by ldmatrix.x4 (four 8x8 blocks), the latent
 // as B of the context by ldmatrix.x4.trans (its rows are k). A lane's softmax rows are the
 // tile rows 2t, 2t+1, 2t+8, 2t+9: those of its A fragment of P.
 #define FH_MQ 5  // value quads per lane of a staged row: rows up to 128 * FH_MQ values
@@ -544,58 +547,111 @@ __device__ __forceinline__ void fh_ldsm2t(unsigned (&r)[4], const unsigned short
 }
 
 // Rows staged by one warp, NR at a time (their loads in flight together): row i is [a[i] (na[i]
-// values) | b[i] (nb[i] values) | zeros] up to W (a multiple of 4, at most 128 FH_MQ), scaled
-// by 2^e[i] (its fh_exp) and split into the planes hi[i], lo[i] (words: value pairs). Lane l
-// takes the quads 4 (l + 32 j). VEC: float4 loads (na, nb multiples of 4, a and b 16-byte
-// aligned); every load is predicated, none branches.
+// values) | zeros | b[i] (nb[i] values, from column ``cut``, a multiple of 16 >= na[i]) |
+// zeros] up to W (a multiple of 4, at most 128 FH_MQ), each segment scaled by its own power of
+// two, 2^e[i][0] for a's, 2^e[i][1] for b's (their fh_exp), and split into the planes hi[i],
+// lo[i] (words: value pairs). Lane l takes the quads 4 (l + 32 j). VEC: float4 loads (na, nb
+// multiples of 4, a and b 16-byte aligned); every load is predicated, none branches.
 template <bool VEC, int NR>
 __device__ __forceinline__ void fh_rows(unsigned *const (&hi)[NR], unsigned *const (&lo)[NR],
                                         const float *const (&a)[NR], const int (&na)[NR],
                                         const float *const (&b)[NR], const int (&nb)[NR], int W,
-                                        int lane, int (&e)[NR]) {
+                                        int cut, int lane, int (&e)[NR][2]) {
     float4 v[NR][FH_MQ];
-    float mx[NR];
+    float mx[NR][2];
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
-        mx[r] = 0.f;
+        mx[r][0] = mx[r][1] = 0.f;
 #pragma unroll
         for (int j = 0; j < FH_MQ; ++j) {
             const int c = 4 * (lane + 32 * j);
             float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
             if (VEC) {
-                const float *src = c < na[r] ? a[r] + c : b[r] + (c - na[r]);
-                if (c < na[r] + nb[r]) x = __ldg(reinterpret_cast<const float4 *>(src));
+                const float *src = c < cut ? a[r] + c : b[r] + (c - cut);
+                if (c < na[r] || (c >= cut && c - cut < nb[r]))
+                    x = __ldg(reinterpret_cast<const float4 *>(src));
+                const float m4 =
+                    fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w)));
+                if (c < cut) mx[r][0] = fmaxf(mx[r][0], m4);  // quads do not straddle (VEC)
+                else mx[r][1] = fmaxf(mx[r][1], m4);
             } else {
                 float t[4];
 #pragma unroll
                 for (int k = 0; k < 4; ++k) {
                     const int ck = c + k;
-                    const float *src = ck < na[r] ? a[r] + ck : b[r] + (ck - na[r]);
-                    t[k] = ck < na[r] + nb[r] ? __ldg(src) : 0.f;
+                    const float *src = ck < cut ? a[r] + ck : b[r] + (ck - cut);
+                    t[k] = ck < na[r] || (ck >= cut && ck - cut < nb[r]) ? __ldg(src) : 0.f;
+                    if (ck < cut) mx[r][0] = fmaxf(mx[r][0], fabsf(t[k]));
+                    else mx[r][1] = fmaxf(mx[r][1], fabsf(t[k]));
                 }
                 x = make_float4(t[0], t[1], t[2], t[3]);
             }
             v[r][j] = x;
-            const float m2 = fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w)));
-            mx[r] = fmaxf(mx[r], m2);
         }
     }
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
 #pragma unroll
-        for (int o = 16; o; o >>= 1)
-            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], o));
-        e[r] = fh_exp(mx[r]);
-        const float f = fh_pow2(e[r]);
+        for (int o = 16; o; o >>= 1) {
+            mx[r][0] = fmaxf(mx[r][0], __shfl_xor_sync(0xffffffffu, mx[r][0], o));
+            mx[r][1] = fmaxf(mx[r][1], __shfl_xor_sync(0xffffffffu, mx[r][1], o));
+        }
+        e[r][0] = fh_exp(mx[r][0]);
+        e[r][1] = fh_exp(mx[r][1]);
+        const float f0 = fh_pow2(e[r][0]), f1 = fh_pow2(e[r][1]);
 #pragma unroll
         for (int j = 0; j < FH_MQ; ++j) {
             const int c = 4 * (lane + 32 * j);
             if (c >= W) continue;
+            float f[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) f[k] = c + k < cut ? f0 : f1;
             unsigned h0, l0, h1, l1;
-            fh_split2(v[r][j].x * f, v[r][j].y * f, h0, l0);
-            fh_split2(v[r][j].z * f, v[r][j].w * f, h1, l1);
+            fh_split2(v[r][j].x * f[0], v[r][j].y * f[1], h0, l0);
+            fh_split2(v[r][j].z * f[2], v[r][j].w * f[3], h1, l1);
             *reinterpret_cast<uint2 *>(hi[r] + (c >> 1)) = make_uint2(h0, h1);
             *reinterpret_cast<uint2 *>(lo[r] + (c >> 1)) = make_uint2(l0, l1);
+        }
+    }
+}
+
+// A warp's scores of 16 heads x 16 tile rows over the k16 steps [k0, k1) (ldmatrix rows qa of
+// q, kb of the tile; the lo planes FL_HB * QSTH and FL_TT * KSTH further): the three products
+// of the split operands in six independent mma chains.
+__device__ __forceinline__ void fh_score_steps(float (&slh)[2][4], float (&shl)[2][4],
+                                               float (&shh)[2][4], const unsigned short *qa,
+                                               const unsigned short *kb, int k0, int k1,
+                                               int QSTH, int KSTH) {
+#pragma unroll 2
+    for (int ks = k0; ks < k1; ++ks) {
+        const int k = ks * 16;
+        unsigned ah[4], al[4], bh[4], bl[4];
+        fh_ldsm4(ah, qa + k);
+        fh_ldsm4(al, qa + FL_HB * QSTH + k);
+        fh_ldsm4(bh, kb + k);
+        fh_ldsm4(bl, kb + FL_TT * KSTH + k);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            fh_mma(slh[nt], al, bh[2 * nt], bh[2 * nt + 1]);
+            fh_mma(shl[nt], ah, bl[2 * nt], bl[2 * nt + 1]);
+            fh_mma(shh[nt], ah, bh[2 * nt], bh[2 * nt + 1]);
+        }
+    }
+}
+
+// fl_scores_out's partial scores times 2^-e_q (fq: heads gid, gid + 8) and 2^-e_t (fk: this
+// lane's rows 2t4, 2t4 + 1, 2t4 + 8, 2t4 + 9), into o (ADD: added to what o holds).
+template <bool ADD>
+__device__ __forceinline__ void fh_scores_out(float *o, const float (&slh)[2][4],
+                                              const float (&shl)[2][4], const float (&shh)[2][4],
+                                              const float (&fq)[2], const float (&fk)[4]) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int i = e >> 1, at = nt * 8 + (e & 1) + 8 * FL_TT * i;
+            const float v = ((slh[nt][e] + shl[nt][e]) + shh[nt][e]) * fq[i] * fk[2 * nt + (e & 1)];
+            o[at] = ADD ? o[at] + v : v;
         }
     }
 }
@@ -611,7 +667,7 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
     unsigned short *Kh = Qh + 2 * FL_HB * QSTH;
     float *Ss = reinterpret_cast<float *>(Kh + 2 * FL_TT * KSTH);
     int *QE = reinterpret_cast<int *>(Ss + 2 * FL_HB * FL_TT);
-    int *TE = QE + FL_HB;
+    int *TE = QE + 2 * FL_HB;
     const int z = blockIdx.x, s = blockIdx.y, hb = blockIdx.z * FL_HB;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int gid = lane >> 2, t4 = lane & 3, mi = lane >> 3;
@@ -621,7 +677,7 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
     const float *__restrict__ rop = reinterpret_cast<const float *>(d.rope);
     const int chunk = ((d.len + nsplit - 1) / nsplit + FL_TT - 1) / FL_TT * FL_TT;
     const int tb = z * chunk, te = min(d.len, tb + chunk);
-    const int KR = K + R, KRP = (KR + 15) & ~15, W = KSTH - 8;
+    const int KP = (K + 15) & ~15, KRP = KP + ((R + 15) & ~15), W = KSTH - 8;
 
     // The block's q rows, split by mla_qsplit, in flight with the first tile (heads past H:
     // zeros, exponent 0); waited for before the first scores.
@@ -635,14 +691,15 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
             fl_cp16(reinterpret_cast<float *>(Qh + (pn * FL_HB + r) * QSTH + c),
                     reinterpret_cast<const float *>(src), n);
         }
-        if (threadIdx.x < FL_HB) {
-            const int h = hb + threadIdx.x, n = h < H ? 4 : 0;
+        if (threadIdx.x < 2 * FL_HB) {  // each row's two exponents
+            const int h = hb + (threadIdx.x >> 1), n = h < H ? 4 : 0;
+            const int *src = qe + 2 * ((size_t)s * H + (n ? h : 0)) + (threadIdx.x & 1);
             fl_cp4(reinterpret_cast<float *>(QE + threadIdx.x),
-                   reinterpret_cast<const float *>(qe + (size_t)s * H + (n ? h : 0)), n);
+                   reinterpret_cast<const float *>(src), n);
         }
         asm volatile("cp.async.commit_group;" ::: "memory");
     }
-    float fq[2] = {1.f, 1.f};
+    float fq[2][2] = {{1.f, 1.f}, {1.f, 1.f}};  // [segment: latent, rope][head gid, gid + 8]
 
     float acc[NTC][4];
 #pragma unroll
@@ -666,7 +723,7 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
             unsigned *kh = reinterpret_cast<unsigned *>(Kh), *kl = kh + FL_TT * KSTH / 2;
             unsigned *h2[NR], *l2[NR];
             const float *a2[NR], *b2[NR];
-            int na[NR], nb[NR], e[NR];
+            int na[NR], nb[NR], e[NR][2];
 #pragma unroll
             for (int i = 0; i < NR; ++i) {
                 const int r = warp * NR + i, in = t0 + r < te;
@@ -677,51 +734,66 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
                 na[i] = in * K;
                 nb[i] = in * R;
             }
-            if (vec) fh_rows<true, NR>(h2, l2, a2, na, b2, nb, W, lane, e);
-            else fh_rows<false, NR>(h2, l2, a2, na, b2, nb, W, lane, e);
+            if (vec) fh_rows<true, NR>(h2, l2, a2, na, b2, nb, W, KP, lane, e);
+            else fh_rows<false, NR>(h2, l2, a2, na, b2, nb, W, KP, lane, e);
             if (lane == 0) {
 #pragma unroll
-                for (int i = 0; i < NR; ++i) TE[warp * NR + i] = e[i];
+                for (int i = 0; i < NR; ++i) {
+                    TE[2 * (warp * NR + i)] = e[i][0];
+                    TE[2 * (warp * NR + i) + 1] = e[i][1];
+                }
             }
         }
         if (t0 == tb) {  // the q rows are in
             asm volatile("cp.async.wait_all;" ::: "memory");
             __syncthreads();
 #pragma unroll
-            for (int i = 0; i < 2; ++i) fq[i] = fh_pow2(-QE[hg * 16 + gid + 8 * i]);
+            for (int i = 0; i < 2; ++i) {
+                fq[0][i] = fh_pow2(-QE[2 * (hg * 16 + gid + 8 * i)]);
+                fq[1][i] = fh_pow2(-QE[2 * (hg * 16 + gid + 8 * i) + 1]);
+            }
         } else {
             __syncthreads();
         }
         fl_prefetch(lat, rop, t0, te, K, R);  // the next tile into L2 meanwhile
 
-        // Scores of heads hg, rows 0..15, k-steps [ks0, ks1): six independent mma chains.
-        float shh[2][4] = {}, shl[2][4] = {}, slh[2][4] = {};
-#pragma unroll 2
-        for (int ks = ks0; ks < ks1; ++ks) {
-            const int k0 = ks * 16;
-            unsigned ah[4], al[4], bh[4], bl[4];
-            fh_ldsm4(ah, qa + k0);
-            fh_ldsm4(al, qa + FL_HB * QSTH + k0);
-            fh_ldsm4(bh, kb + k0);
-            fh_ldsm4(bl, kb + FL_TT * KSTH + k0);
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-                fh_mma(slh[nt], al, bh[2 * nt], bh[2 * nt + 1]);
-                fh_mma(shl[nt], ah, bl[2 * nt], bl[2 * nt + 1]);
-                fh_mma(shh[nt], ah, bh[2 * nt], bh[2 * nt + 1]);
-            }
-        }
-        fl_scores_out(Ss + (half * FL_HB + hg * 16 + gid) * FL_TT + 2 * t4, slh, shl, shh);
-        __syncthreads();
-
-        // This lane's rows 2t4, 2t4 + 1, 2t4 + 8, 2t4 + 9: their exponents, the tile's smallest
-        // (its largest row), and P's scale per row.
-        int er[4], E = 100;
+        // This lane's rows 2t4, 2t4 + 1, 2t4 + 8, 2t4 + 9: their exponents (latent, rope).
+        int er[4], ep[4];
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-            er[r] = TE[(r >> 1) * 8 + 2 * t4 + (r & 1)];
-            E = min(E, er[r]);
+            const int row = (r >> 1) * 8 + 2 * t4 + (r & 1);
+            er[r] = TE[2 * row];
+            ep[r] = TE[2 * row + 1];
         }
+
+        // Scores of heads hg, rows 0..15, k-steps [ks0, ks1): the latent's steps (below kc),
+        // then the rope's, each scaled by its exponents into Ss.
+        {
+            float shh[2][4] = {}, shl[2][4] = {}, slh[2][4] = {};
+            float *o = Ss + (half * FL_HB + hg * 16 + gid) * FL_TT + 2 * t4;
+            const int kc = KP / 16;
+            float fk[4];
+            fh_score_steps(slh, shl, shh, qa, kb, ks0, min(ks1, kc), QSTH, KSTH);
+#pragma unroll
+            for (int r = 0; r < 4; ++r) fk[r] = fh_pow2(-er[r]);
+            fh_scores_out<false>(o, slh, shl, shh, fq[0], fk);
+            if (max(ks0, kc) < ks1) {
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) shh[nt][e] = shl[nt][e] = slh[nt][e] = 0.f;
+                fh_score_steps(slh, shl, shh, qa, kb, max(ks0, kc), ks1, QSTH, KSTH);
+#pragma unroll
+                for (int r = 0; r < 4; ++r) fk[r] = fh_pow2(-ep[r]);
+                fh_scores_out<true>(o, slh, shl, shh, fq[1], fk);
+            }
+        }
+        __syncthreads();
+
+        // The tile's smallest latent exponent (its largest row) and P's scale per row.
+        int E = 100;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) E = min(E, er[r]);
         E = min(E, __shfl_xor_sync(0xffffffffu, E, 1));
         E = min(E, __shfl_xor_sync(0xffffffffu, E, 2));
         // acc holds the context times 2^c: c = 14 + E at the first tile, then the least such
@@ -737,11 +809,9 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
         float p[2][4];
         {
             const int rows[4] = {2 * t4, 2 * t4 + 1, 2 * t4 + 8, 2 * t4 + 9};
-            float fk[4];
-#pragma unroll
-            for (int r = 0; r < 4; ++r) fk[r] = fh_pow2(-er[r]);
+            const float one2[2] = {1.f, 1.f}, one4[4] = {1.f, 1.f, 1.f, 1.f};
             float alpha[2];
-            fl_softmax(p, m, l, alpha, Ss + (hg * 16 + gid) * FL_TT, rows, fq, fk, scale,
+            fl_softmax(p, m, l, alpha, Ss + (hg * 16 + gid) * FL_TT, rows, one2, one4, scale,
                        te - t0);
             alpha[0] *= sh;
             alpha[1] *= sh;
@@ -783,22 +853,25 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
                     nsplit);
 }
 
-// The q rows split once per call for mla_flash_h: qfull [rows][KR] (rows = S * H) -> qs, row r's
-// hi plane [KRP] then its lo plane [KRP] (fp16, zeros past KR) at qs + 2 r KRP, and its
-// exponent qe[r] (fh_rows: KRP <= 128 FH_MQ). One warp a row; grid ceil(rows / 8), block 256.
+// The q rows split once per call for mla_flash_h: qfull [rows][K + R] (rows = S * H) -> qs, row
+// r's hi plane [KRP] then its lo plane [KRP] (fp16, laid out as a staged row) at qs + 2 r KRP,
+// and its
+// exponents qe[2r] (latent), qe[2r + 1] (rope) (fh_rows: KRP <= 128 FH_MQ). One warp a row;
+// grid ceil(rows / 8), block 256.
 __global__ void __launch_bounds__(FL_WARPS * 32)
 mla_qsplit(unsigned short *__restrict__ qs, int *__restrict__ qe,
-           const float *__restrict__ qfull, int rows, int KR, int KRP) {
+           const float *__restrict__ qfull, int rows, int K, int R, int KRP) {
     const int r = blockIdx.x * FL_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (r >= rows) return;
-    const float *const a[1] = {qfull + (size_t)r * KR};
+    const float *const a[1] = {qfull + (size_t)r * (K + R)}, *const b[1] = {a[0] + K};
     unsigned *const hi[1] = {reinterpret_cast<unsigned *>(qs + (size_t)r * 2 * KRP)};
     unsigned *const lo[1] = {hi[0] + KRP / 2};
-    const int n[1] = {KR}, z[1] = {0};
-    int e[1];
-    if ((KR & 3) == 0) fh_rows<true, 1>(hi, lo, a, n, a, z, KRP, lane, e);
-    else fh_rows<false, 1>(hi, lo, a, n, a, z, KRP, lane, e);
-    if (lane == 0) qe[r] = e[0];
+    const int na[1] = {K}, nb[1] = {R};
+    int e[1][2];
+    const int KP = (K + 15) & ~15;
+    if (((K | R) & 3) == 0) fh_rows<true, 1>(hi, lo, a, na, b, nb, KRP, KP, lane, e);
+    else fh_rows<false, 1>(hi, lo, a, na, b, nb, KRP, KP, lane, e);
+    if (lane == 0) qe[2 * r] = e[0][0], qe[2 * r + 1] = e[0][1];
 }
 
 // mla_flash's launch and outputs, its q rows from mla_qsplit (qs, qe); QSTH, KSTH in fp16

@@ -150,11 +150,12 @@ def test_flash_clusters(cupy_backend, rng, monkeypatch, nsplit, cluster, f16):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lat_scale,spread", [(1e4, 0), (1e-4, 0), (1.0, 12)])
+@pytest.mark.parametrize("lat_scale,spread", [(1e4, 0), (1e-4, 0), (1e-8, 0), (1.0, 12)])
 def test_flash_f16_scales(cupy_backend, rng, monkeypatch, lat_scale, spread):
-    """mla_flash_h at GLM-5.2 widths with latents far outside fp16's range (each row's power
-    of two brings it in) and with cache rows 2^-spread .. 2^spread apart within a tile (P's
-    scale per row), the scores then from the rope alone, against float64."""
+    """mla_flash_h at GLM-5.2 widths with latents far outside fp16's range and 1e-8 times the
+    rope (each segment's power of two brings it in, the latent's apart from the rope's) and
+    with cache rows 2^-spread .. 2^spread apart within a tile (P's scale per row), the scores
+    then from the rope alone, against float64."""
     from coliworker.kernels import attention
 
     monkeypatch.setattr(attention, "FL_F16", True)

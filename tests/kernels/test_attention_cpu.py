@@ -308,12 +308,12 @@ int run(int H, std::vector<int> lens, int nsplit, int C, bool f16 = false, int K
                  scale, nsplit, QST, KST);
         };
     };
-    const int KRP = (KR + 15) / 16 * 16;
+    const int KRP = (K + 15) / 16 * 16 + (R + 15) / 16 * 16;
     std::vector<unsigned short> qs((size_t)S * H * 2 * KRP);
-    std::vector<int> qe((size_t)S * H);
+    std::vector<int> qe((size_t)S * H * 2);
     if (f16)
         launch({(S * H + 7) / 8, 1, 1}, 1, 256,
-               [&] { mla_qsplit(qs.data(), qe.data(), qf.data(), S * H, KR, KRP); });
+               [&] { mla_qsplit(qs.data(), qe.data(), qf.data(), S * H, K, R, KRP); });
     auto hargs = [&](auto kern) {
         return [&, kern] {
             kern(pm.data(), pl.data(), pacc.data(), qs.data(), kv.data(), cl.data(), qe.data(),
@@ -324,8 +324,10 @@ int run(int H, std::vector<int> lens, int nsplit, int C, bool f16 = false, int K
         if (C == 1) launch({nsplit, S, nhb}, 1, 256, hargs(mla_flash_h<32>));
         else if (C == 2) launch({nsplit, S, nhb}, 2, 256, hargs(mla_flash_hc<32, 2>));
         else launch({nsplit, S, nhb}, 8, 256, hargs(mla_flash_hc<32, 8>));
+    } else if (f16 && K <= 16) {
+        launch({nsplit, S, nhb}, 1, 256, hargs(mla_flash_h<1>));  // one n-tile a half
     } else if (f16) {
-        launch({nsplit, S, nhb}, 1, 256, hargs(mla_flash_h<1>));  // K <= 16: one n-tile a half
+        launch({nsplit, S, nhb}, 1, 256, hargs(mla_flash_h<4>));  // K <= 64
     } else if (C == 1) launch({nsplit, S, nhb}, 1, 256, args(mla_flash<32>));
     else if (C == 2) launch({nsplit, S, nhb}, 2, 256, args(mla_flash_c<32, 2>));
     else if (C == 4) launch({nsplit, S, nhb}, 4, 256, args(mla_flash_c<32, 4>));
@@ -365,13 +367,14 @@ int main() {
     // clusters into cl (an empty sequence beside), partials + mla_merge over two head blocks
     // (heads beyond H), C = 4 and C = 8 (slices without rows)
     // mla_flash_h (fp16 parts): the same, K = 11 and 12 (one n-tile a half; odd widths: scalar
-    // loads), latents 1e4 and 1e-6 times larger (each row's scale), rows 2^-12 .. 2^12 apart in
-    // one tile (P's scale per row)
+    // loads), latents 1e4, 1e-6 and 1e-8 times the rope (each segment's scale; K = 40: the rope
+    // staged from column 48), rows 2^-12 .. 2^12 apart in one tile (P's scale per row)
     return run(64, {40, 1}, 2, 2) + run(70, {70}, 4, 2) + run(64, {50}, 4, 4) +
            run(64, {33, 1}, 8, 8) + run(64, {40, 1}, 2, 2, true) + run(70, {70, 17}, 4, 1, true) +
            run(64, {33, 1}, 8, 8, true) + run(5, {20, 3}, 2, 1, true, 12, 4) +
            run(3, {37}, 2, 1, true, 11, 3) + run(64, {90}, 2, 1, true, 512, 64, 1e4f) +
-           run(64, {90}, 2, 1, true, 512, 64, 1e-6f) + run(64, {70}, 2, 1, true, 512, 64, 3, 12);
+           run(64, {90}, 2, 1, true, 512, 64, 1e-6f) + run(64, {90}, 2, 1, true, 512, 64, 1e-8f) +
+           run(64, {70}, 2, 1, true, 512, 64, 3, 12) + run(4, {40}, 2, 1, true, 40, 8, 1e-8f);
 }
 """
 _FL_ASM = (
