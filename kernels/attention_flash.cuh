@@ -485,9 +485,10 @@ mla_flash_c(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ 
 // Fragments (PTX m16n8k16 .f16, gid = lane / 4, t = lane % 4): A a0 (gid, 2t..2t+1), a1 (gid +
 // 8, ..), a2 (gid, 2t+8..2t+9), a3 (gid + 8, ..); B b0 (k 2t..2t+1, n gid), b1 (k 2t+8.., n
 // gid); C as m16n8k8's. A staged row is [latent (K) | zeros to KP = K rounded up to 16 | rope
-// (R) | zeros to KRP = KP + R rounded up to 16]: no k16 step holds both segments. q and K tiles are read by ldmatrix.x4 (four 8x8 blocks), the latent
-// as B of the context by ldmatrix.x4.trans (its rows are k). A lane's softmax rows are the
-// tile rows 2t, 2t+1, 2t+8, 2t+9: those of its A fragment of P.
+// (R) | zeros to KRP = KP + R rounded up to 16]: no k16 step holds both segments. q and K
+// tiles are read by ldmatrix.x4 (four 8x8 blocks), the latent as B of the context by
+// ldmatrix.x4.trans (its rows are k). A lane's softmax rows are the tile rows 2t, 2t+1, 2t+8,
+// 2t+9: those of its A fragment of P.
 #define FH_MQ 5  // value quads per lane of a staged row: rows up to 128 * FH_MQ values
 
 // e with max |x| 2^e in [2^14, 2^15) for m = max |x|, at most 100 (m = 0 or subnormal: 100;
