@@ -463,3 +463,26 @@ def test_slice_tiles_is_the_kernels_chunk(attention_host, rng):
         t, n = int(rng.integers(1, 20000)), int(rng.integers(1, 300))
         chunk = ((t + n - 1) // n + att.FL_TT - 1) // att.FL_TT * att.FL_TT
         assert att.slice_tiles(t, n) == chunk // att.FL_TT
+
+
+def test_flash_f16_geometry(attention_host):
+    """mla_flash_h's row layout and shared memory (attention_flash.cuh): the latent and the rope
+    each padded to 16 columns (KRP), row strides 8 mod 16 fp16 values (conflict-free ldmatrix
+    rows, 16-byte aligned), the two planes of 64 q rows and one tile, Ss and the exponents; rows
+    wider than the staging's FH_MAX_W and shared memory past the limit keep the tf32 kernel."""
+    att = attention_host
+    assert att._krp16(512, 64) == 576 and att._krp16(40, 8) == 64 and att._krp16(11, 3) == 32
+    for k, r in ((512, 64), (40, 8), (11, 3), (256, 32), (500, 100)):
+        geo = att._flash_geometry(k, r, True)
+        assert geo is not None, (k, r)
+        ntc, qst, kst, smem = geo
+        krp = att._krp16(k, r)
+        assert 16 * ntc >= k and (ntc == 1 or 8 * ntc < k)
+        assert qst == krp + 8 and kst == max(krp, 16 * ntc) + 8
+        assert qst % 16 == 8 and kst % 16 == 8  # 4 mod 8 words a row, rows 16-byte aligned
+        want = 4 * (64 * qst + 16 * kst) + 4 * 2 * 64 * 16 + 8 * (64 + 16)
+        assert smem == want <= att.FL_SMEM_MAX
+    assert att._flash_geometry(512, 64, True)[3] == 195712
+    assert att._flash_geometry(512, 144, True) is None  # 512 + 144 > FH_MAX_W = 640
+    assert att._flash_geometry(512, 128, True) is not None
+    assert att._flash_geometry(520, 64, True) is None  # K > 512: no NTC
