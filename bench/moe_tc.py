@@ -65,7 +65,7 @@ class Case:
         import cupy
 
         from coliworker.kernels import layout, matmul
-        from coliworker.kernels.expert_group import counter_bytes
+        from coliworker.kernels.group_tables import counter_bytes
         from coliworker.kernels.records import MOE_JOB
 
         self.n, self.r, self.d, self.ie = n, r, d, ie

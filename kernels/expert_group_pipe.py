@@ -18,10 +18,10 @@ over fewer jobs, and each job is the same record: every expert's rows compute ex
 one launch, to the bit (``tests/kernels/test_expert_group_pipe.py``). Direct launches only
 (never a graph: the arena of such a call is freed after it anyway).
 
-The plan and the tables need no CuPy: they are timed and tested on any machine; the launches
-import CuPy when they are first issued. What this module reads of expert_group (``PIPE_BYTES``,
-``PIPE_EDGE``, ``plan_group``, ``write_group``, ...) it reads there at each call, as
-``eg.NAME``: a value a test or bench/host_profile.py sets on expert_group is the one used.
+The plan and the tables (``kernels/group_tables.py``) need no CuPy: they are timed and tested
+on any machine; the launches import CuPy when they are first issued. What this module reads of
+expert_group (``PIPE_BYTES``, ``PIPE_EDGE``) it reads there at each call, as ``eg.NAME``: a
+value a test or bench/host_profile.py sets on expert_group is the one used.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from coliworker.kernels import expert_group as eg
+from coliworker.kernels import group_tables as gt
 from coliworker.kernels.pinned import align
 
 #: Kernel launches of a pipelined group: its experts cut into this many runs of about equal
@@ -86,18 +87,18 @@ def pipe_plan(experts: Sequence[tuple[Any, Any, Any]], rows: Sequence[int], x: A
     ``PIPE_BYTES`` or more, its rows; one fused launch; two runs at least), else None."""
     if x.ndim != 2 or 4 * x.size < eg.PIPE_BYTES or len(rows) < 2 or x.shape[0] != sum(rows):
         return None
-    plan = eg.plan_group(experts, rows)
+    plan = gt.plan_group(experts, rows)
     if len(plan.fused) != 1 or plan.unfused:
         return None
     bounds = pipe_bounds(plan.rows, PIPE_LAUNCHES, eg.PIPE_EDGE)
     if len(bounds) < 3:
         return None
-    subs = [eg.plan_group(experts[c0:c1], plan.rows[c0:c1]) for c0, c1 in pairwise(bounds)]
+    subs = [gt.plan_group(experts[c0:c1], plan.rows[c0:c1]) for c0, c1 in pairwise(bounds)]
     return plan, bounds, subs
 
 
 def pipe_tables(
-    buf: Any, off: int, plan: eg.GroupPlan, bounds: Sequence[int], subs: Sequence[eg.GroupPlan],
+    buf: Any, off: int, plan: gt.GroupPlan, bounds: Sequence[int], subs: Sequence[gt.GroupPlan],
     experts: Sequence[tuple[Any, Any, Any]], d: int, dout: int, x_ptr: int, y_ptr: int,
     h_ptr: int,
 ) -> list[tuple]:  # fmt: skip
@@ -114,7 +115,7 @@ def pipe_tables(
     pos = off
     for (c0, c1), sub in zip(pairwise(bounds), subs, strict=True):
         xs = [x_ptr + 4 * d * ro[c] for c in range(c0, c1)]
-        (ln,) = eg.write_group(buf, pos, sub, experts[c0:c1], d, dout, 0, y_ptr + 4 * dout * ro[c0],
+        (ln,) = gt.write_group(buf, pos, sub, experts[c0:c1], d, dout, 0, y_ptr + 4 * dout * ro[c0],
                             h_ptr + 4 * ho[c0], 0, xs)  # fmt: skip
         _, gu, dn, rel, n = ln[:5]
         out.append(("moe", gu, dn, pos - off + rel, n, max_rows, max_ie, max_dout))
@@ -167,7 +168,7 @@ def issue_pipelined(
     for _, gu, dn, rel, n, max_rows, max_ie, max_dout in launches:
         tp = dptr + t_off + rel
         go = moe_launch(gu, dn, n, max_rows, max_ie, max_dout, n_sm)
-        gos.append((go, (np.uint64(tp + eg.counter_bytes(n)), np.uint64(tp))))
+        gos.append((go, (np.uint64(tp + gt.counter_bytes(n)), np.uint64(tp))))
     up_s, down_s = a.streams()
     up, down, comp = up_s.ptr, down_s.ptr, call.stream.ptr
     ev = a.pipe_events(2 * len(pieces) + 4 * len(launches))

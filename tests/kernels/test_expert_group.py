@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from _kern import REL_TOL, TC_TOL, Res, Spec, make_tensor, place_experts, rel_err
 
-from coliworker.kernels import expert_group as eg
+from coliworker.kernels import group_tables as gt
 from coliworker.kernels import reference
-from coliworker.kernels.expert_group import SMALL_ROUTES, route_plan
+from coliworker.kernels.group_tables import SMALL_ROUTES, route_plan
 
 
 @pytest.mark.gpu
@@ -60,7 +60,7 @@ def test_expert_group_routed(cupy_backend, rng):
 @pytest.mark.parametrize("routed", [False, True])
 def test_other_experts_of_one_shape(cupy_backend, rng, monkeypatch, routed):
     """Calls whose experts change from call to call (a decode token's routed experts) reuse
-    the arena's plan by group shape (expert_group.group_shape: the tables copied in, these
+    the arena's plan by group shape (group_tables.group_shape: the tables copied in, these
     experts' addresses patched in): every call matches float64, and gives the bits of the same
     call planned afresh; graphs on and off, and with gemv_st's streamed tables."""
     from coliworker.kernels import matmul as mm
@@ -212,7 +212,7 @@ def test_streamed_tables():
            Res(ds, dout, 3 << 20 | c << 8)) for c in range(3)]  # fmt: skip
     ex.append((Res(g4, ie, 4 << 20), Res(g4, ie, 5 << 20), Res(Spec(4), dout, 6 << 20)))
     rows = [1, 3, 2, 4]
-    plan = eg.plan_group(ex, rows)
+    plan = gt.plan_group(ex, rows)
     buf = np.full(plan.table_bytes + 64, 0xAB, np.uint8)
     seen = []
 
@@ -221,15 +221,15 @@ def test_streamed_tables():
         return gu is gs
 
     x_ptr, y_ptr, h_ptr = 0x10000, 0x20000, 0x30000
-    lns = eg.write_group(buf, 16, plan, ex, d, dout, x_ptr, y_ptr, h_ptr, 0, None, stream)
+    lns = gt.write_group(buf, 16, plan, ex, d, dout, x_ptr, y_ptr, h_ptr, 0, None, stream)
     assert seen == [(gs, ds, 3), (g4, ex[3][2].spec, 4)]
     assert [ln[0] for ln in lns] == ["gemv", "gemv", "moe"]
     (_, s1, o1, n1, r1, m1, dual), (_, s2, o2, n2, r2, m2), moe = lns
     assert (s1, n1, r1, m1, dual, s2, n2, r2, m2) == (gs, 3, 3, ie, True, ds, 3, 3, dout)
     assert moe[1:3] == (g4, ex[3][2].spec) and moe[4] == 1
-    jobs = eg.GEMV_JOB.dtype
-    a = buf[16 + o1 : 16 + o1 + 3 * eg.GEMV_JOB.size].view(jobs)
-    b = buf[16 + o2 : 16 + o2 + 3 * eg.GEMV_JOB.size].view(jobs)
+    jobs = gt.GEMV_JOB.dtype
+    a = buf[16 + o1 : 16 + o1 + 3 * gt.GEMV_JOB.size].view(jobs)
+    b = buf[16 + o2 : 16 + o2 + 3 * gt.GEMV_JOB.size].view(jobs)
     for c in range(3):
         g, u, dn = ex[c]
         h = h_ptr + 4 * plan.hid_off[c]
@@ -249,8 +249,8 @@ def test_streamed_tables():
             dout,
         )
         assert (b[c]["x_stride"], b[c]["y_stride"]) == (ie, dout)
-    assert 16 + o2 + 3 * eg.GEMV_JOB.size <= 16 + moe[3]  # no table over another
-    assert 16 + moe[3] + eg.counter_bytes(1) + eg.MOE_JOB.size <= 16 + plan.table_bytes
+    assert 16 + o2 + 3 * gt.GEMV_JOB.size <= 16 + moe[3]  # no table over another
+    assert 16 + moe[3] + gt.counter_bytes(1) + gt.MOE_JOB.size <= 16 + plan.table_bytes
 
 
 @pytest.mark.parametrize("streamed", [False, True])
@@ -271,23 +271,23 @@ def test_patch_gives_the_tables_of_other_experts(rng, streamed):
     a, b = experts(), experts()
 
     def shape(ex):
-        return eg.group_shape([eg._triple(t) for t in ex])
+        return gt.group_shape([gt._triple(t) for t in ex])
 
     assert shape(a) == shape(b)
     assert shape(a) != shape([*a[:4], (a[4][0], a[4][1], Res(d4, 64, 0))])
     rows = [1, 3, 2, 1, 2]
-    plan = eg.plan_group(a, rows)
+    plan = gt.plan_group(a, rows)
     stream = (lambda gu, dn, m: gu is gs) if streamed else None
     ptrs = (0x10000, 0x20000, 0x30000, 0x40000)
     bufs, slots = [], []
     for ex in (a, b):
         buf = np.full(plan.table_bytes + 32, 0xAB, np.uint8)
         slots = []
-        eg.write_group(buf, 32, plan, ex, d, dout, *ptrs, None, stream, slots)
+        gt.write_group(buf, 32, plan, ex, d, dout, *ptrs, None, stream, slots)
         bufs.append(buf)
     assert len(slots) == (3 * 2 + 2 if streamed else 5)
     patched = bufs[0].copy()
-    eg.patch(patched, 32, slots, [eg._triple(t) for t in b])
+    gt.patch(patched, 32, slots, [gt._triple(t) for t in b])
     assert not np.array_equal(bufs[0], bufs[1])
     assert np.array_equal(patched, bufs[1])
 

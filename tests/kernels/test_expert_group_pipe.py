@@ -21,6 +21,7 @@ from _kern import Res, Spec, place_experts, rel_err
 
 from coliworker.kernels import expert_group as eg
 from coliworker.kernels import expert_group_pipe as pipe
+from coliworker.kernels import group_tables as gt
 from coliworker.kernels import reference
 
 # Uneven rows per expert, 1100 in all: x is 1100 x 4096 float32 = 17.2 MiB, over PIPE_BYTES.
@@ -192,9 +193,9 @@ def test_pipe_pieces_cover_each_run():
 
 
 def _records(buf: np.ndarray, off: int, n: int) -> np.ndarray:
-    p = off + eg.counter_bytes(n)
+    p = off + gt.counter_bytes(n)
     assert not buf[off:p].any()  # the counters start at zero
-    return buf[p : p + eg.MOE_JOB.size * n].copy()
+    return buf[p : p + gt.MOE_JOB.size * n].copy()
 
 
 @pytest.mark.parametrize("edge", [1.0, 0.5])
@@ -215,7 +216,7 @@ def test_pipe_tables_hold_the_one_tables_jobs(monkeypatch, launches, edge):
     assert bounds == pipe.pipe_bounds(PIPE_ROWS, launches, edge)
     assert 2 <= len(bounds) - 1 <= launches
     one = np.full(plan.table_bytes + 64, 0xAB, np.uint8)
-    (ln,) = eg.write_group(one, 16, plan, experts, d, dout, 0x10000, 0x20000, 0x30000, 0)
+    (ln,) = gt.write_group(one, 16, plan, experts, d, dout, 0x10000, 0x20000, 0x30000, 0)
     buf = np.full(sum(s.table_bytes for s in subs) + 64, 0xAB, np.uint8)
     runs = pipe.pipe_tables(buf, 16, plan, bounds, subs, experts, d, dout, 0x10000, 0x20000,
                           0x30000)  # fmt: skip
@@ -296,8 +297,8 @@ def _sim_kernel(d: int):
             def run():
                 assert not any(ctypes.string_at(int(ctr), 4 * (1 + n)))
                 for j in range(n):
-                    f = eg.MOE_JOB.unpack(ctypes.string_at(int(jobs) + j * eg.MOE_JOB.size,
-                                                           eg.MOE_JOB.size))  # fmt: skip
+                    f = gt.MOE_JOB.unpack(ctypes.string_at(int(jobs) + j * gt.MOE_JOB.size,
+                                                           gt.MOE_JOB.size))  # fmt: skip
                     wg, x, y, rows, dout = f[0], f[6], f[8], f[9], f[11]
                     xs = np.frombuffer(ctypes.string_at(x, 4 * rows * d), np.float32)
                     ys = xs.reshape(rows, d)[:, :dout] * 2 + ((wg >> 8) & 0xFF)

@@ -30,7 +30,7 @@ class Group:
         import cupy
 
         from coliworker.kernels import layout, matmul
-        from coliworker.kernels.expert_group import counter_bytes
+        from coliworker.kernels.group_tables import counter_bytes
         from coliworker.kernels.records import MOE_JOB
 
         n = len(rows)
