@@ -127,6 +127,20 @@ __device__ __forceinline__ void fl_cluster_wait_exit() {
 // stores of a warp's 8 heads hit distinct banks.
 __device__ __forceinline__ int fl_ast(int K) { return ((K + 31) & ~31) + 8; }
 
+// Slice z of nsplit of a sequence's cache (mla_flash, mla_flash_h): its rows [tb, te), chunks of
+// whole FL_TT-row tiles (``attention.slice_tiles`` counts them), and where the rows lie.
+struct FlSlice {
+    const float *lat, *rop;
+    int tb, te;
+};
+
+__device__ __forceinline__ FlSlice fl_slice(const KvDesc &d, int z, int nsplit) {
+    const int chunk = ((d.len + nsplit - 1) / nsplit + FL_TT - 1) / FL_TT * FL_TT;
+    const int tb = z * chunk;
+    return {reinterpret_cast<const float *>(d.latent), reinterpret_cast<const float *>(d.rope),
+            tb, min(d.len, tb + chunk)};
+}
+
 // Prefetch the next tile's cache rows (after [t0, t0 + FL_TT), up to te) into L2.
 __device__ __forceinline__ void fl_prefetch(const float *lat, const float *rop, int t0, int te,
                                             int K, int R) {
@@ -351,11 +365,10 @@ fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int gid = lane >> 2, t4 = lane & 3;
     const int hg = warp & 3, half = warp >> 2;
-    const KvDesc d = kv[s];
-    const float *__restrict__ lat = reinterpret_cast<const float *>(d.latent);
-    const float *__restrict__ rop = reinterpret_cast<const float *>(d.rope);
-    const int chunk = ((d.len + nsplit - 1) / nsplit + FL_TT - 1) / FL_TT * FL_TT;
-    const int tb = z * chunk, te = min(d.len, tb + chunk);
+    const FlSlice sl = fl_slice(kv[s], z, nsplit);
+    const float *__restrict__ lat = sl.lat;
+    const float *__restrict__ rop = sl.rop;
+    const int tb = sl.tb, te = sl.te;
     const int KR = K + R, KRP = (KR + 7) & ~7, W = KST - 4;
 
     // Q of the block's heads, in flight with the first tile (both waited for in the loop).
@@ -673,11 +686,10 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int gid = lane >> 2, t4 = lane & 3, mi = lane >> 3;
     const int hg = warp & 3, half = warp >> 2;
-    const KvDesc d = kv[s];
-    const float *__restrict__ lat = reinterpret_cast<const float *>(d.latent);
-    const float *__restrict__ rop = reinterpret_cast<const float *>(d.rope);
-    const int chunk = ((d.len + nsplit - 1) / nsplit + FL_TT - 1) / FL_TT * FL_TT;
-    const int tb = z * chunk, te = min(d.len, tb + chunk);
+    const FlSlice sl = fl_slice(kv[s], z, nsplit);
+    const float *__restrict__ lat = sl.lat;
+    const float *__restrict__ rop = sl.rop;
+    const int tb = sl.tb, te = sl.te;
     const int KP = (K + 15) & ~15, KRP = KP + ((R + 15) & ~15), W = KSTH - 8;
 
     // The block's q rows, split by mla_qsplit, in flight with the first tile (heads past H:
