@@ -320,10 +320,17 @@ def _max_clusters(k: int, r: int, c: int) -> int:
     n = _resident.get(key)
     if n is None:
         ntc, _, _, smem = _flash_geometry(k, r, f16)  # type: ignore[misc]
-        name = f"mla_flash_hc<{ntc}, {c}>" if f16 else f"mla_flash_c<{ntc}, {c}>"
-        fn = get_function("attention.cu", name, VARIANTS, smem)
+        fn = get_function("attention.cu", _flash_name(f16, ntc, c), VARIANTS, smem)
         n = _resident[key] = max_active_clusters(fn, c, 256, smem)
     return n
+
+
+def _flash_name(f16: bool, ntc: int, c: int) -> str:
+    """The flash kernel's variant: mla_flash<NTC> or, in clusters of C > 1, mla_flash_c<NTC, C>;
+    their fp16 forms (``f16``) mla_flash_h and mla_flash_hc."""
+    if c > 1:
+        return f"mla_flash_hc<{ntc}, {c}>" if f16 else f"mla_flash_c<{ntc}, {c}>"
+    return f"mla_flash_h<{ntc}>" if f16 else f"mla_flash<{ntc}>"
 
 
 def qsplit_launch(s: int, heads: int, k: int, r: int) -> Launch | None:
@@ -359,10 +366,7 @@ def flash_launch(s: int, heads: int, k: int, r: int, scale: float, nsplit: int
         assert geo is not None  # callers check flash_ok
         ntc, qst, kst, smem = geo
         c = flash_cluster(k, r, nsplit, s, heads)
-        name = f"mla_flash_c<{ntc}, {c}>" if c > 1 else f"mla_flash<{ntc}>"
-        if f16:
-            name = name.replace("mla_flash", "mla_flash_h").replace("_h_c", "_hc")
-        fn = get_function("attention.cu", name, VARIANTS, smem)
+        fn = get_function("attention.cu", _flash_name(f16, ntc, c), VARIANTS, smem)
         att = Launch(fn, (nsplit, s, -(-heads // FL_HB)), (256,),
                      (np.int32(s), np.int32(heads), np.int32(k), np.int32(r), np.float32(scale),
                       np.int32(nsplit), np.int32(qst), np.int32(kst)), smem)  # fmt: skip

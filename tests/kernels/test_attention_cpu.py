@@ -486,3 +486,8 @@ def test_flash_f16_geometry(attention_host):
     assert att._flash_geometry(512, 144, True) is None  # 512 + 144 > FH_MAX_W = 640
     assert att._flash_geometry(512, 128, True) is not None
     assert att._flash_geometry(520, 64, True) is None  # K > 512: no NTC
+    for f16 in (False, True):  # every variant the host names is compiled
+        for ntc in (1, 2, 4, 8, 16, 32):
+            assert att._flash_name(f16, ntc, 1) in att.VARIANTS
+        for ntc, cs in att.FL_CLUSTERS.items():
+            assert all(att._flash_name(f16, ntc, c) in att.VARIANTS for c in cs)
