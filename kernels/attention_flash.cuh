@@ -154,16 +154,22 @@ __device__ __forceinline__ void fl_prefetch(const float *lat, const float *rop, 
         asm volatile("prefetch.global.L2 [%0];" ::"l"(b + o));
 }
 
-// A warp's partial scores (C fragments of its two n-tiles, three products each) into Ss at o:
-// the row of head gid, column 2 t4 (head gid + 8 lies 8 rows below).
+// A warp's partial scores (C fragments of its two n-tiles, three products each) into Ss at o
+// (the row of head gid, column 2 t4; head gid + 8 lies 8 rows below), times fq[i] (heads gid,
+// gid + 8) and fk (this lane's columns: rows 2t4, 2t4 + 1, 8 + 2t4, 9 + 2t4 of the tile; 1 for
+// mla_flash, 2^-e for mla_flash_h); ADD: added to what o holds.
+template <bool ADD>
 __device__ __forceinline__ void fl_scores_out(float *o, const float (&slh)[2][4],
-                                              const float (&shl)[2][4], const float (&shh)[2][4]) {
+                                              const float (&shl)[2][4], const float (&shh)[2][4],
+                                              const float (&fq)[2], const float (&fk)[4]) {
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-        o[nt * 8] = (slh[nt][0] + shl[nt][0]) + shh[nt][0];
-        o[nt * 8 + 1] = (slh[nt][1] + shl[nt][1]) + shh[nt][1];
-        o[nt * 8 + 8 * FL_TT] = (slh[nt][2] + shl[nt][2]) + shh[nt][2];
-        o[nt * 8 + 8 * FL_TT + 1] = (slh[nt][3] + shl[nt][3]) + shh[nt][3];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int i = e >> 1, at = nt * 8 + (e & 1) + 8 * FL_TT * i;
+            const float v = ((slh[nt][e] + shl[nt][e]) + shh[nt][e]) * fq[i] * fk[2 * nt + (e & 1)];
+            o[at] = ADD ? o[at] + v : v;
+        }
     }
 }
 
@@ -185,11 +191,10 @@ __device__ __forceinline__ void fl_rescale(float (&acc)[NTC][4], const float (&f
 // The online softmax of one tile for heads gid, gid + 8 (s: head gid's row of Ss) over this
 // lane's tile rows ``rows`` (rows at or past ``valid`` are out): p = e^(score - m), m and l
 // carried over; alpha = e^(m_old - m), the factor of the context so far (fl_rescale). A score
-// is (both halves' partials) fq[i] fk[r] scale.
+// is both halves' partials times scale.
 __device__ __forceinline__ void fl_softmax(float (&p)[2][4], float (&m)[2], float (&l)[2],
                                            float (&alpha)[2], const float *s,
-                                           const int (&rows)[4], const float (&fq)[2],
-                                           const float (&fk)[4], float scale, int valid) {
+                                           const int (&rows)[4], float scale, int valid) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const float *s0 = s + 8 * i * FL_TT;
@@ -197,7 +202,7 @@ __device__ __forceinline__ void fl_softmax(float (&p)[2][4], float (&m)[2], floa
         float mt = -COLI_INF;
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-            const float v = (s0[rows[r]] + s1[rows[r]]) * fq[i] * fk[r] * scale;
+            const float v = (s0[rows[r]] + s1[rows[r]]) * scale;
             p[i][r] = rows[r] < valid ? v : -COLI_INF;
             mt = fmaxf(mt, p[i][r]);
         }
@@ -417,17 +422,19 @@ fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
                 fl_mma(shh[nt], ah[0], ah[1], ah[2], ah[3], bh0, bh1);
             }
         }
-        fl_scores_out(Ss + (half * FL_HB + hg * 16 + gid) * FL_TT + 2 * t4, slh, shl, shh);
+        {
+            const float one2[2] = {1.f, 1.f}, one4[4] = {1.f, 1.f, 1.f, 1.f};
+            fl_scores_out<false>(Ss + (half * FL_HB + hg * 16 + gid) * FL_TT + 2 * t4, slh, shl,
+                                 shh, one2, one4);
+        }
         __syncthreads();
 
         // Online softmax: this lane's rows t4, t4 + 4, 8 + t4, 12 + t4 of heads gid, gid + 8.
         float p[2][4];
         {
             const int rows[4] = {t4, t4 + 4, 8 + t4, 12 + t4};
-            const float one2[2] = {1.f, 1.f}, one4[4] = {1.f, 1.f, 1.f, 1.f};
             float alpha[2];
-            fl_softmax(p, m, l, alpha, Ss + (hg * 16 + gid) * FL_TT, rows, one2, one4, scale,
-                       te - t0);
+            fl_softmax(p, m, l, alpha, Ss + (hg * 16 + gid) * FL_TT, rows, scale, te - t0);
             fl_rescale(acc, alpha);
         }
         // Context: acc[heads, cols] += P[heads, rows] @ latent[rows, cols].
@@ -653,23 +660,6 @@ __device__ __forceinline__ void fh_score_steps(float (&slh)[2][4], float (&shl)[
     }
 }
 
-// fl_scores_out's partial scores times 2^-e_q (fq: heads gid, gid + 8) and 2^-e_t (fk: this
-// lane's rows 2t4, 2t4 + 1, 2t4 + 8, 2t4 + 9), into o (ADD: added to what o holds).
-template <bool ADD>
-__device__ __forceinline__ void fh_scores_out(float *o, const float (&slh)[2][4],
-                                              const float (&shl)[2][4], const float (&shh)[2][4],
-                                              const float (&fq)[2], const float (&fk)[4]) {
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int i = e >> 1, at = nt * 8 + (e & 1) + 8 * FL_TT * i;
-            const float v = ((slh[nt][e] + shl[nt][e]) + shh[nt][e]) * fq[i] * fk[2 * nt + (e & 1)];
-            o[at] = ADD ? o[at] + v : v;
-        }
-    }
-}
-
 template <int NTC, int C>
 __device__ __forceinline__ void
 fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc,
@@ -789,7 +779,7 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
             fh_score_steps(slh, shl, shh, qa, kb, ks0, min(ks1, kc), QSTH, KSTH);
 #pragma unroll
             for (int r = 0; r < 4; ++r) fk[r] = fh_pow2(-er[r]);
-            fh_scores_out<false>(o, slh, shl, shh, fq[0], fk);
+            fl_scores_out<false>(o, slh, shl, shh, fq[0], fk);
             if (max(ks0, kc) < ks1) {
 #pragma unroll
                 for (int nt = 0; nt < 2; ++nt)
@@ -798,7 +788,7 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
                 fh_score_steps(slh, shl, shh, qa, kb, max(ks0, kc), ks1, QSTH, KSTH);
 #pragma unroll
                 for (int r = 0; r < 4; ++r) fk[r] = fh_pow2(-ep[r]);
-                fh_scores_out<true>(o, slh, shl, shh, fq[1], fk);
+                fl_scores_out<true>(o, slh, shl, shh, fq[1], fk);
             }
         }
         __syncthreads();
@@ -822,10 +812,8 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
         float p[2][4];
         {
             const int rows[4] = {2 * t4, 2 * t4 + 1, 2 * t4 + 8, 2 * t4 + 9};
-            const float one2[2] = {1.f, 1.f}, one4[4] = {1.f, 1.f, 1.f, 1.f};
             float alpha[2];
-            fl_softmax(p, m, l, alpha, Ss + (hg * 16 + gid) * FL_TT, rows, one2, one4, scale,
-                       te - t0);
+            fl_softmax(p, m, l, alpha, Ss + (hg * 16 + gid) * FL_TT, rows, scale, te - t0);
             alpha[0] *= sh;
             alpha[1] *= sh;
             fl_rescale(acc, alpha);
