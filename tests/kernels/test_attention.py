@@ -16,14 +16,18 @@ def _mla(rng, b, h, q, r, v, k, d_out, fmt, gs):
     return kv_b, o_proj, b.place(kv_b, 0), (b.place(o_proj, 0) if o_proj else None)
 
 
-def _ragged_caches(b, rng, lens, k, r, lat_scale=1.0, halves=False):
+def _ragged_caches(b, rng, lens, k, r, lat_scale=1.0, halves=False, spread=0):
     """A KV cache on device 0 per length in ``lens``, holding fresh random rows (appended in
-    two halves with ``halves``: the cache grows twice, copying on the second growth); returns
-    (caches, latents, ropes)."""
+    two halves with ``halves``: the cache grows twice, copying on the second growth; each
+    latent row times 2^-spread .. 2^spread with ``spread``); returns (caches, latents,
+    ropes)."""
     caches, lats, ropes = [], [], []
     for n in lens:
         c = b.new_kv(0, k, r)
-        lat = (rng.standard_normal((n, k)) * lat_scale).astype(np.float32)
+        lat = rng.standard_normal((n, k)) * lat_scale
+        if spread:
+            lat *= np.exp2(rng.integers(-spread, spread + 1, (n, 1)))
+        lat = lat.astype(np.float32)
         rope = rng.standard_normal((n, r)).astype(np.float32)
         if halves:
             c.append(lat[: n // 2], rope[: n // 2])
@@ -162,18 +166,7 @@ def test_flash_f16_scales(cupy_backend, rng, monkeypatch, lat_scale, spread):
     b = cupy_backend
     h, q, r, v, k = 64, 192, 64, 256, 512
     kv_b, o_proj, dk, do = _mla(rng, b, h, q, r, v, k, 40, 2, 0)
-    caches, lats, ropes = [], [], []
-    for n in (300, 33):
-        lat = rng.standard_normal((n, k)) * lat_scale
-        if spread:
-            lat *= np.exp2(rng.integers(-spread, spread + 1, (n, 1)))
-        lat = lat.astype(np.float32)
-        rope = rng.standard_normal((n, r)).astype(np.float32)
-        c = b.new_kv(0, k, r)
-        c.append(lat, rope)
-        caches.append(c)
-        lats.append(lat)
-        ropes.append(rope)
+    caches, lats, ropes = _ragged_caches(b, rng, (300, 33), k, r, lat_scale, spread=spread)
     qa = rng.standard_normal((2, h, q + r)).astype(np.float32)
     if spread:
         qa[:, :, :q] = 0  # q_nope zero: the scores from the rope
