@@ -466,3 +466,4 @@ mla_merge(float *__restrict__ cl, const float *__restrict__ pm, const float *__r
 }
 
 #include "attention_flash.cuh"
+#include "attention_flash_h.cuh"

@@ -1,8 +1,8 @@
 """The MLA attention ops' host side (``attention``, ``attention_ragged``) and the CuPy
-wrappers of ``attention.cu`` (its flash kernels in ``attention_flash.cuh``): absorbed q,
-split-T attention with online softmax, merge (reference: ``reference.attention`` /
-``reference.attention_ragged``; tests: ``tests/kernels/test_attention.py`` on the GPU,
-``test_attention_cpu.py`` on the CPU).
+wrappers of ``attention.cu`` (its flash kernels in ``attention_flash.cuh`` and
+``attention_flash_h.cuh``): absorbed q, split-T attention with online softmax, merge
+(reference: ``reference.attention`` / ``reference.attention_ragged``; tests:
+``tests/kernels/test_attention.py`` on the GPU, ``test_attention_cpu.py`` on the CPU).
 
 Two attention kernels: ``mla_flash`` (tensor cores, every head of a block scores each KV tile
 staged once; the default where it fits: K <= 512 and its shared memory) and ``mla_attend``
@@ -15,7 +15,7 @@ fit in one wave (``cluster_choice``). Both are measured against the kernels they
 CPU through a stand-in for the CUDA built-ins. ``mla_flash_h`` / ``mla_flash_hc`` (``FL_F16``,
 on by default; COLIWORKER_FLASH_F16=0 keeps the tf32 kernels) do the flash kernels' work on
 fp16 tensor cores, every q row (``mla_qsplit``, once per call) and cache row (as its tile is
-staged) split once into fp16 parts (attention_flash.cuh says how its numerics hold).
+staged) split once into fp16 parts (attention_flash_h.cuh says how its numerics hold).
 
 The value projection and o_proj are gemv jobs (``matmul.py``); ``run`` chains every launch of
 a call in its arena (``call``: the backend's call context, ``server/cupy_calls.py``), with the
@@ -75,7 +75,7 @@ VARIANTS = (
 FLASH = True
 #: mla_flash_h / mla_flash_hc (fp16 tensor cores, each q row and cache row scaled by its power of
 #: two and split once into fp16 parts: the q rows by mla_qsplit, the cache rows as a tile is
-#: staged; attention_flash.cuh) in place of mla_flash / mla_flash_c where their rows fit (K + R
+#: staged; attention_flash_h.cuh) in place of mla_flash / mla_flash_c where their rows fit (K + R
 #: <= FH_MAX_W). Measured on an H100 beside the tf32 kernels in one run
 #: (bench/results/mla-flash-f16-2026-12-05.md): flash 143 -> 97 us at 8 sequences, 259 -> 174 us
 #: at 32, 41 -> 37 us (+ 4 us of mla_qsplit) at one, closer to float64. COLIWORKER_FLASH_F16=0

@@ -384,8 +384,8 @@ _FL_ASM = (
 
 
 def _flash_source(src: str) -> str:
-    """KvDesc, mla_merge and the flash kernels of attention.cu (attention_flash.cuh inlined, as
-    compiled), without their inline PTX."""
+    """KvDesc, mla_merge and the flash kernels of attention.cu (attention_flash.cuh and
+    attention_flash_h.cuh inlined, as compiled), without their inline PTX."""
     kv = src[src.index("struct KvDesc") : src.index("// The call's new cache rows")]
     part = src[src.index("// grid (H, S, ceil(K / 128)), block 128") :]
     part = without_ptx(part, _FL_ASM)
@@ -466,7 +466,7 @@ def test_slice_tiles_is_the_kernels_chunk(attention_host, rng):
 
 
 def test_flash_f16_geometry(attention_host):
-    """mla_flash_h's row layout and shared memory (attention_flash.cuh): the latent and the rope
+    """mla_flash_h's row layout and shared memory (attention_flash_h.cuh): the latent and the rope
     each padded to 16 columns (KRP), row strides 8 mod 16 fp16 values (conflict-free ldmatrix
     rows, 16-byte aligned), the two planes of 64 q rows and one tile, Ss and the exponents; rows
     wider than the staging's FH_MAX_W and shared memory past the limit keep the tf32 kernel."""
