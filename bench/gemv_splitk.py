@@ -71,7 +71,14 @@ SHAPES = [
     ("o_proj S=8 16384->6144 int4", 2, 0, 8, 16384, 6144, 1),
     ("value proj 64 x [256x512] S=8 int4", 2, 0, 8, 512, 256, 64),
     ("dense S=8 6144x6144 gs=64", 4, 64, 8, 6144, 6144, 1),
+    # o_proj of 16 and 32 sequences: gemv_pf, its K split over clusters (gemv_pf_sk).
+    ("o_proj S=16 16384->6144 int4", 2, 0, 16, 16384, 6144, 1),
+    ("o_proj S=32 16384->6144 int4", 2, 0, 32, 16384, 6144, 1),
+    ("value proj 64 x [256x512] S=32 int4", 2, 0, 32, 512, 256, 64),
 ]
+# gemv_pf's forms (KS, C) timed on every shape of more than 4 rows (PF_SK_FORCE; (4, 1) is
+# gemv_pf's k slices, C > 1 gemv_pf_sk)
+PF_FORMS = ((4, 1), (1, 1), (1, 2), (1, 4), (1, 8), (4, 2), (4, 4))
 
 
 def job_dtype() -> np.dtype:
@@ -137,9 +144,18 @@ class Case:
 
     def launch(self, split: bool, force: int | None, stream: bool | str | tuple = False):
         """stream: True for gemv_st as set, "q8" for its integer path (ST_Q8), or (math
-        warps, blocks per SM[, q8]) for it."""
+        warps, blocks per SM[, q8]) for it; ("pf", KS, C): gemv_pf's form (KS, C), whatever
+        the rows."""
         from coliworker.kernels import matmul
 
+        if isinstance(stream, tuple) and stream[0] == "pf":
+            saved_pf = matmul.PF_SK_FORCE
+            matmul.PF_SK_FORCE = stream[1:]
+            try:
+                n_sm = matmul._sm_count(0)
+                return matmul._gemv_pf(self.spec, self.n_jobs, self.s, self.o, n_sm)
+            finally:
+                matmul.PF_SK_FORCE = saved_pf
         names = ("SPLIT_K", "SPLIT_K_FORCE", "STREAM", "ST_WARPS", "ST_BLOCKS", "ST_Q8")
         saved = [getattr(matmul, n) for n in names]
         form = (matmul.ST_WARPS, matmul.ST_BLOCKS, stream == "q8")
@@ -181,6 +197,8 @@ def bench_case(rng, spin, spec: tuple, iters: int, warmup: int, sweep: bool) -> 
     paths += [("q8", True, None, "q8"), ("q8w16", True, None, (16, 1, True))]
     # gemv_st's math warps and blocks per SM (matmul.ST_WARPS, ST_BLOCKS) beside its defaults
     paths += [(f"st{w}b{b}", True, None, (w, b)) for w, b in ST_FORMS]
+    if s > matmul.TC_MAX_ROWS:
+        paths += [(f"pf{ks}c{c}", True, None, ("pf", ks, c)) for ks, c in PF_FORMS]
     out: dict = dict(
         name=name, fmt=fmt, gs=gs, rows=s, in_features=i, out_features=o, n_jobs=n_jobs,
         bytes=case.bytes, floor_us=case.bytes / gpu_timing.READ_BW * 1e6, sets=len(case.tables),
@@ -296,6 +314,27 @@ def render(meta: dict, rows: list[dict]) -> str:
                 f"| {r['name']} | {gpu_timing.us(p['stream'])} | "
                 + " | ".join(gpu_timing.us(p[k]) for k in forms)
                 + " |"
+            )
+    pf = sorted({k for r in rows for k in r["paths"] if k.startswith("pf")})
+    if pf:
+        md += [
+            "",
+            "gemv_pf's forms on the shapes of more than 4 rows, pfKcC: KS = K (4: k slices "
+            "meeting in shared memory), C = cluster size (gemv_pf_sk past 1); median us:",
+            "",
+            "| shape | on | " + " | ".join(pf) + " | rel err (C = 8) |",
+            "|---|---|" + "---|" * (len(pf) + 1),
+        ]
+        for r in rows:
+            p = r["paths"]
+            if not any(k in p for k in pf):
+                continue
+            e = p.get("pf1c8", {})
+            err = f"{e['rel_err']:.1e}" if "rel_err" in e else "-"
+            md.append(
+                f"| {r['name']} | {gpu_timing.us(p['on'])} | "
+                + " | ".join(gpu_timing.us(p[k]) if k in p else "-" for k in pf)
+                + f" | {err} |"
             )
     return "\n".join(md) + "\n"
 

@@ -119,13 +119,21 @@ ST_SMEM_SM = 228 * 1024  # shared memory of an SM; each resident block reserves 
 # other bits (within 1e-7 of float64 where the bf16 path is). Off until measured faster;
 # COLIWORKER_ST_Q8=1 sets it from the start.
 ST_Q8 = os.environ.get("COLIWORKER_ST_Q8", "0") == "1"
+# Split-K of the many-row gemv (gemv_pf_sk, prefill_tc.cu): where gemv_pf's grid would leave
+# SMs idle (o_proj of 8-32 sequences: 24 tiles of 256 weight rows), a tile's K is split over a
+# cluster of C blocks that meet in distributed shared memory in a fixed order (``_pf_choice``).
+# ``PF_SPLIT_K`` off keeps gemv_pf's k slices (KS = 4) there; ``PF_SK_FORCE`` fixes (KS, C)
+# (tests and bench/gemv_splitk.py). Off until measured; COLIWORKER_PF_SPLIT_K=1 sets it on.
+PF_SPLIT_K = os.environ.get("COLIWORKER_PF_SPLIT_K", "0") == "1"
+PF_SK_FORCE: tuple[int, int] | None = None
 
 
 def settings() -> tuple:
     """The switches that pick launches (TENSOR_CORES, SPLIT_K, SPLIT_K_FORCE, MOE_TC_FAST,
-    STREAM, ST_WARPS, ST_BLOCKS, ST_Q8): part of every cached plan's key, so a plan made under
-    other settings is not reused."""
-    return (TENSOR_CORES, SPLIT_K, SPLIT_K_FORCE, MOE_TC_FAST, STREAM, ST_WARPS, ST_BLOCKS, ST_Q8)
+    STREAM, ST_WARPS, ST_BLOCKS, ST_Q8, PF_SPLIT_K, PF_SK_FORCE): part of every cached plan's
+    key, so a plan made under other settings is not reused."""
+    return (TENSOR_CORES, SPLIT_K, SPLIT_K_FORCE, MOE_TC_FAST, STREAM, ST_WARPS, ST_BLOCKS, ST_Q8,
+            PF_SPLIT_K, PF_SK_FORCE)  # fmt: skip
 
 
 TC_VARIANTS = (
@@ -308,8 +316,13 @@ PF_SROWS = 32
 PF_SMEM = 2 * PF_SROWS * (512 + 16) * 2  # the staged K tile: 64 bf16 columns (PF_SMEM)
 PF_ROWS = {1: 256, 4: 64}  # gemv_pf weight rows per block by KS (PfTile<PF_MR, KS>::ROWS)
 PF_MOE_ROWS = (128, 256)  # moe_pf rows per gate+up tile (hidden) and per down tile
-PF_VARIANTS = tuple(f"gemv_pf<{f}, {ks}>" for f in (2, 4) for ks in PF_ROWS) + tuple(
-    f"moe_pf<{f}>" for f in (2, 4)
+PF_CLUSTERS = (2, 4, 8)  # gemv_pf_sk's cluster sizes (C = 1: gemv_pf)
+PF_BLOCK_COST = 4  # a block's fixed cost (launch, first loads, reduction) in K tiles of KS = 1
+PF_KS_TILE = {1: 1.0, 4: 0.5}  # a K tile's cost by KS (KS = 4: a quarter of the rows, as staged)
+PF_VARIANTS = (
+    tuple(f"gemv_pf<{f}, {ks}>" for f in (2, 4) for ks in PF_ROWS)
+    + tuple(f"moe_pf<{f}>" for f in (2, 4))
+    + tuple(f"gemv_pf_sk<{f}, {ks}, {c}>" for f in (2, 4) for ks in PF_ROWS for c in PF_CLUSTERS)
 )
 
 
@@ -419,12 +432,47 @@ def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int,
     return _cached(key, make)
 
 
-def _gemv_pf(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: int) -> Launch:
-    """gemv_launch's launch on the tensor-core prefill path (same jobs, same pointer)."""
+def _pf_choice(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: int
+               ) -> tuple[int, int]:  # fmt: skip
+    """(KS, C) of a many-row gemv launch: gemv_pf (C = 1) with KS = 1 where its blocks fill
+    the GPU twice over; else, with ``PF_SPLIT_K``, the (KS, C) with the least modelled time,
+    waves x (PF_BLOCK_COST + K tiles per rank x PF_KS_TILE[KS]) (``PF_SK_FORCE`` fixes both);
+    without it KS = 4 (4x the blocks, k slices meeting in shared memory). Blocks of one launch
+    run side by side and are latency bound: splitting pays while the grid leaves block slots
+    empty and stops where it adds waves."""
+    if PF_SK_FORCE is not None:
+        ks, c = PF_SK_FORCE
+        if ks not in PF_ROWS or c not in (1, *PF_CLUSTERS):
+            raise ValueError(f"PF_SK_FORCE={PF_SK_FORCE}: KS not in {tuple(PF_ROWS)} or C not "
+                             f"in {(1, *PF_CLUSTERS)}")  # fmt: skip
+        return ks, c
     nz = -(-max_rows // PF_SROWS)
-    ks = 1 if nz * -(-max_out // PF_ROWS[1]) * n_jobs >= 2 * n_sm else 4
-    fn = get_function("prefill_tc.cu", f"gemv_pf<{spec.fmt}, {ks}>", PF_VARIANTS)
-    grid = (nz, -(-max_out // PF_ROWS[ks]), n_jobs)
+    if nz * -(-max_out // PF_ROWS[1]) * n_jobs >= 2 * n_sm:
+        return 1, 1
+    if not PF_SPLIT_K:
+        return 4, 1
+    slots = (2 if spec.fmt == 2 else 1) * n_sm  # blocks per SM: gemv_pf's __launch_bounds__
+    nb = -(-spec.in_features // 1024)  # int4 blocks of K (a rank's share is whole blocks)
+    nt = -(-spec.in_features // 512)  # K tiles
+    best = (0.0, (0, 0))
+    for ks in PF_ROWS:
+        blocks = nz * -(-max_out // PF_ROWS[ks]) * n_jobs
+        for c in (1, *PF_CLUSTERS):
+            tiles = nt if c == 1 else 2 * -(-nb // c)
+            cost = -(-blocks * c // (slots // c * c)) * (PF_BLOCK_COST + tiles * PF_KS_TILE[ks])
+            if best[1] == (0, 0) or cost < best[0]:
+                best = (cost, (ks, c))
+    return best[1]
+
+
+def _gemv_pf(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: int) -> Launch:
+    """gemv_launch's launch on the tensor-core prefill path (same jobs, same pointer):
+    gemv_pf, or gemv_pf_sk where ``_pf_choice`` splits K over a cluster."""
+    nz = -(-max_rows // PF_SROWS)
+    ks, c = _pf_choice(spec, n_jobs, max_rows, max_out, n_sm)
+    name = f"gemv_pf<{spec.fmt}, {ks}>" if c == 1 else f"gemv_pf_sk<{spec.fmt}, {ks}, {c}>"
+    fn = get_function("prefill_tc.cu", name, PF_VARIANTS)
+    grid = (nz * c, -(-max_out // PF_ROWS[ks]), n_jobs)
     return Launch(fn, grid, (WARPS * 32,), spec.geom(), PF_SMEM)
 
 

@@ -30,6 +30,7 @@
 // over all of K and stores from registers; KS > 1 (few rows in all: more, shorter blocks) meets
 // in shared memory in a fixed order. Either way the same bits on every call. Two blocks share
 // an SM: one stages while the other runs mmas.
+#include "cluster.cuh"
 #include "common.cuh"
 #include "jobs.cuh"
 #include "tc.cuh"
@@ -175,16 +176,45 @@ __device__ __forceinline__ void pf_tile(float (&acc)[M][MR][8][4], const unsigne
     }
 }
 
+// The end of a split-K block (gemv_pf_sk): part[s * ROWS + rr] holds this block's sum of
+// output (activation row srow0 + s, weight row row0 + rr) over its share of K. After a cluster
+// barrier rank r writes outputs o = r, r + C, ...: the C blocks' sums in rank order 0 .. C - 1,
+// times the row's scale (fmt 2). All threads of all C blocks call it.
+template <int FMT, int ROWS, int C>
+__device__ __forceinline__ void pf_cluster_out(const float *part, float *__restrict__ y,
+                                               int y_stride, int rows, int srow0, int out_rows,
+                                               int row0, const float *sc, int rank) {
+    coli_cluster_sync();  // every block's sums are written
+    for (int o = rank + C * threadIdx.x; o < ROWS * PF_SROWS; o += C * blockDim.x) {
+        const int s = o / ROWS, rr = o - s * ROWS;
+        const int row = row0 + rr, srow = srow0 + s;
+        if (row >= out_rows || srow >= rows) continue;
+        float v[C];
+#pragma unroll
+        for (int k = 0; k < C; ++k) v[k] = coli_dsmem_load(part + o, k);
+        float sum = v[0];
+#pragma unroll
+        for (int k = 1; k < C; ++k) sum += v[k];
+        y[(size_t)srow * y_stride + row] = FMT == 2 ? sum * sc[row] : sum;
+    }
+    coli_cluster_wait_exit();  // no block leaves while another reads its shared memory
+}
+
 // Weight rows [row0, row0 + PfTile<MR, KS>::ROWS) of one job (of gate and up for DUAL) x
 // activation rows [srow0, srow0 + PF_SROWS) over all of K: y[srow, row] = f(sum) (per-row
 // scale; DUAL: silu(gate) * up). All threads of the block call it (it has barriers).
-template <int FMT, int MR, int KS, bool DUAL>
+// C > 1 (gemv_pf_sk, not DUAL): this block is rank `rank` of a cluster of C and sums K
+// [kb, ke) only (whole 1024-element int4 blocks); the C sums of each output meet in
+// distributed shared memory in rank order (pf_cluster_out).
+template <int FMT, int MR, int KS, bool DUAL, int C = 1>
 __device__ __forceinline__ void pf_block(unsigned short *xb, const float *__restrict__ x,
                                          int x_stride, float *__restrict__ y, int y_stride,
                                          int rows, int srow0, int out_rows, int row0,
                                          const unsigned char *w0, const float *sc0,
                                          const unsigned char *w1, const float *sc1,
-                                         const WGeom &g) {
+                                         const WGeom &g, int kb = 0, int ke = 1 << 30,
+                                         int rank = 0) {
+    static_assert(C == 1 || !DUAL, "split-K blocks (C > 1) compute plain gemv jobs");
     constexpr int M = DUAL ? 2 : 1, RG = PfTile<MR, KS>::RG;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int rg = warp % RG, ks = warp / RG, gid = lane >> 2, t = lane & 3;
@@ -199,13 +229,14 @@ __device__ __forceinline__ void pf_block(unsigned short *xb, const float *__rest
     });
     float acc[M][MR][8][4] = {};
 
-    if (ks == 0) pf_prefetch<M, MR>(pw, 0, t);
     // Tiles past in_features hold only padding (x = 0 there): skipped.
-    for (int k0 = 0; k0 < g.in_features; k0 += PF_KT) {
+    const int kend = min(ke, g.in_features);
+    if (ks == 0 && kb < kend) pf_prefetch<M, MR>(pw, kb / 2, t);
+    for (int k0 = kb; k0 < kend; k0 += PF_KT) {
         __syncthreads();  // the previous tile is consumed
         pf_stage(xb, x, x_stride, rows, srow0, 4 * ntv, g.in_features, k0);
         __syncthreads();
-        if ((k0 & PF_KT) && ks == 0 && k0 + PF_KT < g.in_features)
+        if ((k0 & PF_KT) && ks == 0 && k0 + PF_KT < kend)
             pf_prefetch<M, MR>(pw, (k0 + PF_KT) / 2, t);  // the next int4 block's 512 bytes
         if (ntv == 8)
             pf_tile<FMT, M, MR, KS, true>(acc, xb, pw, ps, g, k0, ntv, ks, lane);
@@ -214,6 +245,24 @@ __device__ __forceinline__ void pf_block(unsigned short *xb, const float *__rest
     }
     // Lane (gid, t) holds, per fragment f and n-tile nt, activation row 4 nt + t of weight rows
     // gid (c0 + c1: hi + lo) and gid + 8 (c2 + c3).
+    constexpr int ROWS = PfTile<MR, KS>::ROWS;
+    // C > 1: this block's sum of each output [s][ROWS], past the k-slice partials (KS > 1)
+    // or in the staging buffer (KS = 1), for pf_cluster_out.
+    float *part = reinterpret_cast<float *>(xb) + (KS > 1 ? KS * RG * M * MR * 16 * PF_SROWS : 0);
+    if (KS == 1 && C > 1) {
+        __syncthreads();  // the last tile is consumed
+#pragma unroll
+        for (int f = 0; f < MR; ++f)
+#pragma unroll
+            for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+                    if (nt < ntv)
+                        part[(4 * nt + t) * ROWS + (rg * MR + f) * 16 + gid + 8 * r] =
+                            acc[0][f][nt][2 * r] + acc[0][f][nt][2 * r + 1];
+        pf_cluster_out<FMT, ROWS, C>(part, y, y_stride, rows, srow0, out_rows, row0, sc0, rank);
+        return;
+    }
     if (KS == 1) {
 #pragma unroll
         for (int f = 0; f < MR; ++f)
@@ -252,11 +301,10 @@ __device__ __forceinline__ void pf_block(unsigned short *xb, const float *__rest
                         acc[m][f][nt][2 * r] + acc[m][f][nt][2 * r + 1];
                 }
     __syncthreads();
-    constexpr int ROWS = PfTile<MR, KS>::ROWS;
     for (int o = threadIdx.x; o < ROWS * PF_SROWS; o += blockDim.x) {
         const int s = o / ROWS, rr = o - s * ROWS;
         const int row = row0 + rr, srow = srow0 + s;
-        if (row >= out_rows || srow >= rows) continue;
+        if (C == 1 && (row >= out_rows || srow >= rows)) continue;
         const int rgo = rr / (MR * 16), f = (rr / 16) % MR, r16 = rr & 15;
         float v[M];
 #pragma unroll
@@ -265,11 +313,14 @@ __device__ __forceinline__ void pf_block(unsigned short *xb, const float *__rest
 #pragma unroll
             for (int k = 0; k < KS; ++k)
                 sum += red[(((k * RG + rgo) * M + m) * MR + f) * FR + r16 * PF_SROWS + s];
-            if (FMT == 2) sum *= (m ? sc1 : sc0)[row];
+            if (FMT == 2 && C == 1) sum *= (m ? sc1 : sc0)[row];
             v[m] = sum;
         }
-        y[(size_t)srow * y_stride + row] = coli_out<DUAL>(v[0], v[M - 1]);
+        if (C > 1) part[o] = v[0];
+        else y[(size_t)srow * y_stride + row] = coli_out<DUAL>(v[0], v[M - 1]);
     }
+    if (C > 1)
+        pf_cluster_out<FMT, ROWS, C>(part, y, y_stride, rows, srow0, out_rows, row0, sc0, rank);
 }
 
 #define PF_MR 2  // 16-row fragments per warp of gemv and of moe's down tiles
@@ -292,6 +343,32 @@ gemv_pf(const GemvJob *__restrict__ jobs, int in_features, int in_padded, int ld
         job.x_stride, reinterpret_cast<float *>(job.y), job.y_stride, job.rows, srow0,
         job.out_rows, row0, reinterpret_cast<const unsigned char *>(job.w0),
         reinterpret_cast<const float *>(job.s0), nullptr, nullptr, g);
+}
+
+// gemv_pf's jobs and arguments, K split over a cluster of C blocks (C consecutive blocks in
+// x: one cluster, one tile of rows x PF_SROWS activation rows): grid (C * ceil(max_rows /
+// PF_SROWS), ceil(max_out / PfTile<PF_MR, KS>::ROWS), n_jobs). Rank r sums the int4 blocks
+// [r * N / C, (r + 1) * N / C) of K (N = ceil(in_features / 1024)); where gemv_pf's grid leaves
+// SMs idle (o_proj of 8-32 sequences: 24-96 row tiles), C times the blocks stream it. The same
+// jobs and numerics as gemv_pf, its sum in another fixed order: the same bits on every call.
+template <int FMT, int KS, int C>
+__global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(GEMV_WARPS * 32, FMT == 4 ? 1 : 2)
+gemv_pf_sk(const GemvJob *__restrict__ jobs, int in_features, int in_padded, int ld, int ngp,
+           int gs, int gs_shift) {
+    const WGeom g{in_features, in_padded, ld, ngp, gs, gs_shift};
+    const GemvJob job = jobs[blockIdx.z];
+    const int row0 = blockIdx.y * PfTile<PF_MR, KS>::ROWS;
+    const int srow0 = (blockIdx.x / C) * PF_SROWS;
+    // The C blocks of a cluster share blockIdx.x / C, y and z: all leave or none does.
+    if (row0 >= job.out_rows || srow0 >= job.rows) return;
+    const int rank = (int)coli_cluster_rank(), nb = (in_features + 1023) >> 10;
+    extern __shared__ float4 smem4[];
+    pf_block<FMT, PF_MR, KS, false, C>(
+        reinterpret_cast<unsigned short *>(smem4), reinterpret_cast<const float *>(job.x),
+        job.x_stride, reinterpret_cast<float *>(job.y), job.y_stride, job.rows, srow0,
+        job.out_rows, row0, reinterpret_cast<const unsigned char *>(job.w0),
+        reinterpret_cast<const float *>(job.s0), nullptr, nullptr, g, (rank * nb / C) << 10,
+        ((rank + 1) * nb / C) << 10, rank);
 }
 
 // A whole expert group in one persistent launch: moe in gemv.cu (the same queue of tiles,
