@@ -94,13 +94,20 @@ __device__ __forceinline__ void fh_ldsm2t(unsigned (&r)[4], const unsigned short
                  : "r"(a));
 }
 
+// *p, through the read-only path (__ldg) with NC.
+template <bool NC, class T> __device__ __forceinline__ T fh_ld(const T *p) {
+    if (NC) return __ldg(p);
+    return *p;
+}
+
 // Rows staged by one warp, NR at a time (their loads in flight together): row i is [a[i] (na[i]
 // values) | zeros | b[i] (nb[i] values, from column ``cut``, a multiple of 16 >= na[i]) |
 // zeros] up to W (a multiple of 4, at most 128 FH_MQ), each segment scaled by its own power of
 // two, 2^e[i][0] for a's, 2^e[i][1] for b's (their fh_exp), and split into the planes hi[i],
 // lo[i] (words: value pairs). Lane l takes the quads 4 (l + 32 j). VEC: float4 loads (na, nb
-// multiples of 4, a and b 16-byte aligned); every load is predicated, none branches.
-template <bool VEC, int NR>
+// multiples of 4, a and b 16-byte aligned); every load is predicated, none branches. NC: loads
+// through the read-only path (__ldg), for rows no thread of the kernel writes; else plain loads.
+template <bool VEC, int NR, bool NC = true>
 __device__ __forceinline__ void fh_rows(unsigned *const (&hi)[NR], unsigned *const (&lo)[NR],
                                         const float *const (&a)[NR], const int (&na)[NR],
                                         const float *const (&b)[NR], const int (&nb)[NR], int W,
@@ -117,7 +124,7 @@ __device__ __forceinline__ void fh_rows(unsigned *const (&hi)[NR], unsigned *con
             if (VEC) {
                 const float *src = c < cut ? a[r] + c : b[r] + (c - cut);
                 if (c < na[r] || (c >= cut && c - cut < nb[r]))
-                    x = __ldg(reinterpret_cast<const float4 *>(src));
+                    x = fh_ld<NC>(reinterpret_cast<const float4 *>(src));
                 const float m4 =
                     fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w)));
                 if (c < cut) mx[r][0] = fmaxf(mx[r][0], m4);  // quads do not straddle (VEC)
@@ -128,7 +135,7 @@ __device__ __forceinline__ void fh_rows(unsigned *const (&hi)[NR], unsigned *con
                 for (int k = 0; k < 4; ++k) {
                     const int ck = c + k;
                     const float *src = ck < cut ? a[r] + ck : b[r] + (ck - cut);
-                    t[k] = ck < na[r] || (ck >= cut && ck - cut < nb[r]) ? __ldg(src) : 0.f;
+                    t[k] = ck < na[r] || (ck >= cut && ck - cut < nb[r]) ? fh_ld<NC>(src) : 0.f;
                     if (ck < cut) mx[r][0] = fmaxf(mx[r][0], fabsf(t[k]));
                     else mx[r][1] = fmaxf(mx[r][1], fabsf(t[k]));
                 }
@@ -381,25 +388,32 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
                     nsplit);
 }
 
-// The q rows split once per call for mla_flash_h: qfull [rows][K + R] (rows = S * H) -> qs, row
-// r's hi plane [KRP] then its lo plane [KRP] (fp16, laid out as a staged row) at qs + 2 r KRP,
-// and its
-// exponents qe[2r] (latent), qe[2r + 1] (rope) (fh_rows: KRP <= 128 FH_MQ). One warp a row;
-// grid ceil(rows / 8), block 256.
-__global__ void __launch_bounds__(FL_WARPS * 32)
-mla_qsplit(unsigned short *__restrict__ qs, int *__restrict__ qe,
-           const float *__restrict__ qfull, int rows, int K, int R, int KRP) {
-    const int r = blockIdx.x * FL_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (r >= rows) return;
+// Row r of qfull [rows][K + R] split for mla_flash_h by one warp (lane ``lane``): its hi plane
+// [KRP] then its lo plane [KRP] (fp16, laid out as a staged row) at qs + 2 r KRP, and its
+// exponents qe[2r] (latent), qe[2r + 1] (rope) (fh_rows: KRP <= 128 FH_MQ). NC as fh_rows'.
+template <bool NC>
+__device__ __forceinline__ void fh_qrow(unsigned short *__restrict__ qs, int *__restrict__ qe,
+                                        const float *__restrict__ qfull, int r, int K, int R,
+                                        int KRP, int lane) {
     const float *const a[1] = {qfull + (size_t)r * (K + R)}, *const b[1] = {a[0] + K};
     unsigned *const hi[1] = {reinterpret_cast<unsigned *>(qs + (size_t)r * 2 * KRP)};
     unsigned *const lo[1] = {hi[0] + KRP / 2};
     const int na[1] = {K}, nb[1] = {R};
     int e[1][2];
     const int KP = (K + 15) & ~15;
-    if (((K | R) & 3) == 0) fh_rows<true, 1>(hi, lo, a, na, b, nb, KRP, KP, lane, e);
-    else fh_rows<false, 1>(hi, lo, a, na, b, nb, KRP, KP, lane, e);
+    if (((K | R) & 3) == 0) fh_rows<true, 1, NC>(hi, lo, a, na, b, nb, KRP, KP, lane, e);
+    else fh_rows<false, 1, NC>(hi, lo, a, na, b, nb, KRP, KP, lane, e);
     if (lane == 0) qe[2 * r] = e[0][0], qe[2 * r + 1] = e[0][1];
+}
+
+// The q rows split once per call for mla_flash_h (``fh_qrow``): qfull [rows][K + R] (rows =
+// S * H) -> qs, qe. One warp a row; grid ceil(rows / 8), block 256.
+__global__ void __launch_bounds__(FL_WARPS * 32)
+mla_qsplit(unsigned short *__restrict__ qs, int *__restrict__ qe,
+           const float *__restrict__ qfull, int rows, int K, int R, int KRP) {
+    const int r = blockIdx.x * FL_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (r >= rows) return;
+    fh_qrow<true>(qs, qe, qfull, r, K, R, KRP, lane);
 }
 
 // mla_flash's launch and outputs, its q rows from mla_qsplit (qs, qe); QSTH, KSTH in fp16
