@@ -74,16 +74,17 @@ __device__ __forceinline__ void absorb_tail(float *__restrict__ qfull, const flo
 // ABS_P = 4 and Q = 192 a thread makes 2 round trips of 24 loads.
 //
 // The same launch writes the call's new cache rows (``kv_scatter``): the attention kernels
-// after it in the stream read them, and no launch of its own is needed.
+// after it in the stream read them, and no launch of its own is needed. qs, qe: mla_absorb_w's
+// (its arguments are this kernel's), unused here.
 #define ABS_U 24
 #define ABS_P 4
 template <int FMT>
 __global__ void __launch_bounds__(128 * ABS_P)
-mla_absorb(float *__restrict__ qfull, const float *__restrict__ q,
-           const unsigned char *__restrict__ w, const float *__restrict__ sc,
-           const KvDesc *__restrict__ kv, const float *__restrict__ nlat,
-           const float *__restrict__ nrope, int n_new, int S, int H, int Q, int R, int V, int K,
-           int ld, int ngp, int gs, int gs_shift) {
+mla_absorb(float *__restrict__ qfull, unsigned short *__restrict__, int *__restrict__,
+           const float *__restrict__ q, const unsigned char *__restrict__ w,
+           const float *__restrict__ sc, const KvDesc *__restrict__ kv,
+           const float *__restrict__ nlat, const float *__restrict__ nrope, int n_new, int S,
+           int H, int Q, int R, int V, int K, int ld, int ngp, int gs, int gs_shift) {
     extern __shared__ float qs[];  // [8][Q]: q_nope of 8 tokens of this head; then red
     float *red = qs + 8 * Q;       // [ABS_P - 1][8][128] partial sums of parts 1..
     const int h = blockIdx.x, x = threadIdx.x & 127, part = threadIdx.x >> 7;
@@ -143,6 +144,10 @@ mla_absorb(float *__restrict__ qfull, const float *__restrict__ q,
 // the 16 columns 128 j + 4 l + k (j, k < 4) for SB tokens in registers. The 8 warps' sums meet
 // in shared memory in a fixed tree ((w0 + w4) + (w2 + w6)) + ((w1 + w5) + (w3 + w7)).
 // Rope columns and the new cache rows as mla_absorb.
+//
+// QSPLIT (K <= 512: one column group, so a block holds whole rows): the block also splits its
+// rows for mla_flash_h as mla_qsplit does (``fh_qrow`` on the qfull it wrote, after a
+// __syncthreads: the same bits), into qs and qe; else qs and qe are unused.
 #define ABW_WARPS 8
 #define ABW_QS(Q, SB) ((((Q) * (SB)) + 3) & ~3)
 
@@ -184,16 +189,21 @@ __device__ __forceinline__ void abw_decode(const uint4 &c, int qq, float (&v)[4]
     }
 }
 
-template <int FMT, int SB>
+template <bool NC>
+__device__ __forceinline__ void fh_qrow(unsigned short *__restrict__ qs, int *__restrict__ qe,
+                                        const float *__restrict__ qfull, int r, int K, int R,
+                                        int KRP, int lane);  // in attention_flash_h.cuh, below
+
+template <int FMT, int SB, bool QSPLIT>
 __global__ void __launch_bounds__(ABW_WARPS * 32)
-mla_absorb_w(float *__restrict__ qfull, const float *__restrict__ q,
-             const unsigned char *__restrict__ w, const float *__restrict__ sc,
-             const KvDesc *__restrict__ kv, const float *__restrict__ nlat,
-             const float *__restrict__ nrope, int n_new, int S, int H, int Q, int R, int V,
-             int K, int ld, int ngp, int gs, int gs_shift) {
+mla_absorb_w(float *__restrict__ qfull, unsigned short *__restrict__ qs, int *__restrict__ qe,
+             const float *__restrict__ q, const unsigned char *__restrict__ w,
+             const float *__restrict__ sc, const KvDesc *__restrict__ kv,
+             const float *__restrict__ nlat, const float *__restrict__ nrope, int n_new, int S,
+             int H, int Q, int R, int V, int K, int ld, int ngp, int gs, int gs_shift) {
     constexpr int QU = Fmt<FMT>::QUADS, BLK = QU * 128, U = AbwU<SB>::value;
     extern __shared__ float4 abw_sm4[];
-    float *qs = reinterpret_cast<float *>(abw_sm4);  // [Q][SB] q_nope, token fastest
+    float *qn = reinterpret_cast<float *>(abw_sm4);  // [Q][SB] q_nope, token fastest
     float4 *red = abw_sm4 + ABW_QS(Q, SB) / 4;       // [4][SB][4][32] float4 partial sums
     const int h = blockIdx.x, g = blockIdx.y, s0 = blockIdx.z * SB;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -201,7 +211,7 @@ mla_absorb_w(float *__restrict__ qfull, const float *__restrict__ q,
     const int col0 = b * BLK + q0 * 128 + 4 * lane;  // this lane's first column (quad j: + 128 j)
     for (int i = threadIdx.x; i < Q * SB; i += ABW_WARPS * 32) {
         const int d = i / SB, s = i - d * SB;
-        qs[i] = s0 + s < S ? q[((size_t)(s0 + s) * H + h) * (Q + R) + d] : 0.f;
+        qn[i] = s0 + s < S ? q[((size_t)(s0 + s) * H + h) * (Q + R) + d] : 0.f;
     }
     __syncthreads();
     const int o = h * (Q + V);
@@ -230,7 +240,7 @@ mla_absorb_w(float *__restrict__ qfull, const float *__restrict__ q,
             if (d < Q) {
                 float qd[SB];
 #pragma unroll
-                for (int s = 0; s < SB; ++s) qd[s] = qs[d * SB + s];
+                for (int s = 0; s < SB; ++s) qd[s] = qn[d * SB + s];
                 if (FMT != 4) {
 #pragma unroll
                     for (int s = 0; s < SB; ++s) qd[s] *= fcur[u][0];
@@ -298,6 +308,12 @@ mla_absorb_w(float *__restrict__ qfull, const float *__restrict__ q,
         }
     }
     absorb_tail(qfull, q, kv, nlat, nrope, n_new, S, H, Q, R, K, h, s0, SB);
+    if constexpr (QSPLIT) {  // warp w splits row w of the block's SB (plain loads: written here)
+        __syncthreads();
+        const int KRP = ((K + 15) & ~15) + ((R + 15) & ~15);
+        for (int s = warp; s < SB && s0 + s < S; s += ABW_WARPS)
+            fh_qrow<false>(qs, qe, qfull, (s0 + s) * H + h, K, R, KRP, lane);
+    }
 }
 
 #define ATT_WARPS 8

@@ -14,8 +14,10 @@ fit in one wave (``cluster_choice``). Both are measured against the kernels they
 ``bench/results/mla-launches-2026-12-01.md``; the tests run both ways on the GPU, and on the
 CPU through a stand-in for the CUDA built-ins. ``mla_flash_h`` / ``mla_flash_hc`` (``FL_F16``,
 on by default; COLIWORKER_FLASH_F16=0 keeps the tf32 kernels) do the flash kernels' work on
-fp16 tensor cores, every q row (``mla_qsplit``, once per call) and cache row (as its tile is
-staged) split once into fp16 parts (attention_flash_h.cuh says how its numerics hold).
+fp16 tensor cores, every q row (once per call) and cache row (as its tile is staged) split
+once into fp16 parts (attention_flash_h.cuh says how its numerics hold). The q rows are split
+by ``mla_absorb_w`` itself where it serves kv_b and K <= 512 (``QSPLIT_FUSED``,
+``qsplit_fused``: one launch fewer per call), else by a ``mla_qsplit`` launch after the absorb.
 
 The value projection and o_proj are gemv jobs (``matmul.py``); ``run`` chains every launch of
 a call in its arena (``call``: the backend's call context, ``server/cupy_calls.py``), with the
@@ -63,7 +65,9 @@ FL_WAVE_LOSS = 0.1
 # Every variant of attention.cu: the file compiles once per device with all of them.
 VARIANTS = (
     tuple(f"mla_absorb<{f}>" for f in range(5))
-    + tuple(f"mla_absorb_w<{f}, {sb}>" for f in (2, 4) for sb in ABW_SB)
+    + tuple(
+        f"mla_absorb_w<{f}, {sb}, {x}>" for f in (2, 4) for sb in ABW_SB for x in ("false", "true")
+    )
     + tuple(f"mla_attend<{n}, {h}>" for n, h in NPL_CHOICES)
     + ("mla_merge",)
     + tuple(f"mla_flash<{n}>" for n in (1, 2, 4, 8, 16, 32))
@@ -81,6 +85,10 @@ FLASH = True
 #: at 32, 41 -> 37 us (+ 4 us of mla_qsplit) at one, closer to float64. COLIWORKER_FLASH_F16=0
 #: keeps the tf32 kernels. Tests run both.
 FL_F16 = os.environ.get("COLIWORKER_FLASH_F16", "1") != "0"
+#: mla_absorb_w splits the q rows for mla_flash_h itself (mla_absorb_w<FMT, SB, true>, the bits
+#: of mla_qsplit) where ``qsplit_fused`` says so: the call has no mla_qsplit launch.
+#: COLIWORKER_QSPLIT_FUSED=0 keeps the mla_qsplit launch. Tests run both.
+QSPLIT_FUSED = os.environ.get("COLIWORKER_QSPLIT_FUSED", "1") != "0"
 FH_MAX_W = 128 * 5  # FH_MQ: the widest row mla_flash_h stages
 FL_TT = 16  # cache rows per tile (attention.cu)
 FL_HB = 64  # heads per block
@@ -91,12 +99,14 @@ MAX_KR = 32 * NPL_CHOICES[-1][0]
 
 def absorb_launch(spec: WeightSpec, s: int, heads: int, q_dim: int, rope_dim: int,
                   v_dim: int) -> Launch:  # fmt: skip
-    """mla_absorb, taking seven pointers and a count: qfull float32 [S, H, K+R] <- [q_nope @
-    W_k(h) | q_rope], q float32 [S, H, Q+R], kv_b [H*(Q+V), K]'s resident bytes and scales, the
-    call's ``KV_DESC`` [S] descriptors, then its new cache rows: latent float32 [n, K], rope
-    float32 [n, R] and ``np.int32(n)`` (written into the caches the descriptors name; n = 0:
-    none)."""
+    """mla_absorb, taking nine pointers and a count: qfull float32 [S, H, K+R] <- [q_nope @
+    W_k(h) | q_rope], qs and qe (where ``qsplit_fused``: the q rows split as ``qsplit_launch``
+    splits them, written by the same launch; else unused), q float32 [S, H, Q+R], kv_b
+    [H*(Q+V), K]'s resident bytes and scales, the call's ``KV_DESC`` [S] descriptors, then its
+    new cache rows: latent float32 [n, K], rope float32 [n, R] and ``np.int32(n)`` (written
+    into the caches the descriptors name; n = 0: none)."""
     dev = cupy.cuda.runtime.getDevice()
+    fused = qsplit_fused(spec, rope_dim)
 
     def make() -> Launch:
         k = spec.in_features
@@ -106,14 +116,15 @@ def absorb_launch(spec: WeightSpec, s: int, heads: int, q_dim: int, rope_dim: in
                 np.int32(max(spec.layout.ngp, 1)), gs, shift)  # fmt: skip
         if absorb_w_ok(spec):
             sb = absorb_w_sb(s, heads, k)
-            fn = get_function("attention.cu", f"mla_absorb_w<{spec.fmt}, {sb}>", VARIANTS)
+            name = f"mla_absorb_w<{spec.fmt}, {sb}, {str(fused).lower()}>"
+            fn = get_function("attention.cu", name, VARIANTS)
             smem = 4 * (-(-max(q_dim, 1) * sb // 4) * 4 + 4 * sb * 512)
             return Launch(fn, (heads, -(-k // 512), -(-s // sb)), (256,), tail, smem)
         fn = get_function("attention.cu", f"mla_absorb<{spec.fmt}>", VARIANTS)
         smem = 4 * (8 * max(q_dim, 1) + (ABS_P - 1) * 8 * 128)
         return Launch(fn, (heads, -(-k // 128), -(-s // 8)), (128 * ABS_P,), tail, smem)
 
-    key = (dev, "absorb", id(spec), s, heads, q_dim, rope_dim, v_dim, ABSORB_W)
+    key = (dev, "absorb", id(spec), s, heads, q_dim, rope_dim, v_dim, ABSORB_W, fused)
     return _cached(key, make)  # type: ignore[return-value]
 
 
@@ -132,6 +143,15 @@ def absorb_w_sb(s: int, heads: int, k: int) -> int:
 def absorb_w_ok(spec: WeightSpec) -> bool:
     """Whether mla_absorb_w serves this kv_b (and ``ABSORB_W`` is on)."""
     return ABSORB_W and (spec.fmt == 2 or (spec.fmt == 4 and spec.group_size % 4 == 0))
+
+
+def qsplit_fused(spec: WeightSpec, r: int) -> bool:
+    """Whether the absorb launch splits the q rows for mla_flash_h itself (no mla_qsplit
+    launch): ``QSPLIT_FUSED``, the flash launch mla_flash_h's (``flash_ok`` and ``_f16``),
+    mla_absorb_w serving kv_b (``absorb_w_ok``) and K <= 512 (one column group: a block holds
+    whole rows)."""
+    k = spec.in_features
+    return QSPLIT_FUSED and k <= 512 and flash_ok(k, r) and _f16(k, r) and absorb_w_ok(spec)
 
 
 def pick_npl(kr: int) -> tuple[int, int]:
@@ -425,7 +445,7 @@ def run(
     (batch attention: its whole cache; ragged: ``fresh[s]`` new rows of ``caches[s]``, which
     have room for them). Arena inputs: q, the KvDescs, the gemv jobs, the rows; output: ctx
     float32 [S, H*V] or o_proj's [S, D_out]; scratch: qfull, cl, ctx (with o_proj), pm, pl,
-    pacc, and mla_qsplit's qs, qe (with mla_flash_h). The plan (launches, layout, gemv jobs)
+    pacc, and the split q rows qs, qe (with mla_flash_h). The plan (launches, layout, gemv jobs)
     is kept per arena and call shape."""
     S, H = q.shape[0], q.shape[1]
     K, R, V = kv_b.in_features, rope_dim, v_dim
@@ -437,7 +457,8 @@ def run(
     n_up = sum(len(x) for x in latents)
     a = call.take()
     key = ("attention", id(kv_b), id(o_proj), S, H, q_dim, R, V, scale, n_up, nsplit,
-           caches is None, flash, mm.settings(), ABSORB_W, FL_CLUSTER, FL_F16)  # fmt: skip
+           caches is None, flash, mm.settings(), ABSORB_W, FL_CLUSTER, FL_F16,
+           QSPLIT_FUSED)  # fmt: skip
     plan = a.plans.get(key)
     if plan is None:  # _plan sizes the arena first: a reallocated arena forgets its plans
         plan = _plan(call, kv_b, o_proj, S, H, q_dim, R, V, scale, n_up, nsplit, flash,
@@ -477,21 +498,24 @@ def run(
 
 
 def _launch_args(kv_b: Any, base: int, scratch: Sequence[int], d_off: int, j_off: int,
-                 l_off: int, r_off: int, scatter: int, H: int, flash: bool,
+                 l_off: int, r_off: int, scatter: int, H: int, flash: bool, f16: bool,
                  launches: tuple) -> list[tuple]:  # fmt: skip
     """The call's launches with their arguments, (launch, args) in order: absorb (which writes
-    a ragged call's ``scatter`` new rows into their caches), attend, merge, the value
-    projection and o_proj where the plan has them. Every argument is an address in the arena
-    (``base``) or in kv_b, or a count in the plan's key, so a plan makes them once."""
+    a ragged call's ``scatter`` new rows into their caches, and where ``qsplit_fused`` the q
+    rows split for mla_flash_h), mla_qsplit (``split``: the q rows split for mla_flash_h,
+    ``f16``, by a launch of their own), attend, merge, the value projection and o_proj where
+    the plan has them. Every argument is an address in the arena (``base``) or in kv_b, or a
+    count in the plan's key, so a plan makes them once."""
     absorb, split, attend, merge, value, proj = launches
     u64 = np.uint64
     qfull, cl, _, pm, pl, pacc, qs, qe = (u64(base + o) for o in scratch)
     desc = u64(base + d_off)
-    args = (qfull, u64(base), u64(kv_b.ptrs[0]), u64(kv_b.ptrs[1]), desc, u64(base + l_off),
-            u64(base + r_off), np.int32(scatter))  # fmt: skip
+    args = (qfull, qs, qe, u64(base), u64(kv_b.ptrs[0]), u64(kv_b.ptrs[1]), desc,
+            u64(base + l_off), u64(base + r_off), np.int32(scatter))  # fmt: skip
     out: list[tuple] = [(absorb, args)]
     if split is not None:  # mla_flash_h's q rows, split once
         out.append((split, (qs, qe, qfull)))
+    if f16:
         out.append((attend, (pm, pl, pacc, qs, desc, cl, qe)))
     elif flash:
         out.append((attend, (pm, pl, pacc, qfull, desc, cl)))
@@ -519,9 +543,11 @@ def _plan(
     n_jobs = H + (o_proj is not None)
     absorb = absorb_launch(kv_b.spec, S, H, q_dim, R, V)
     split = None
+    f16 = flash and _f16(K, R)  # the q rows split: by the absorb or by mla_qsplit
     if flash:
         attend, merge = flash_launch(S, H, K, R, scale, nsplit)
-        split = qsplit_launch(S, H, K, R)
+        if not qsplit_fused(kv_b.spec, R):
+            split = qsplit_launch(S, H, K, R)
     else:
         attend, merge = attend_launch(S, H, K, R, scale, nsplit)
     value = gemv_launch(kv_b.spec, H, S, V)
@@ -535,7 +561,7 @@ def _plan(
     out_off = align(in_end)
     sizes = [4 * S * H * (K + R), 4 * H * S * K, 4 * S * H * V if o_proj else 0,
              4 * S * H * nsplit, 4 * S * H * nsplit, 4 * S * H * nsplit * K,
-             4 * S * H * _krp16(K, R) if split else 0, 8 * S * H if split else 0]  # fmt: skip
+             4 * S * H * _krp16(K, R) if f16 else 0, 8 * S * H if f16 else 0]  # fmt: skip
     scratch = [align(out_off + 4 * S * dout)]
     for n in sizes[:-1]:
         scratch.append(align(scratch[-1] + n))
@@ -549,7 +575,7 @@ def _plan(
         jobs += GEMV_JOB.pack(*o_proj.ptrs, 0, 0, ctx, base + out_off, S,
                               o_proj.out_features, H * V, o_proj.out_features)  # fmt: skip
     launches = _launch_args(kv_b, base, scratch, d_off, j_off, l_off, r_off,
-                            0 if batch else n_up, H, flash,
+                            0 if batch else n_up, H, flash, f16,
                             (absorb, split, attend, merge, value, proj))  # fmt: skip
     return ((kv_b, o_proj), dev_end, host_end, d_off, j_off, l_off, r_off, in_end, out_off,
             dout, scratch, np.frombuffer(bytes(jobs), np.uint8), launches,

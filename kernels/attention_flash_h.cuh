@@ -391,6 +391,7 @@ fh_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
 // Row r of qfull [rows][K + R] split for mla_flash_h by one warp (lane ``lane``): its hi plane
 // [KRP] then its lo plane [KRP] (fp16, laid out as a staged row) at qs + 2 r KRP, and its
 // exponents qe[2r] (latent), qe[2r + 1] (rope) (fh_rows: KRP <= 128 FH_MQ). NC as fh_rows'.
+// mla_qsplit and mla_absorb_w's fused split (attention.cu declares it) both make q rows so.
 template <bool NC>
 __device__ __forceinline__ void fh_qrow(unsigned short *__restrict__ qs, int *__restrict__ qe,
                                         const float *__restrict__ qfull, int r, int K, int R,

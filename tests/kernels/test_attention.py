@@ -206,3 +206,44 @@ def test_new_kernels_graph_replay(cupy_backend, rng, monkeypatch, f16):
             assert np.array_equal(got.view(np.uint32), outs[1][0].view(np.uint32))
         for c in caches:
             c.release()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[4096], [700, 3, 1500, 1, 2051, 15, 300, 33]], ids=["1", "8"])
+def test_qsplit_fused_same_bits(cupy_backend, rng, monkeypatch, lens):
+    """The q rows split by mla_absorb_w itself (``QSPLIT_FUSED``: no mla_qsplit launch) give the
+    bits of the mla_qsplit launch at GLM-5.2 widths, 1 and 8 sequences, each call carrying a
+    new cache row per sequence, with o_proj and without, kv_b in fmt 2 and fmt 4; both within
+    1e-5 of float64."""
+    from coliworker.kernels import attention
+
+    monkeypatch.setattr(attention, "FL_F16", True)
+    monkeypatch.setattr(attention, "ABSORB_W", True)
+    b = cupy_backend
+    h, q, r, v, k = 64, 192, 64, 256, 512
+    scale = 1 / np.sqrt(q + r)
+    for fmt, gs in ((2, 0), (4, 64)):
+        kv_b, o_proj, dk, do = _mla(rng, b, h, q, r, v, k, 40, fmt, gs)
+        caches, lats, ropes = _ragged_caches(b, rng, [n - 1 for n in lens], k, r)
+        qa = rng.standard_normal((len(lens), h, q + r)).astype(np.float32)
+        new = [(rng.standard_normal((1, k)).astype(np.float32),
+                rng.standard_normal((1, r)).astype(np.float32)) for _ in lens]  # fmt: skip
+        outs = {}
+        for fused in (True, False):
+            monkeypatch.setattr(attention, "QSPLIT_FUSED", fused)
+            assert attention.qsplit_fused(dk.spec, r) == fused
+            outs[fused] = []
+            for op, dop in ((None, None), (o_proj, do)):
+                res = b.attention_ragged(dk, dop, qa, caches, q, r, v, scale, rows=new)
+                for c, n in zip(caches, lens, strict=True):
+                    assert c.length == n
+                    c.truncate(n - 1)
+                full_l = [np.concatenate([la, x[0]]) for la, x in zip(lats, new, strict=True)]
+                full_r = [np.concatenate([ro, x[1]]) for ro, x in zip(ropes, new, strict=True)]
+                ref = reference.attention_ragged(kv_b, op, qa, full_l, full_r, q, r, v, scale)
+                assert rel_err(res.out, ref) < 1e-5, (fmt, fused)
+                outs[fused].append(res.out)
+        for got, want in zip(outs[True], outs[False], strict=True):
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), fmt
+        for c in caches:
+            c.release()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import shutil
 import subprocess
+import types
 from pathlib import Path
 
 import numpy as np
@@ -112,11 +113,12 @@ template <int F, int SB> int check(int S, int H, int Q, int R, int V, int K, int
     for (auto &x : q) x = u(rng);
     std::vector<float> a((size_t)S * H * (K + R), NAN), b = a;
     launch({H, (K + 511) / 512, (S + SB - 1) / SB}, 256, [&] {
-        mla_absorb_w<F, SB>(a.data(), q.data(), w.data(), sc.data(), nullptr, nullptr, nullptr, 0,
-                            S, H, Q, R, V, K, ld, ngp, gs, shift); });
+        mla_absorb_w<F, SB, false>(a.data(), nullptr, nullptr, q.data(), w.data(), sc.data(),
+                                   nullptr, nullptr, nullptr, 0, S, H, Q, R, V, K, ld, ngp, gs,
+                                   shift); });
     launch({H, (K + 127) / 128, (S + 7) / 8}, 512, [&] {
-        mla_absorb<F>(b.data(), q.data(), w.data(), sc.data(), nullptr, nullptr, nullptr, 0,
-                      S, H, Q, R, V, K, ld, ngp, gs, shift); });
+        mla_absorb<F>(b.data(), nullptr, nullptr, q.data(), w.data(), sc.data(), nullptr, nullptr,
+                      nullptr, 0, S, H, Q, R, V, K, ld, ngp, gs, shift); });
     double d = 0, m = 0;
     for (size_t i = 0; i < a.size(); ++i) {
         if (std::isnan(a[i]) || std::isnan(b[i])) return 1;  // an output left unwritten
@@ -158,13 +160,13 @@ def test_absorb_w_on_cpu(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
 
 
-# mla_flash, mla_flash_c and mla_merge on the CPU: one fiber (ucontext) per CUDA thread, run in
-# turn until each reaches a barrier (__syncthreads, a warp's, the cluster's: fibers.h); the
-# inline-PTX helpers are replaced: mma.m16n8k8 tf32 by the fragment layout of the PTX manual
-# (operands cut to tf32, the sum in float64), a warp shuffle by an exchange at a warp barrier
-# (fibers.h), cp.async by a copy (zero fill for n = 0), DSMEM reads by the same offset in the
-# rank's block.
-_FLASH_SHIM = r"""
+# attention.cu's kernels on the CPU: one fiber (ucontext) per CUDA thread, run in turn until
+# each reaches a barrier (__syncthreads, a warp's, the cluster's: fibers.h); the inline-PTX
+# helpers are replaced: mma.m16n8k8 tf32 by the fragment layout of the PTX manual (operands cut
+# to tf32, the sum in float64), a warp shuffle by an exchange at a warp barrier (fibers.h),
+# cp.async by a copy (zero fill for n = 0), DSMEM reads by the same offset in the rank's block;
+# then the kernels (``_cpu_source``) as kernel.inc. A test's checks follow.
+_FIBER_SHIM = r"""
 #include "fibers.h"
 inline double tf32(unsigned u) { return (double)__uint_as_float(u & 0xffffe000u); }
 inline void fl_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3,
@@ -275,7 +277,12 @@ inline void fh_ldsm4t(unsigned (&r)[4], const unsigned short *p) { fh_ldsm<4, tr
 inline void fh_ldsm2t(unsigned (&r)[4], const unsigned short *p) { fh_ldsm<2, true>(r, p); }
 #include "common.cuh"
 #include "kernel.inc"
+"""
 
+# mla_flash, mla_flash_c, mla_flash_h, mla_flash_hc and mla_merge against float64.
+_FLASH_SHIM = (
+    _FIBER_SHIM
+    + r"""
 int run(int H, std::vector<int> lens, int nsplit, int C, bool f16 = false, int K = 512,
         int R = 64, float lat_scale = 3, int spread = 0) {
     const int KR = K + R, S = (int)lens.size();
@@ -377,23 +384,30 @@ int main() {
            run(64, {70}, 2, 1, true, 512, 64, 3, 12) + run(4, {40}, 2, 1, true, 40, 8, 1e-8f);
 }
 """
+)
 _FL_ASM = (
     "fl_mma", "fl_cp4", "fl_cp16", "fl_remote", "fl_dsmem", "fl_dsmem4", "fl_cluster_sync",
     "fl_cluster_wait_exit", "fh_split2", "fh_mma", "fh_ldsm4", "fh_ldsm4t", "fh_ldsm2t",
 )  # fmt: skip
 
 
-def _flash_source(src: str) -> str:
-    """KvDesc, mla_merge and the flash kernels of attention.cu (attention_flash.cuh and
-    attention_flash_h.cuh inlined, as compiled), without their inline PTX."""
-    kv = src[src.index("struct KvDesc") : src.index("// The call's new cache rows")]
-    part = src[src.index("// grid (H, S, ceil(K / 128)), block 128") :]
-    part = without_ptx(part, _FL_ASM)
-    part = part.replace("extern __shared__ float wz[];", "float *wz = (float *)cur_smem();")
-    return kv + part.replace(
-        "__shared__ float red[2][4];",
-        "float (&red)[2][4] = *(float (*)[2][4])((float *)cur_smem() + 60000);",
-    )
+def _cpu_source(src: str) -> str:
+    """attention.cu's kernels (attention_flash.cuh and attention_flash_h.cuh inlined, as
+    compiled; common.cuh left to the shim) without their inline PTX, their shared memory the
+    fiber's block memory."""
+    part = without_ptx(src[src.index("struct KvDesc") :], _FL_ASM)
+    for old, new in (
+        ("extern __shared__ float wz[];", "float *wz = (float *)cur_smem();"),
+        ("extern __shared__ float qs[];", "float *qs = (float *)cur_smem();"),
+        ("extern __shared__ float4 abw_sm4[];", "float4 *abw_sm4 = cur_smem();"),
+        (
+            "__shared__ float red[2][4];",
+            "float (&red)[2][4] = *(float (*)[2][4])((float *)cur_smem() + 60000);",
+        ),
+    ):
+        assert old in part, old
+        part = part.replace(old, new)
+    return part
 
 
 @pytest.mark.slow
@@ -402,7 +416,108 @@ def test_flash_clusters_on_cpu(tmp_path):
     """mla_flash_c (C = 2, 4, 8: into cl, and into partials for mla_merge; two head blocks,
     heads beyond H, slices without rows) against float64 at GLM-5.2 widths (K 512, R 64), their
     CUDA source run on the CPU (``_FLASH_SHIM``): every output written, within 1e-5 (~1e-6)."""
-    build_and_run(tmp_path, _FLASH_SHIM, _flash_source(sources.source("attention.cu")), 240)
+    build_and_run(tmp_path, _FLASH_SHIM, _cpu_source(sources.source("attention.cu")), 240)
+
+
+# mla_absorb_w<F, SB, true> (the q rows split by the absorb) against mla_absorb_w<F, SB, false>
+# then mla_qsplit, on the same inputs; one new cache row per token scattered by both.
+_QSPLIT_SHIM = (
+    _FIBER_SHIM
+    + r"""
+template <class T> unsigned long long fnv(const std::vector<T> &v) {
+    unsigned long long h = 1469598103934665603ull;
+    const unsigned char *p = reinterpret_cast<const unsigned char *>(v.data());
+    for (size_t i = 0; i < v.size() * sizeof(T); ++i) h = (h ^ p[i]) * 1099511628211ull;
+    return h;
+}
+template <class T> bool same(const std::vector<T> &a, const std::vector<T> &b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+// What one way makes: qfull (NaN where unwritten), qs, qe (fill where unwritten), the caches.
+struct Out {
+    std::vector<float> qfull, lat, rope;
+    std::vector<unsigned short> qs;
+    std::vector<int> qe;
+};
+template <int F, int SB> int check(int S, int H, int Q, int R, int V, int K, int gsz) {
+    std::mt19937 rng(S * 7 + K + R);
+    const int inp = (K + 1023) / 1024 * 1024, ld = inp / 2, O = H * (Q + V);
+    const int ngp = F == 4 ? (inp + gsz - 1) / gsz : 1, gs = F == 4 ? gsz : 4;
+    const int shift = (gs & (gs - 1)) == 0 ? __builtin_ctz(gs) : -1;
+    const int KRP = (K + 15) / 16 * 16 + (R + 15) / 16 * 16, rows = S * H;
+    std::vector<unsigned char> w((size_t)O * ld);
+    for (auto &b : w) b = rng() & 255;
+    std::uniform_real_distribution<float> u(-1, 1);
+    std::vector<float> sc((size_t)O * ngp), q((size_t)rows * (Q + R));
+    std::vector<float> nlat((size_t)S * K), nrope((size_t)S * R);
+    for (auto &x : sc) x = 0.001f + 0.01f * (u(rng) + 1);
+    for (size_t i = 0; i < q.size(); ++i) {  // ropes 2^-12 .. 2^12: exponents not the latent's
+        const int row = (int)(i / (Q + R)), d = (int)(i % (Q + R));
+        q[i] = u(rng) * (d < Q ? 1.f : std::ldexp(1.f, row % 25 - 12));
+    }
+    for (int d = 0; d < Q + R; ++d) q[(size_t)(rows - 1) * (Q + R) + d] = 0.f;  // a zero row
+    for (auto &x : nlat) x = u(rng);
+    for (auto &x : nrope) x = u(rng);
+    auto way = [&](bool fused, unsigned short fill) {
+        Out o{std::vector<float>((size_t)rows * (K + R), NAN), std::vector<float>((size_t)S * K),
+              std::vector<float>((size_t)S * R),
+              std::vector<unsigned short>((size_t)rows * 2 * KRP, fill),
+              std::vector<int>((size_t)rows * 2, -(int)fill)};
+        std::vector<KvDesc> kv(S);
+        for (int s = 0; s < S; ++s)
+            kv[s] = {(unsigned long long)(o.lat.data() + (size_t)s * K),
+                     (unsigned long long)(o.rope.data() + (size_t)s * R), 1, s};
+        const dim3 g{H, (K + 511) / 512, (S + SB - 1) / SB};
+        if (fused)
+            launch(g, 1, 256, [&] {
+                mla_absorb_w<F, SB, true>(o.qfull.data(), o.qs.data(), o.qe.data(), q.data(),
+                                          w.data(), sc.data(), kv.data(), nlat.data(),
+                                          nrope.data(), S, S, H, Q, R, V, K, ld, ngp, gs, shift);
+            });
+        else {
+            launch(g, 1, 256, [&] {
+                mla_absorb_w<F, SB, false>(o.qfull.data(), nullptr, nullptr, q.data(), w.data(),
+                                           sc.data(), kv.data(), nlat.data(), nrope.data(), S, S,
+                                           H, Q, R, V, K, ld, ngp, gs, shift);
+            });
+            launch({(rows + 7) / 8, 1, 1}, 1, 256,
+                   [&] { mla_qsplit(o.qs.data(), o.qe.data(), o.qfull.data(), rows, K, R, KRP); });
+        }
+        return o;
+    };
+    const Out a = way(false, 0x5555), b = way(true, 0xAAAA);
+    long nan = 0, nz = 0;
+    for (float x : a.qfull) nan += std::isnan(x);
+    for (unsigned short x : a.qs) nz += x != 0;
+    const bool ok = same(a.qfull, b.qfull) && same(a.qs, b.qs) && same(a.qe, b.qe) &&
+                    same(a.lat, b.lat) && same(a.rope, b.rope) && nan == 0;
+    printf("fmt %d SB %d S %d H %d K %d R %d: %s; qsplit / fused qfull %016llx / %016llx, qs "
+           "%016llx / %016llx, qe %016llx / %016llx (%ld nonzero halves, NaN %ld)\n",
+           F, SB, S, H, K, R, ok ? "the same bytes" : "DIFFERENT", fnv(a.qfull), fnv(b.qfull),
+           fnv(a.qs), fnv(b.qs), fnv(a.qe), fnv(b.qe), nz, nan);
+    return !ok;
+}
+
+int main() {
+    // GLM-5.2 widths at 1 and 3 tokens (SB 1, 4); K 40 / R 24 over two z blocks (fmt 4, gs 8);
+    // K 37 / R 6 (scalar loads; fmt 2) and K 500 / R 64 (fmt 4, gs 12)
+    return check<2, 1>(1, 64, 192, 64, 256, 512, 0) + check<2, 4>(3, 64, 192, 64, 256, 512, 0) +
+           check<4, 8>(10, 4, 24, 24, 16, 40, 8) + check<2, 8>(9, 3, 20, 6, 8, 37, 0) +
+           check<4, 4>(5, 2, 16, 64, 12, 500, 12);
+}
+"""
+)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
+def test_absorb_w_qsplit_on_cpu(tmp_path):
+    """mla_absorb_w<F, SB, true> (the q rows split for mla_flash_h by the absorb, no mla_qsplit
+    launch) against mla_absorb_w<F, SB, false> then mla_qsplit on the same inputs, their CUDA
+    source run on the CPU (``_QSPLIT_SHIM``): qs, qe, qfull and the scattered cache rows are
+    the same bytes, every qfull value written; GLM-5.2 widths at 1 and 3 tokens, K 40 / R 24
+    over two z blocks, K 37 / R 6 (scalar loads), K 500, fmt 2 and fmt 4, ropes 2^-12 .. 2^12
+    against the latent, a zero row."""
+    build_and_run(tmp_path, _QSPLIT_SHIM, _cpu_source(sources.source("attention.cu")), 240)
 
 
 @pytest.fixture
@@ -491,3 +606,30 @@ def test_flash_f16_geometry(attention_host):
             assert att._flash_name(f16, ntc, 1) in att.VARIANTS
         for ntc, cs in att.FL_CLUSTERS.items():
             assert all(att._flash_name(f16, ntc, c) in att.VARIANTS for c in cs)
+
+
+def test_qsplit_fused_choice(attention_host, monkeypatch):
+    """qsplit_fused: the absorb splits the q rows itself (no mla_qsplit launch) where
+    mla_absorb_w serves kv_b (fmt 2, fmt 4 with gs % 4 == 0), the flash launch is mla_flash_h's
+    (K + R within FH_MAX_W) and K <= 512, with each switch it depends on on; every mla_absorb_w
+    variant the host can name is compiled."""
+    att = attention_host
+
+    def spec(fmt, k, gs=0):
+        return types.SimpleNamespace(fmt=fmt, in_features=k, group_size=gs)
+
+    glm = spec(2, 512)
+    assert att.qsplit_fused(glm, 64) and att.qsplit_fused(spec(4, 512, 64), 64)
+    assert att.qsplit_fused(spec(2, 40), 24) and att.qsplit_fused(spec(4, 37, 8), 6)
+    assert not att.qsplit_fused(spec(4, 512, 5), 64)  # mla_absorb
+    assert not att.qsplit_fused(spec(0, 512), 64)
+    assert not att.qsplit_fused(spec(2, 1100), 64)  # K > 512: mla_attend
+    assert not att.qsplit_fused(glm, 144)  # K + R past FH_MAX_W: the tf32 flash
+    for name in ("QSPLIT_FUSED", "FL_F16", "FLASH", "ABSORB_W"):
+        with monkeypatch.context() as m:
+            m.setattr(att, name, False)
+            assert not att.qsplit_fused(glm, 64), name
+    for fmt in (2, 4):
+        for sb in att.ABW_SB:
+            for fused in (False, True):
+                assert f"mla_absorb_w<{fmt}, {sb}, {str(fused).lower()}>" in att.VARIANTS
