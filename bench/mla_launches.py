@@ -41,7 +41,11 @@ CLUSTERS = (1, 2, 4, 8)
 VARIANTS = (
     ("new kernels", dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=False)),
     ("old kernels", dict(ABSORB_W=False, FL_CLUSTER=1, FL_F16=False)),
-    ("fp16 flash", dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=True)),
+    ("fp16 flash", dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=True, QSPLIT_FUSED=True)),
+    (
+        "fp16 flash, mla_qsplit",
+        dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=True, QSPLIT_FUSED=False),
+    ),
 )
 
 
@@ -89,7 +93,9 @@ def instrument(backend, log: list):
     att.absorb_launch = lambda *a, **k: Timed("absorb", absorb(*a, **k), log)
     att.flash_launch = pair(flash, "flash")
     qsplit = getattr(att, "qsplit_launch", None)
-    if qsplit is not None:  # mla_flash_h's q rows, split once (None without FL_F16)
+    # mla_flash_h's q rows, split once (None without FL_F16; not asked for where the absorb
+    # splits them, QSPLIT_FUSED: then no "qsplit" row, its time in "absorb")
+    if qsplit is not None:
         att.qsplit_launch = lambda *a, **k: (
             None if (x := qsplit(*a, **k)) is None else Timed("qsplit", x, log)
         )
