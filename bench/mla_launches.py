@@ -46,6 +46,10 @@ VARIANTS = (
         "fp16 flash, mla_qsplit",
         dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=True, QSPLIT_FUSED=False),
     ),
+    (  # mla_merge<1> at every nsplit (no split groups)
+        "fp16 flash, merge ZG 1",
+        dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=True, QSPLIT_FUSED=True, MERGE_ZG_MIN=1 << 30),
+    ),
 )
 
 

@@ -437,14 +437,19 @@ mla_attend(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ p
     }
 }
 
-// grid (H, S, ceil(K / 128)), block 128, dynamic shared nsplit floats.
+// grid (H, S, ceil(K / (128 / ZG))), block 128, dynamic shared ``merge_smem`` floats:
+// [nsplit] e^(m_z - M) (rounded up to 4), then [ZG - 1][128 / ZG] partial column sums.
 // cl float32 [H, S, K] (head-major: each head's rows are one gemv job's x).
 // M and L are block reductions (one pm / pl load per thread and split, not a serial walk per
-// thread); the walk over the splits keeps 16 pacc loads in flight per thread.
+// thread). ZG = 1: each thread walks all splits of one column, 16 pacc loads in flight; ZG = 4
+// (many splits): the block's 4 warps take the splits z = w, w + 4, ... of 32 columns each, a
+// quarter of the dependent round trips, and meet in shared memory in warp order.
+template <int ZG>
 __global__ void __launch_bounds__(128)
 mla_merge(float *__restrict__ cl, const float *__restrict__ pm, const float *__restrict__ pl,
           const float *__restrict__ pacc, int S, int H, int K, int nsplit) {
-    extern __shared__ float wz[];  // [nsplit] e^(m_z - M)
+    constexpr int NC = 128 / ZG;  // columns per block
+    extern __shared__ float wz[];  // [nsplit] e^(m_z - M), then the partial column sums
     __shared__ float red[2][4];    // per-warp max, then per-warp sum
     const int h = blockIdx.x, s = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const size_t base = ((size_t)s * H + h) * nsplit;
@@ -466,19 +471,30 @@ mla_merge(float *__restrict__ cl, const float *__restrict__ pm, const float *__r
     __syncthreads();  // wz and red[1] are written
     L = (red[1][0] + red[1][1]) + (red[1][2] + red[1][3]);
     const float inv = L > 0.f ? 1.f / L : 0.f;
-    const int k = blockIdx.z * 128 + threadIdx.x;
+    const int zg = threadIdx.x / NC, c = threadIdx.x - zg * NC, k = blockIdx.z * NC + c;
+    float sum = 0.f;
     if (k < K) {
         const float *p = pacc + base * K + k;
         float v[4] = {0.f, 0.f, 0.f, 0.f};
-        int z = 0;
+        int z = zg;
 #pragma unroll 4
-        for (; z + 4 <= nsplit; z += 4) {
+        for (; z + 3 * ZG < nsplit; z += 4 * ZG) {
 #pragma unroll
-            for (int u = 0; u < 4; ++u) v[u] = fmaf(p[(size_t)(z + u) * K], wz[z + u], v[u]);
+            for (int u = 0; u < 4; ++u)
+                v[u] = fmaf(p[(size_t)(z + u * ZG) * K], wz[z + u * ZG], v[u]);
         }
-        for (; z < nsplit; ++z) v[0] = fmaf(p[(size_t)z * K], wz[z], v[0]);
-        cl[((size_t)h * S + s) * K + k] = ((v[0] + v[1]) + (v[2] + v[3])) * inv;
+        for (; z < nsplit; z += ZG) v[0] = fmaf(p[(size_t)z * K], wz[z], v[0]);
+        sum = (v[0] + v[1]) + (v[2] + v[3]);
     }
+    if (ZG > 1) {
+        float *zr = wz + ((nsplit + 3) & ~3);
+        if (zg > 0) zr[(zg - 1) * NC + c] = sum;
+        __syncthreads();
+        if (zg > 0) return;
+#pragma unroll
+        for (int j = 1; j < ZG; ++j) sum += zr[(j - 1) * NC + c];
+    }
+    if (k < K) cl[((size_t)h * S + s) * K + k] = sum * inv;
 }
 
 #include "attention_flash.cuh"

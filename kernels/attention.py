@@ -69,7 +69,7 @@ VARIANTS = (
         f"mla_absorb_w<{f}, {sb}, {x}>" for f in (2, 4) for sb in ABW_SB for x in ("false", "true")
     )
     + tuple(f"mla_attend<{n}, {h}>" for n, h in NPL_CHOICES)
-    + ("mla_merge",)
+    + ("mla_merge<1>", "mla_merge<4>")
     + tuple(f"mla_flash<{n}>" for n in (1, 2, 4, 8, 16, 32))
     + tuple(f"mla_flash_c<{n}, {c}>" for n, cs in FL_CLUSTERS.items() for c in cs)
     + tuple(f"mla_flash_h<{n}>" for n in (1, 2, 4, 8, 16, 32))
@@ -191,14 +191,22 @@ def attend_launch(s: int, heads: int, k: int, r: int, scale: float, nsplit: int
                       np.int32(nsplit)), 4 * ATT_TT * npl * 32)  # fmt: skip
         return att, _merge(s, heads, k, nsplit)
 
-    key = (dev, "attend", s, heads, k, r, float(scale), nsplit)
+    key = (dev, "attend", s, heads, k, r, float(scale), nsplit, MERGE_ZG_MIN)
     return _cached(key, make)  # type: ignore[return-value,arg-type]
 
 
+#: mla_merge's split groups (its ZG: the block's warps take every 4th split of 32 columns, a
+#: quarter of the dependent loads per thread) from this many splits on; fewer keep ZG = 1 (one
+#: column per thread over all splits).
+MERGE_ZG_MIN = 16
+
+
 def _merge(s: int, heads: int, k: int, nsplit: int) -> Launch:
-    merge = get_function("attention.cu", "mla_merge", VARIANTS)
+    zg = 4 if nsplit >= MERGE_ZG_MIN else 1
+    merge = get_function("attention.cu", f"mla_merge<{zg}>", VARIANTS)
     args = (np.int32(s), np.int32(heads), np.int32(k), np.int32(nsplit))
-    return Launch(merge, (heads, s, -(-k // 128)), (128,), args, 4 * nsplit)
+    smem = 4 * (-(-nsplit // 4) * 4 + (zg - 1) * (128 // zg))
+    return Launch(merge, (heads, s, -(-k // (128 // zg))), (128,), args, smem)
 
 
 @functools.cache
@@ -392,7 +400,7 @@ def flash_launch(s: int, heads: int, k: int, r: int, scale: float, nsplit: int
                       np.int32(nsplit), np.int32(qst), np.int32(kst)), smem)  # fmt: skip
         return att, (None if c > 1 and nsplit == c else _merge(s, heads, k, nsplit // c))
 
-    key = (dev, "flash", s, heads, k, r, float(scale), nsplit, FL_CLUSTER, FL_F16)
+    key = (dev, "flash", s, heads, k, r, float(scale), nsplit, FL_CLUSTER, FL_F16, MERGE_ZG_MIN)
     return _cached(key, make)  # type: ignore[return-value,arg-type]
 
 
@@ -458,7 +466,7 @@ def run(
     a = call.take()
     key = ("attention", id(kv_b), id(o_proj), S, H, q_dim, R, V, scale, n_up, nsplit,
            caches is None, flash, mm.settings(), ABSORB_W, FL_CLUSTER, FL_F16,
-           QSPLIT_FUSED)  # fmt: skip
+           QSPLIT_FUSED, MERGE_ZG_MIN)  # fmt: skip
     plan = a.plans.get(key)
     if plan is None:  # _plan sizes the arena first: a reallocated arena forgets its plans
         plan = _plan(call, kv_b, o_proj, S, H, q_dim, R, V, scale, n_up, nsplit, flash,

@@ -339,10 +339,18 @@ int run(int H, std::vector<int> lens, int nsplit, int C, bool f16 = false, int K
     else if (C == 2) launch({nsplit, S, nhb}, 2, 256, args(mla_flash_c<32, 2>));
     else if (C == 4) launch({nsplit, S, nhb}, 4, 256, args(mla_flash_c<32, 4>));
     else launch({nsplit, S, nhb}, 8, 256, args(mla_flash_c<32, 8>));
+    // the partials merged by mla_merge<4> (into cl4) and mla_merge<1> (into cl), both checked
     const int nz = nsplit / C;
-    if (!(C > 1 && nz == 1))
+    std::vector<float> cl4;
+    if (!(C > 1 && nz == 1)) {
+        const std::vector<float> cl0 = cl;
+        launch({H, S, (K + 31) / 32}, 1, 128,
+               [&] { mla_merge<4>(cl.data(), pm.data(), pl.data(), pacc.data(), S, H, K, nz); });
+        cl4.swap(cl);
+        cl = cl0;
         launch({H, S, (K + 127) / 128}, 1, 128,
-               [&] { mla_merge(cl.data(), pm.data(), pl.data(), pacc.data(), S, H, K, nz); });
+               [&] { mla_merge<1>(cl.data(), pm.data(), pl.data(), pacc.data(), S, H, K, nz); });
+    }
     double md = 0, mx = 0; long nan = 0;
     for (int s = 0; s < S; ++s)
         for (int h = 0; h < H; ++h) {
@@ -359,11 +367,14 @@ int run(int H, std::vector<int> lens, int nsplit, int C, bool f16 = false, int K
             for (int t = 0; t < T; ++t) { sc[t] = std::exp(sc[t] - m); l += sc[t]; }
             for (int t = 0; t < T; ++t)
                 for (int c = 0; c < K; ++c) o[c] += sc[t] * lat[s][(size_t)t * K + c];
-            for (int c = 0; c < K; ++c) {
-                const float g = cl[((size_t)h * S + s) * K + c];
-                if (std::isnan(g)) { ++nan; continue; }
-                md = std::max(md, std::fabs(g - o[c] / l)); mx = std::max(mx, std::fabs(o[c] / l));
-            }
+            for (int c = 0; c < K; ++c)
+                for (const std::vector<float> *out : {&cl, &cl4}) {
+                    if (out->empty()) continue;
+                    const float g = (*out)[((size_t)h * S + s) * K + c];
+                    if (std::isnan(g)) { ++nan; continue; }
+                    md = std::max(md, std::fabs(g - o[c] / l));
+                    mx = std::max(mx, std::fabs(o[c] / l));
+                }
         }
     printf("%s H %d S %d K %d nsplit %d C %d: rel err %.2g, unwritten %ld\n",
            f16 ? "fp16" : "tf32", H, S, K, nsplit, C, md / mx, nan);
@@ -373,6 +384,7 @@ int run(int H, std::vector<int> lens, int nsplit, int C, bool f16 = false, int K
 int main() {
     // clusters into cl (an empty sequence beside), partials + mla_merge over two head blocks
     // (heads beyond H), C = 4 and C = 8 (slices without rows)
+    // (every merge by mla_merge<1> and mla_merge<4>)
     // mla_flash_h (fp16 parts): the same, K = 11 and 12 (one n-tile a half; odd widths: scalar
     // loads), latents 1e4, 1e-6 and 1e-8 times the rope (each segment's scale; K = 40: the rope
     // staged from column 48), rows 2^-12 .. 2^12 apart in one tile (P's scale per row)
@@ -381,7 +393,8 @@ int main() {
            run(64, {33, 1}, 8, 8, true) + run(5, {20, 3}, 2, 1, true, 12, 4) +
            run(3, {37}, 2, 1, true, 11, 3) + run(64, {90}, 2, 1, true, 512, 64, 1e4f) +
            run(64, {90}, 2, 1, true, 512, 64, 1e-6f) + run(64, {90}, 2, 1, true, 512, 64, 1e-8f) +
-           run(64, {70}, 2, 1, true, 512, 64, 3, 12) + run(4, {40}, 2, 1, true, 40, 8, 1e-8f);
+           run(64, {70}, 2, 1, true, 512, 64, 3, 12) + run(4, {40}, 2, 1, true, 40, 8, 1e-8f) +
+           run(70, {300, 5}, 20, 1, true);  // 20 splits: mla_merge<4>'s warps, 5 splits each
 }
 """
 )
