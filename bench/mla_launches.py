@@ -41,14 +41,17 @@ CLUSTERS = (1, 2, 4, 8)
 VARIANTS = (
     ("new kernels", dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=False)),
     ("old kernels", dict(ABSORB_W=False, FL_CLUSTER=1, FL_F16=False)),
-    ("fp16 flash", dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=True, QSPLIT_FUSED=True)),
     (
-        "fp16 flash, mla_qsplit",
-        dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=True, QSPLIT_FUSED=False),
+        "fp16 flash",
+        dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=True, QSPLIT_FUSED=False, MERGE_ZG=False),
     ),
-    (  # mla_merge<1> at every nsplit (no split groups)
-        "fp16 flash, merge ZG 1",
-        dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=True, QSPLIT_FUSED=True, MERGE_ZG_MIN=1 << 30),
+    (
+        "fp16 flash, qsplit fused",
+        dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=True, QSPLIT_FUSED=True, MERGE_ZG=False),
+    ),
+    (
+        "fp16 flash, merge ZG 4",
+        dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=True, QSPLIT_FUSED=False, MERGE_ZG=True),
     ),
 )
 

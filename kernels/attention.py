@@ -87,8 +87,9 @@ FLASH = True
 FL_F16 = os.environ.get("COLIWORKER_FLASH_F16", "1") != "0"
 #: mla_absorb_w splits the q rows for mla_flash_h itself (mla_absorb_w<FMT, SB, true>, the bits
 #: of mla_qsplit) where ``qsplit_fused`` says so: the call has no mla_qsplit launch.
-#: COLIWORKER_QSPLIT_FUSED=0 keeps the mla_qsplit launch. Tests run both.
-QSPLIT_FUSED = os.environ.get("COLIWORKER_QSPLIT_FUSED", "1") != "0"
+#: Off until measured on a GPU (the CPU run of the source gives the same bytes);
+#: COLIWORKER_QSPLIT_FUSED=1 sets it on. Tests run both.
+QSPLIT_FUSED = os.environ.get("COLIWORKER_QSPLIT_FUSED", "0") == "1"
 FH_MAX_W = 128 * 5  # FH_MQ: the widest row mla_flash_h stages
 FL_TT = 16  # cache rows per tile (attention.cu)
 FL_HB = 64  # heads per block
@@ -191,18 +192,20 @@ def attend_launch(s: int, heads: int, k: int, r: int, scale: float, nsplit: int
                       np.int32(nsplit)), 4 * ATT_TT * npl * 32)  # fmt: skip
         return att, _merge(s, heads, k, nsplit)
 
-    key = (dev, "attend", s, heads, k, r, float(scale), nsplit, MERGE_ZG_MIN)
+    key = (dev, "attend", s, heads, k, r, float(scale), nsplit, MERGE_ZG)
     return _cached(key, make)  # type: ignore[return-value,arg-type]
 
 
-#: mla_merge's split groups (its ZG: the block's warps take every 4th split of 32 columns, a
-#: quarter of the dependent loads per thread) from this many splits on; fewer keep ZG = 1 (one
-#: column per thread over all splits).
+#: mla_merge's split groups (``MERGE_ZG``: ZG = 4, the block's warps take every 4th split of 32
+#: columns, a quarter of the dependent loads per thread) from MERGE_ZG_MIN splits on; fewer,
+#: or the switch off, keep ZG = 1 (one column per thread over all splits). Off until measured
+#: on a GPU; COLIWORKER_MERGE_ZG=1 sets it on. Tests run both.
+MERGE_ZG = os.environ.get("COLIWORKER_MERGE_ZG", "0") == "1"
 MERGE_ZG_MIN = 16
 
 
 def _merge(s: int, heads: int, k: int, nsplit: int) -> Launch:
-    zg = 4 if nsplit >= MERGE_ZG_MIN else 1
+    zg = 4 if MERGE_ZG and nsplit >= MERGE_ZG_MIN else 1
     merge = get_function("attention.cu", f"mla_merge<{zg}>", VARIANTS)
     args = (np.int32(s), np.int32(heads), np.int32(k), np.int32(nsplit))
     smem = 4 * (-(-nsplit // 4) * 4 + (zg - 1) * (128 // zg))
@@ -400,7 +403,7 @@ def flash_launch(s: int, heads: int, k: int, r: int, scale: float, nsplit: int
                       np.int32(nsplit), np.int32(qst), np.int32(kst)), smem)  # fmt: skip
         return att, (None if c > 1 and nsplit == c else _merge(s, heads, k, nsplit // c))
 
-    key = (dev, "flash", s, heads, k, r, float(scale), nsplit, FL_CLUSTER, FL_F16, MERGE_ZG_MIN)
+    key = (dev, "flash", s, heads, k, r, float(scale), nsplit, FL_CLUSTER, FL_F16, MERGE_ZG)
     return _cached(key, make)  # type: ignore[return-value,arg-type]
 
 
@@ -466,7 +469,7 @@ def run(
     a = call.take()
     key = ("attention", id(kv_b), id(o_proj), S, H, q_dim, R, V, scale, n_up, nsplit,
            caches is None, flash, mm.settings(), ABSORB_W, FL_CLUSTER, FL_F16,
-           QSPLIT_FUSED, MERGE_ZG_MIN)  # fmt: skip
+           QSPLIT_FUSED, MERGE_ZG)  # fmt: skip
     plan = a.plans.get(key)
     if plan is None:  # _plan sizes the arena first: a reallocated arena forgets its plans
         plan = _plan(call, kv_b, o_proj, S, H, q_dim, R, V, scale, n_up, nsplit, flash,

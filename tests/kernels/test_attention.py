@@ -135,13 +135,14 @@ def test_flash_clusters(cupy_backend, rng, monkeypatch, nsplit, cluster, f16):
     memory, into cl where C == nsplit (no mla_merge), else into partials for mla_merge
     (nsplit 6 as chosen: C = 2; 132 forced to C = 4; 16 to C = 8), and mla_flash (C = 1: 132
     as chosen, 3 x 132 blocks are more than one wave of clusters) as before, against
-    float64."""
+    float64; their partials merged by mla_merge<1>, or (f16) mla_merge<4> from 16 on."""
     from coliworker.kernels import attention
 
     monkeypatch.setattr(attention, "flash_splits", lambda *a: nsplit)
     monkeypatch.setattr(attention, "FL_CLUSTER", cluster)
     monkeypatch.setattr(attention, "FL_F16", f16)
     monkeypatch.setattr(attention, "ABSORB_W", True)
+    monkeypatch.setattr(attention, "MERGE_ZG", f16)  # mla_merge<4> from 16 partials on
     b = cupy_backend
     h, q, r, v, k = 64, 192, 64, 256, 512
     kv_b, _, dk, _ = _mla(rng, b, h, q, r, v, k, 0, 2, 0)

@@ -627,6 +627,7 @@ def test_qsplit_fused_choice(attention_host, monkeypatch):
     (K + R within FH_MAX_W) and K <= 512, with each switch it depends on on; every mla_absorb_w
     variant the host can name is compiled."""
     att = attention_host
+    monkeypatch.setattr(att, "QSPLIT_FUSED", True)
 
     def spec(fmt, k, gs=0):
         return types.SimpleNamespace(fmt=fmt, in_features=k, group_size=gs)
