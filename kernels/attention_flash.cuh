@@ -4,6 +4,7 @@
 // and softmax's steps, the tail. attention.cu includes this after KvDesc and mla_merge, which
 // it uses (host side: kernels/attention.py).
 #pragma once
+#include "cluster.cuh"
 // ---- mla_flash: all heads of a block share each KV tile, scores and context on tensor cores --
 //
 // grid (nsplit, S, ceil(H / 64)), block 256 (8 warps), dynamic shared ``flash_smem`` bytes:
@@ -89,40 +90,6 @@ __device__ __forceinline__ void fl_stage(float *dst, int ld, int rows, int W, co
         if (VEC) fl_cp16(dst + t * ld + c, src, n);
         else fl_cp4(dst + t * ld + c, src, n);
     }
-}
-
-// DSMEM of the cluster's blocks (mla_flash_c): mapa, ld.shared::cluster, barrier.cluster as
-// inline PTX (the instructions cooperative_groups' cluster calls compile to).
-__device__ __forceinline__ unsigned fl_remote(const void *p, unsigned rank) {
-    const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(p));
-    unsigned remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-    return remote;
-}
-
-__device__ __forceinline__ float fl_dsmem(const float *p, unsigned rank) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(fl_remote(p, rank)) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ float4 fl_dsmem4(const float *p, unsigned rank) {
-    float4 v;
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "r"(fl_remote(p, rank))
-                 : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void fl_cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
-                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-__device__ __forceinline__ void fl_cluster_wait_exit() {
-    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\t"
-                 "barrier.cluster.wait.aligned;" ::: "memory");
 }
 
 // Row stride of the context the blocks of a cluster exchange: 8 mod 32 floats, so the float2
@@ -288,7 +255,7 @@ fl_tail(float (&acc)[NTC][4], const float (&m)[2], float (&l)[2], float *Qs, flo
             }
         }
     }
-    fl_cluster_sync();
+    coli_cluster_sync();
     const unsigned rank = static_cast<unsigned>(z % C);
     const int nz = nsplit / C, zc = z / C;
     if (threadIdx.x < HPR) {
@@ -296,14 +263,14 @@ fl_tail(float (&acc)[NTC][4], const float (&m)[2], float (&l)[2], float *Qs, flo
         float mq[C], M = -COLI_INF, L = 0.f;
 #pragma unroll
         for (int q = 0; q < C; ++q) {
-            mq[q] = fl_dsmem(ML + hl, q);
+            mq[q] = coli_dsmem_load(ML + hl, q);
             M = fmaxf(M, mq[q]);
         }
 #pragma unroll
         for (int q = 0; q < C; ++q) {
             const float e = M != -COLI_INF ? expf(mq[q] - M) : 0.f;  // empty slices: 0
             WT[threadIdx.x * C + q] = e;
-            L = fmaf(fl_dsmem(ML + FL_HB + hl, q), e, L);
+            L = fmaf(coli_dsmem_load(ML + FL_HB + hl, q), e, L);
         }
         WT[HPR * C + threadIdx.x] = M;
         WT[HPR * C + HPR + threadIdx.x] = L;
@@ -323,7 +290,7 @@ fl_tail(float (&acc)[NTC][4], const float (&m)[2], float (&l)[2], float *Qs, flo
 #pragma unroll
             for (int q = 0; q < C; ++q) {
                 const float e = WT[hr * C + q];
-                const float4 a = fl_dsmem4(A + hl * AST + c, q);
+                const float4 a = coli_dsmem_load4(A + hl * AST + c, q);
                 v.x = fmaf(a.x, e, v.x);
                 v.y = fmaf(a.y, e, v.y);
                 v.z = fmaf(a.z, e, v.z);
@@ -343,7 +310,7 @@ fl_tail(float (&acc)[NTC][4], const float (&m)[2], float (&l)[2], float *Qs, flo
             const int hr = i / K, c = i - hr * K, hl = rank * HPR + hr, h = hb + hl;
             float v = 0.f;
 #pragma unroll
-            for (int q = 0; q < C; ++q) v = fmaf(fl_dsmem(A + hl * AST + c, q), WT[hr * C + q], v);
+            for (int q = 0; q < C; ++q) v = fmaf(coli_dsmem_load(A + hl * AST + c, q), WT[hr * C + q], v);
             if (h >= H) continue;
             if (nz == 1) {
                 const float L = WT[HPR * C + HPR + hr];
@@ -353,7 +320,7 @@ fl_tail(float (&acc)[NTC][4], const float (&m)[2], float (&l)[2], float *Qs, flo
             }
         }
     }
-    fl_cluster_wait_exit();  // no block leaves while another reads its shared memory
+    coli_cluster_wait_exit();  // no block leaves while another reads its shared memory
 }
 
 // NTC: 8-column n-tiles of the latent per warp (2 * 8 * NTC >= K). QST, KST: row strides of Qs

@@ -1,5 +1,6 @@
-// Thread-block cluster primitives of the split-K kernels (gemv_tc_splitk.cuh's gemv_tc_sk,
-// prefill_tc.cu's gemv_pf_sk): a block's rank in its cluster, the cluster barriers, and a load
+// Thread-block cluster primitives of the kernels whose blocks meet in distributed shared memory
+// (gemv_tc_splitk.cuh's gemv_tc_sk, prefill_tc.cu's gemv_pf_sk, attention_flash.cuh's
+// mla_flash_c and mla_flash_hc): a block's rank in its cluster, the cluster barriers, and loads
 // from another block's shared memory (DSMEM). Inline PTX (mapa, ld.shared::cluster,
 // barrier.cluster): the instructions cooperative_groups' cluster.map_shared_rank and
 // cluster.sync compile to, without its headers (NVRTC as CuPy calls it needs no include path
@@ -26,13 +27,28 @@ __device__ __forceinline__ void coli_cluster_wait_exit() {
                  "barrier.cluster.wait.aligned;" ::: "memory");
 }
 
-// p[0] in the shared memory of block `rank` of this cluster (p: this block's copy).
-__device__ __forceinline__ float coli_dsmem_load(const float *p, unsigned int rank) {
-    unsigned int local, remote;
-    float v;
-    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
-                 : "=r"(local) : "l"(p));
+// The address of p (this block's shared memory) in block `rank` of this cluster.
+__device__ __forceinline__ unsigned coli_remote(const void *p, unsigned rank) {
+    const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    unsigned remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return remote;
+}
+
+// p[0] in the shared memory of block `rank` of this cluster (p: this block's copy).
+__device__ __forceinline__ float coli_dsmem_load(const float *p, unsigned rank) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(coli_remote(p, rank))
+                 : "memory");
+    return v;
+}
+
+// p[0 .. 3] (16-byte aligned) in the shared memory of block `rank` of this cluster.
+__device__ __forceinline__ float4 coli_dsmem_load4(const float *p, unsigned rank) {
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(coli_remote(p, rank))
+                 : "memory");
     return v;
 }

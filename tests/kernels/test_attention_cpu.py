@@ -196,16 +196,7 @@ inline void fl_cpn(float *dst, const float *src, int n, int b) {
 }
 inline void fl_cp4(float *dst, const float *src, int n) { fl_cpn(dst, src, n, 4); }
 inline void fl_cp16(float *dst, const float *src, int n) { fl_cpn(dst, src, n, 16); }
-inline float fl_dsmem(const float *p, unsigned rank) {
-    const ptrdiff_t off = p - (const float *)tl_blk->smem;
-    return ((const float *)g_blocks[rank].smem)[off];
-}
-inline float4 fl_dsmem4(const float *p, unsigned rank) {
-    const ptrdiff_t off = p - (const float *)tl_blk->smem;
-    float4 v; std::memcpy(&v, (const float *)g_blocks[rank].smem + off, 16); return v;
-}
-inline void fl_cluster_sync() { g_cbar->arrive_and_wait(); }
-inline void fl_cluster_wait_exit() { g_cbar->arrive_and_wait(); }
+#include "cluster_models.h"
 // fp16 (binary16) by round to nearest even, subnormals and overflow included, and back.
 inline unsigned short f2h(float f) {
     const unsigned short sign = (__float_as_uint(f) >> 16) & 0x8000;
@@ -399,8 +390,9 @@ int main() {
 """
 )
 _FL_ASM = (
-    "fl_mma", "fl_cp4", "fl_cp16", "fl_remote", "fl_dsmem", "fl_dsmem4", "fl_cluster_sync",
-    "fl_cluster_wait_exit", "fh_split2", "fh_mma", "fh_ldsm4", "fh_ldsm4t", "fh_ldsm2t",
+    "fl_mma", "fl_cp4", "fl_cp16", "coli_cluster_rank", "coli_cluster_sync",
+    "coli_cluster_wait_exit", "coli_remote", "coli_dsmem_load", "coli_dsmem_load4", "fh_split2",
+    "fh_mma", "fh_ldsm4", "fh_ldsm4t", "fh_ldsm2t",
 )  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """gemv_pf and gemv_pf_sk (prefill_tc.cu) on the CPU, no GPU needed (CI runs it): their CUDA
 source under g++ through fibers.h (one fiber per CUDA thread), tc.cuh's PTX by the models of
-tc_models.h, and cluster.cuh's by a model of the cluster (the rank along x, the cluster
+tc_models.h, and cluster.cuh's by those of cluster_models.h (the rank along x, the cluster
 barrier, loads from another block's shared memory). Ragged job tables, K ending inside an int4
 block and inside a K tile, activation rows that end inside an n-tile, both k-slice forms (KS 1
 and 4), clusters of 2, 4 and 8 (ranks with no K at all among them), fmt 2 (per-row scales) and
@@ -18,20 +18,13 @@ from _emulate import build_and_run, without_ptx
 from coliworker.kernels import sources
 
 _ASM = ("tc_bf16", "tc_nib2", "tc_quad", "tc_mma", "tc_mma_q8", "coli_cluster_rank",
-        "coli_cluster_sync", "coli_cluster_wait_exit", "coli_dsmem_load")  # fmt: skip
+        "coli_cluster_sync", "coli_cluster_wait_exit", "coli_remote", "coli_dsmem_load",
+        "coli_dsmem_load4")  # fmt: skip
 
 _SHIM = r"""
 #include "fibers.h"
 #include "tc_models.h"
-// cluster.cuh's PTX: clusters of g_cluster blocks along x (fibers.h launches them together).
-int g_cluster = 1;
-inline unsigned coli_cluster_rank() { return (unsigned)(blockIdx.x % g_cluster); }
-inline void coli_cluster_sync() { g_cbar->arrive_and_wait(); }
-inline void coli_cluster_wait_exit() { g_cbar->arrive_and_wait(); }
-inline float coli_dsmem_load(const float *p, unsigned rank) {
-    const ptrdiff_t off = p - (const float *)tl_blk->smem;
-    return ((const float *)g_blocks[rank].smem)[off];
-}
+#include "cluster_models.h"
 #include "kernel.inc"
 
 // The resident int4 layout's element e of a row (common.cuh: load_elem), nibble - 8.
