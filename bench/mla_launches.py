@@ -43,15 +43,15 @@ VARIANTS = (
     ("old kernels", dict(ABSORB_W=False, FL_CLUSTER=1, FL_F16=False)),
     (
         "fp16 flash",
-        dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=True, QSPLIT_FUSED=False, MERGE_ZG=False),
+        dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=True, QSPLIT_FUSED=True, MERGE_ZG=True),
     ),
     (
-        "fp16 flash, qsplit fused",
-        dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=True, QSPLIT_FUSED=True, MERGE_ZG=False),
-    ),
-    (
-        "fp16 flash, merge ZG 4",
+        "fp16 flash, mla_qsplit",
         dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=True, QSPLIT_FUSED=False, MERGE_ZG=True),
+    ),
+    (
+        "fp16 flash, merge ZG 1",
+        dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=True, QSPLIT_FUSED=True, MERGE_ZG=False),
     ),
 )
 

@@ -87,9 +87,11 @@ FLASH = True
 FL_F16 = os.environ.get("COLIWORKER_FLASH_F16", "1") != "0"
 #: mla_absorb_w splits the q rows for mla_flash_h itself (mla_absorb_w<FMT, SB, true>, the bits
 #: of mla_qsplit) where ``qsplit_fused`` says so: the call has no mla_qsplit launch.
-#: Off until measured on a GPU (the CPU run of the source gives the same bytes);
-#: COLIWORKER_QSPLIT_FUSED=1 sets it on. Tests run both.
-QSPLIT_FUSED = os.environ.get("COLIWORKER_QSPLIT_FUSED", "0") == "1"
+#: On an H100 (bench/results/pf-split-k-2026-12-05.md) the MLA call's kernel phase 122.6 ->
+#: 116.8 us at one sequence, 269.5 -> 263.1 at 8, 535.6 -> 530.9 at 32 (the CPU run of the
+#: source gives the same bytes as mla_qsplit). COLIWORKER_QSPLIT_FUSED=0 keeps the mla_qsplit
+#: launch. Tests run both.
+QSPLIT_FUSED = os.environ.get("COLIWORKER_QSPLIT_FUSED", "1") != "0"
 FH_MAX_W = 128 * 5  # FH_MQ: the widest row mla_flash_h stages
 FL_TT = 16  # cache rows per tile (attention.cu)
 FL_HB = 64  # heads per block
@@ -198,9 +200,10 @@ def attend_launch(s: int, heads: int, k: int, r: int, scale: float, nsplit: int
 
 #: mla_merge's split groups (``MERGE_ZG``: ZG = 4, the block's warps take every 4th split of 32
 #: columns, a quarter of the dependent loads per thread) from MERGE_ZG_MIN splits on; fewer,
-#: or the switch off, keep ZG = 1 (one column per thread over all splits). Off until measured
-#: on a GPU; COLIWORKER_MERGE_ZG=1 sets it on. Tests run both.
-MERGE_ZG = os.environ.get("COLIWORKER_MERGE_ZG", "0") == "1"
+#: or the switch off, keep ZG = 1 (one column per thread over all splits). On an H100 the
+#: merge of one sequence's 64 partials (T = 4096) 14.5 -> 7.0 us
+#: (bench/results/pf-split-k-2026-12-05.md). COLIWORKER_MERGE_ZG=0 sets it off. Tests run both.
+MERGE_ZG = os.environ.get("COLIWORKER_MERGE_ZG", "1") != "0"
 MERGE_ZG_MIN = 16
 
 

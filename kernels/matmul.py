@@ -123,8 +123,10 @@ ST_Q8 = os.environ.get("COLIWORKER_ST_Q8", "0") == "1"
 # SMs idle (o_proj of 8-32 sequences: 24 tiles of 256 weight rows), a tile's K is split over a
 # cluster of C blocks that meet in distributed shared memory in a fixed order (``_pf_choice``).
 # ``PF_SPLIT_K`` off keeps gemv_pf's k slices (KS = 4) there; ``PF_SK_FORCE`` fixes (KS, C)
-# (tests and bench/gemv_splitk.py). Off until measured; COLIWORKER_PF_SPLIT_K=1 sets it on.
-PF_SPLIT_K = os.environ.get("COLIWORKER_PF_SPLIT_K", "0") == "1"
+# (tests and bench/gemv_splitk.py). Measured on an H100 (bench/results/pf-split-k-2026-12-05.md):
+# o_proj of 32 sequences 187.6 -> 79.2 us (C = 8), the value projection of 32 sequences
+# 22.1 -> 17.1 us (KS = 1, no split). COLIWORKER_PF_SPLIT_K=0 sets it off from the start.
+PF_SPLIT_K = os.environ.get("COLIWORKER_PF_SPLIT_K", "1") != "0"
 PF_SK_FORCE: tuple[int, int] | None = None
 
 
@@ -317,8 +319,7 @@ PF_SMEM = 2 * PF_SROWS * (512 + 16) * 2  # the staged K tile: 64 bf16 columns (P
 PF_ROWS = {1: 256, 4: 64}  # gemv_pf weight rows per block by KS (PfTile<PF_MR, KS>::ROWS)
 PF_MOE_ROWS = (128, 256)  # moe_pf rows per gate+up tile (hidden) and per down tile
 PF_CLUSTERS = (2, 4, 8)  # gemv_pf_sk's cluster sizes (C = 1: gemv_pf)
-PF_BLOCK_COST = 4  # a block's fixed cost (launch, first loads, reduction) in K tiles of KS = 1
-PF_KS_TILE = {1: 1.0, 4: 0.5}  # a K tile's cost by KS (KS = 4: a quarter of the rows, as staged)
+PF_BLOCK_COST = 4  # a block's fixed cost (launch, first loads, reduction) in K tiles
 PF_VARIANTS = (
     tuple(f"gemv_pf<{f}, {ks}>" for f in (2, 4) for ks in PF_ROWS)
     + tuple(f"moe_pf<{f}>" for f in (2, 4))
@@ -435,34 +436,33 @@ def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int,
 def _pf_choice(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: int
                ) -> tuple[int, int]:  # fmt: skip
     """(KS, C) of a many-row gemv launch: gemv_pf (C = 1) with KS = 1 where its blocks fill
-    the GPU twice over; else, with ``PF_SPLIT_K``, the (KS, C) with the least modelled time,
-    waves x (PF_BLOCK_COST + K tiles per rank x PF_KS_TILE[KS]) (``PF_SK_FORCE`` fixes both);
+    the GPU twice over; else, with ``PF_SPLIT_K``, KS = 1 and the cluster size C with the least
+    modelled time, waves x (PF_BLOCK_COST + K tiles per rank) (``PF_SK_FORCE`` fixes both);
     without it KS = 4 (4x the blocks, k slices meeting in shared memory). Blocks of one launch
     run side by side and are latency bound: splitting pays while the grid leaves block slots
-    empty and stops where it adds waves."""
+    empty and stops where it adds waves. On an H100 every KS = 4 form, split or not, measured
+    slower than the best KS = 1 one (bench/results/pf-split-k-2026-12-05.md)."""
     if PF_SK_FORCE is not None:
         ks, c = PF_SK_FORCE
         if ks not in PF_ROWS or c not in (1, *PF_CLUSTERS):
             raise ValueError(f"PF_SK_FORCE={PF_SK_FORCE}: KS not in {tuple(PF_ROWS)} or C not "
                              f"in {(1, *PF_CLUSTERS)}")  # fmt: skip
         return ks, c
-    nz = -(-max_rows // PF_SROWS)
-    if nz * -(-max_out // PF_ROWS[1]) * n_jobs >= 2 * n_sm:
+    tiles = -(-max_rows // PF_SROWS) * -(-max_out // PF_ROWS[1]) * n_jobs
+    if tiles >= 2 * n_sm:
         return 1, 1
     if not PF_SPLIT_K:
         return 4, 1
     slots = (2 if spec.fmt == 2 else 1) * n_sm  # blocks per SM: gemv_pf's __launch_bounds__
     nb = -(-spec.in_features // 1024)  # int4 blocks of K (a rank's share is whole blocks)
     nt = -(-spec.in_features // 512)  # K tiles
-    best = (0.0, (0, 0))
-    for ks in PF_ROWS:
-        blocks = nz * -(-max_out // PF_ROWS[ks]) * n_jobs
-        for c in (1, *PF_CLUSTERS):
-            tiles = nt if c == 1 else 2 * -(-nb // c)
-            cost = -(-blocks * c // (slots // c * c)) * (PF_BLOCK_COST + tiles * PF_KS_TILE[ks])
-            if best[1] == (0, 0) or cost < best[0]:
-                best = (cost, (ks, c))
-    return best[1]
+    best = (0, 0)
+    for c in (1, *PF_CLUSTERS):
+        per_rank = nt if c == 1 else 2 * -(-nb // c)
+        cost = -(-tiles * c // (slots // c * c)) * (PF_BLOCK_COST + per_rank)
+        if best[1] == 0 or cost < best[0]:
+            best = (cost, c)
+    return 1, best[1]
 
 
 def _gemv_pf(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: int) -> Launch:
