@@ -39,7 +39,7 @@ SPLITS = {1: (32, 64, 128, 132), 8: (8, 16, 32), 32: (2, 4, 8)}
 CLUSTERS = (1, 2, 4, 8)
 # In-process variants, where this tree's attention module has the switches: (label, settings).
 VARIANTS = (
-    ("new kernels", dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=False)),
+    ("new kernels", dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=False, MERGE_ZG=True)),
     ("old kernels", dict(ABSORB_W=False, FL_CLUSTER=1, FL_F16=False)),
     (
         "fp16 flash",

@@ -80,11 +80,12 @@ FLASH = True
 #: mla_flash_h / mla_flash_hc (fp16 tensor cores, each q row and cache row scaled by its power of
 #: two and split once into fp16 parts: the q rows by mla_qsplit, the cache rows as a tile is
 #: staged; attention_flash_h.cuh) in place of mla_flash / mla_flash_c where their rows fit (K + R
-#: <= FH_MAX_W). Measured on an H100 beside the tf32 kernels in one run
-#: (bench/results/mla-flash-f16-2026-12-05.md): flash 143 -> 97 us at 8 sequences, 259 -> 174 us
-#: at 32, 41 -> 37 us (+ 4 us of mla_qsplit) at one, closer to float64. COLIWORKER_FLASH_F16=0
-#: keeps the tf32 kernels. Tests run both.
-FL_F16 = os.environ.get("COLIWORKER_FLASH_F16", "1") != "0"
+#: <= FH_MAX_W). Off: with one exponent per row segment (latent, rope) the H100 measured the
+#: fp16 flash slower than the tf32 one, 147.6 against 141.4 us at 8 sequences and 276.2
+#: against 256.9 at 32 (bench/results/pf-split-k-2026-12-05.md), where the form with one
+#: exponent per row had measured 97 against 143 (bench/results/mla-flash-f16-2026-12-05.md);
+#: closer to float64 either way. COLIWORKER_FLASH_F16=1 takes the fp16 kernels. Tests run both.
+FL_F16 = os.environ.get("COLIWORKER_FLASH_F16", "0") == "1"
 #: mla_absorb_w splits the q rows for mla_flash_h itself (mla_absorb_w<FMT, SB, true>, the bits
 #: of mla_qsplit) where ``qsplit_fused`` says so: the call has no mla_qsplit launch.
 #: On an H100 (bench/results/pf-split-k-2026-12-05.md) the MLA call's kernel phase 122.6 ->

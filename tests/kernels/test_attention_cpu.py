@@ -620,6 +620,7 @@ def test_qsplit_fused_choice(attention_host, monkeypatch):
     variant the host can name is compiled."""
     att = attention_host
     monkeypatch.setattr(att, "QSPLIT_FUSED", True)
+    monkeypatch.setattr(att, "FL_F16", True)
 
     def spec(fmt, k, gs=0):
         return types.SimpleNamespace(fmt=fmt, in_features=k, group_size=gs)
