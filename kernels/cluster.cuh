@@ -52,3 +52,29 @@ __device__ __forceinline__ float4 coli_dsmem_load4(const float *p, unsigned rank
                  : "memory");
     return v;
 }
+
+// The end of a split-K GEMV block of a cluster of C (gemv_tc_sk, gemv_pf_sk): part[s * ROWS + rr]
+// holds this block's sum of output (activation row srow0 + s, weight row row0 + rr), s < NS,
+// over its share of K. After a cluster barrier rank r writes outputs o = r, r + C, ...: the C
+// blocks' sums in rank order 0 .. C - 1, times the row's scale where SCALE (fmt 2). All
+// threads of all C blocks call it.
+template <int ROWS, int NS, int C, bool SCALE>
+__device__ __forceinline__ void coli_split_k_out(const float *part, float *__restrict__ y,
+                                                 int y_stride, int rows, int srow0,
+                                                 int out_rows, int row0, const float *sc,
+                                                 int rank) {
+    coli_cluster_sync();  // every block's sums are written
+    for (int o = rank + C * threadIdx.x; o < ROWS * NS; o += C * blockDim.x) {
+        const int s = o / ROWS, rr = o - s * ROWS;
+        const int row = row0 + rr, srow = srow0 + s;
+        if (row >= out_rows || srow >= rows) continue;
+        float v[C];
+#pragma unroll
+        for (int k = 0; k < C; ++k) v[k] = coli_dsmem_load(part + o, k);
+        float sum = v[0];
+#pragma unroll
+        for (int k = 1; k < C; ++k) sum += v[k];
+        y[(size_t)srow * y_stride + row] = SCALE ? sum * sc[row] : sum;
+    }
+    coli_cluster_wait_exit();  // no block leaves while another reads its shared memory
+}

@@ -176,20 +176,8 @@ __device__ __forceinline__ void tc_sk_block(const GemvJob &job, const WGeom &g, 
         }
     }
     if (C == 1) return;
-    coli_cluster_sync();  // every block's partials are written
-    for (int o = rank + C * threadIdx.x; o < NOUT; o += C * blockDim.x) {
-        const int s = o / (TC_RG * 16), rr = o - s * (TC_RG * 16);
-        const int row = row0 + rr, srow = srow0 + s;
-        if (row >= out_rows || srow >= job.rows) continue;
-        float v[C];
-#pragma unroll
-        for (int k = 0; k < C; ++k) v[k] = coli_dsmem_load(part + o, k);
-        float sum = v[0];
-#pragma unroll
-        for (int k = 1; k < C; ++k) sum += v[k];
-        y[(size_t)srow * job.y_stride + row] = FMT == 2 ? sum * sc[row] : sum;
-    }
-    coli_cluster_wait_exit();  // no block leaves while another reads its shared memory
+    coli_split_k_out<TC_RG * 16, SB, C, FMT == 2>(part, y, job.y_stride, job.rows, srow0,
+                                                  out_rows, row0, sc, rank);
 }
 
 // gemv_tc's jobs and arguments (kt: most steps staged at once, kts), split-K. gemv_tc_k: grid

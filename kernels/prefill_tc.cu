@@ -176,36 +176,12 @@ __device__ __forceinline__ void pf_tile(float (&acc)[M][MR][8][4], const unsigne
     }
 }
 
-// The end of a split-K block (gemv_pf_sk): part[s * ROWS + rr] holds this block's sum of
-// output (activation row srow0 + s, weight row row0 + rr) over its share of K. After a cluster
-// barrier rank r writes outputs o = r, r + C, ...: the C blocks' sums in rank order 0 .. C - 1,
-// times the row's scale (fmt 2). All threads of all C blocks call it.
-template <int FMT, int ROWS, int C>
-__device__ __forceinline__ void pf_cluster_out(const float *part, float *__restrict__ y,
-                                               int y_stride, int rows, int srow0, int out_rows,
-                                               int row0, const float *sc, int rank) {
-    coli_cluster_sync();  // every block's sums are written
-    for (int o = rank + C * threadIdx.x; o < ROWS * PF_SROWS; o += C * blockDim.x) {
-        const int s = o / ROWS, rr = o - s * ROWS;
-        const int row = row0 + rr, srow = srow0 + s;
-        if (row >= out_rows || srow >= rows) continue;
-        float v[C];
-#pragma unroll
-        for (int k = 0; k < C; ++k) v[k] = coli_dsmem_load(part + o, k);
-        float sum = v[0];
-#pragma unroll
-        for (int k = 1; k < C; ++k) sum += v[k];
-        y[(size_t)srow * y_stride + row] = FMT == 2 ? sum * sc[row] : sum;
-    }
-    coli_cluster_wait_exit();  // no block leaves while another reads its shared memory
-}
-
 // Weight rows [row0, row0 + PfTile<MR, KS>::ROWS) of one job (of gate and up for DUAL) x
 // activation rows [srow0, srow0 + PF_SROWS) over all of K: y[srow, row] = f(sum) (per-row
 // scale; DUAL: silu(gate) * up). All threads of the block call it (it has barriers).
 // C > 1 (gemv_pf_sk, not DUAL): this block is rank `rank` of a cluster of C and sums K
 // [kb, ke) only (whole 1024-element int4 blocks); the C sums of each output meet in
-// distributed shared memory in rank order (pf_cluster_out).
+// distributed shared memory in rank order (coli_split_k_out).
 template <int FMT, int MR, int KS, bool DUAL, int C = 1>
 __device__ __forceinline__ void pf_block(unsigned short *xb, const float *__restrict__ x,
                                          int x_stride, float *__restrict__ y, int y_stride,
@@ -247,7 +223,7 @@ __device__ __forceinline__ void pf_block(unsigned short *xb, const float *__rest
     // gid (c0 + c1: hi + lo) and gid + 8 (c2 + c3).
     constexpr int ROWS = PfTile<MR, KS>::ROWS;
     // C > 1: this block's sum of each output [s][ROWS], past the k-slice partials (KS > 1)
-    // or in the staging buffer (KS = 1), for pf_cluster_out.
+    // or in the staging buffer (KS = 1), for coli_split_k_out.
     float *part = reinterpret_cast<float *>(xb) + (KS > 1 ? KS * RG * M * MR * 16 * PF_SROWS : 0);
     if (KS == 1 && C > 1) {
         __syncthreads();  // the last tile is consumed
@@ -260,7 +236,8 @@ __device__ __forceinline__ void pf_block(unsigned short *xb, const float *__rest
                     if (nt < ntv)
                         part[(4 * nt + t) * ROWS + (rg * MR + f) * 16 + gid + 8 * r] =
                             acc[0][f][nt][2 * r] + acc[0][f][nt][2 * r + 1];
-        pf_cluster_out<FMT, ROWS, C>(part, y, y_stride, rows, srow0, out_rows, row0, sc0, rank);
+        coli_split_k_out<ROWS, PF_SROWS, C, FMT == 2>(part, y, y_stride, rows, srow0, out_rows,
+                                                    row0, sc0, rank);
         return;
     }
     if (KS == 1) {
@@ -320,7 +297,8 @@ __device__ __forceinline__ void pf_block(unsigned short *xb, const float *__rest
         else y[(size_t)srow * y_stride + row] = coli_out<DUAL>(v[0], v[M - 1]);
     }
     if (C > 1)
-        pf_cluster_out<FMT, ROWS, C>(part, y, y_stride, rows, srow0, out_rows, row0, sc0, rank);
+        coli_split_k_out<ROWS, PF_SROWS, C, FMT == 2>(part, y, y_stride, rows, srow0, out_rows,
+                                                    row0, sc0, rank);
 }
 
 #define PF_MR 2  // 16-row fragments per warp of gemv and of moe's down tiles
