@@ -146,28 +146,30 @@ class Case:
         """stream: True for gemv_st as set, "q8" for its integer path (ST_Q8), or (math
         warps, blocks per SM[, q8]) for it; ("pf", KS, C): gemv_pf's form (KS, C), whatever
         the rows."""
-        from coliworker.kernels import matmul
+        from coliworker.kernels import gemv_stream, matmul, prefill_tc
 
         if isinstance(stream, tuple) and stream[0] == "pf":
-            saved_pf = matmul.PF_SK_FORCE
-            matmul.PF_SK_FORCE = stream[1:]
+            saved_pf = prefill_tc.PF_SK_FORCE
+            prefill_tc.PF_SK_FORCE = stream[1:]
             try:
                 n_sm = matmul._sm_count(0)
-                return matmul._gemv_pf(self.spec, self.n_jobs, self.s, self.o, n_sm)
+                return prefill_tc._gemv_pf(self.spec, self.n_jobs, self.s, self.o, n_sm)
             finally:
-                matmul.PF_SK_FORCE = saved_pf
-        names = ("SPLIT_K", "SPLIT_K_FORCE", "STREAM", "ST_WARPS", "ST_BLOCKS", "ST_Q8")
-        saved = [getattr(matmul, n) for n in names]
-        form = (matmul.ST_WARPS, matmul.ST_BLOCKS, stream == "q8")
+                prefill_tc.PF_SK_FORCE = saved_pf
+        names = ((matmul, "SPLIT_K"), (matmul, "SPLIT_K_FORCE"), (gemv_stream, "STREAM"),
+                 (gemv_stream, "ST_WARPS"), (gemv_stream, "ST_BLOCKS"),
+                 (gemv_stream, "ST_Q8"))  # fmt: skip
+        saved = [getattr(m, n) for m, n in names]
+        form = (gemv_stream.ST_WARPS, gemv_stream.ST_BLOCKS, stream == "q8")
         if isinstance(stream, tuple):
             form = (*stream, False)[:3]
-        for n, v in zip(names, (split, force, bool(stream), *form), strict=True):
-            setattr(matmul, n, v)
+        for (m, n), v in zip(names, (split, force, bool(stream), *form), strict=True):
+            setattr(m, n, v)
         try:
             return matmul.gemv_launch(self.spec, self.n_jobs, self.s, self.o)
         finally:
-            for n, v in zip(names, saved, strict=True):
-                setattr(matmul, n, v)
+            for (m, n), v in zip(names, saved, strict=True):
+                setattr(m, n, v)
 
     def call(self, ln, k: int) -> None:
         """Launch ``ln`` on weight set ``k`` (modulo the sets)."""
@@ -195,7 +197,7 @@ def bench_case(rng, spin, spec: tuple, iters: int, warmup: int, sweep: bool) -> 
     paths.append(("stream", True, None, True))
     # its integer path (gemv_stream.cuh's Q8; fmt 2 only, elsewhere as "stream")
     paths += [("q8", True, None, "q8"), ("q8w16", True, None, (16, 1, True))]
-    # gemv_st's math warps and blocks per SM (matmul.ST_WARPS, ST_BLOCKS) beside its defaults
+    # gemv_st's math warps and blocks per SM (gemv_stream.ST_WARPS, ST_BLOCKS) beside its defaults
     paths += [(f"st{w}b{b}", True, None, (w, b)) for w, b in ST_FORMS]
     if s > matmul.TC_MAX_ROWS:
         paths += [(f"pf{ks}c{c}", True, None, ("pf", ks, c)) for ks, c in PF_FORMS]

@@ -11,7 +11,7 @@ Experts whose gate and up share one spec (format, size, group size) and whose do
 same format run in ONE persistent moe launch per (gate/up spec, down spec) combination: one
 launch for a model's usual group. Any other expert (gate and up of different formats or group
 sizes, say) runs unfused and still exact: gate and up as separate gemv jobs, silu times up
-elementwise, then down as a gemv job. With ``matmul.STREAM`` on, a fused combination that
+elementwise, then down as a gemv job. With ``gemv_stream.STREAM`` on, a fused combination that
 gemv_st serves (fmt 2, decode rows) runs as two streamed gemv launches instead of its moe
 launch: gate and up together (dual jobs) into the hidden buffer, then down (``_streamed``).
 
@@ -102,10 +102,10 @@ def _launches(
 
 def _streamed(gu: Any, dn: Any, max_rows: int) -> bool:
     """Whether a fused (gate/up spec, down spec) group runs as two streamed gemv launches
-    (matmul.STREAM and both specs served by gemv_st) rather than one moe launch."""
-    from coliworker.kernels import matmul as mm
+    (gemv_stream.STREAM and both specs served by gemv_st) rather than one moe launch."""
+    from coliworker.kernels import gemv_stream as st
 
-    return mm.stream_eligible(gu, max_rows, True) and mm.stream_eligible(dn, max_rows)
+    return st.stream_eligible(gu, max_rows, True) and st.stream_eligible(dn, max_rows)
 
 
 _modules: dict[str, Any] = {}

@@ -1,9 +1,9 @@
 // gemv_tc.cu's gemv_st: the int4 decode GEMV (fmt 2, and fmt 4 with power of two group sizes
 // 16..256) with its weights streamed by the bulk-copy engine into a ring of shared-memory
 // stages, one producer warp feeding 8 or 16 math warps. gemv_tc.cu
-// includes this after its helpers, which it uses (host side: kernels/matmul.py, _gemv_st).
+// includes this after its helpers, which it uses (host side: kernels/gemv_stream.py, _gemv_st).
 #pragma once
-// ---- gemv_st: persistent, warp-specialized, weights through cp.async.bulk (matmul.STREAM) ----
+// ---- gemv_st: persistent, warp-specialized, weights through cp.async.bulk (STREAM) ----
 //
 // Why: gemv_tc and its split-K forms load weights into registers, a few 16-byte loads per lane
 // between dependent mma chains; ncu puts them at 18-41% of DRAM bandwidth, latency-bound with

@@ -184,7 +184,7 @@ def write_group(
     Launches: ("moe", gu, dn, offset, n, max_rows, max_ie, max_dout), ("gemv", spec, offset,
     n, max_rows, max_out[, dual]) or ("silu_mul", floats): the unfused experts' h = silu(h) *
     hu over the whole hidden buffer (the fused experts' part is dead by then: their moe
-    launches come first and consume it). ``stream(gu, dn, max_rows)`` true (matmul's
+    launches come first and consume it). ``stream(gu, dn, max_rows)`` true (gemv_stream's
     ``stream_eligible`` for both): the fused experts run as two streamed gemv launches
     instead of one moe launch, gate and up (dual) into the hidden buffer, then down.
     """

@@ -1,7 +1,11 @@
 """The matmul op's host side (``run``; reference ``reference.matmul``; tests
 ``tests/kernels/test_matmul.py``) and the launches of the GEMV kernels every op uses
-(``gemv.cu``, ``gemv_tc.cu``, ``prefill_tc.cu``): a table of ``y = x @ W^T`` jobs in one launch,
-and a whole expert group in one persistent launch.
+(``gemv.cu``, ``gemv_tc.cu``, ``prefill_tc.cu``): a table of ``y = x @ W^T`` jobs in one launch
+(``gemv_launch``), and a whole expert group in one persistent launch (``moe_launch``), each on
+the path its switches pick (``settings()``: all of them, gemv_stream's and prefill_tc's
+included). gemv_st's host side (its switches, geometry and launch) is
+``kernels/gemv_stream.py``, gemv_pf's and moe_pf's ``kernels/prefill_tc.py``; matmul imports
+both.
 
 gemv serves a matmul (one job), the value projection of MLA attention (one job per head) and
 the unfused expert path; jobs of one launch share the weight spec (fmt, I, layout). moe runs
@@ -19,6 +23,8 @@ from typing import Any
 import cupy
 import numpy as np
 
+from coliworker.kernels import gemv_stream as st
+from coliworker.kernels import prefill_tc as pf
 from coliworker.kernels._module import get_function
 from coliworker.kernels.expert_group import PLANS_PER_ARENA
 from coliworker.kernels.launch import Launch
@@ -63,7 +69,7 @@ TENSOR_CORES = True
 TC_MAX_ROWS = 4
 # Split-K gemv jobs (gemv_tc_k / gemv_tc_sk, SPLIT_K on) of at least SB8_MIN_K padded inputs
 # take up to GEMV_TC_MAX_ROWS rows (SB = 8 past TC_MAX_ROWS: 24 columns, three n=8 tiles),
-# where gemv_pf pads each job to PF_SROWS rows. Measured on the H200 at 8 rows
+# where gemv_pf pads each job to prefill_tc.PF_SROWS rows. Measured on the H200 at 8 rows
 # (bench/gemv_splitk.py): o_proj 16384 -> 6144 101 -> 72 us, dense 6144^2 gs=64 62 -> 59 us,
 # but the value projection (64 jobs of K = 512) 14 -> 21 us: short jobs keep gemv_pf.
 GEMV_TC_MAX_ROWS = 8
@@ -86,56 +92,14 @@ SK_BLOCK_COST = 16  # a block's fixed cost (launch, staging, reductions) in 64-b
 # per setting, and the plans a backend keeps per arena are keyed by ``settings()``;
 # COLIWORKER_MOE_TC_FAST=0 in the environment sets it off from the start.
 MOE_TC_FAST = os.environ.get("COLIWORKER_MOE_TC_FAST", "1") != "0"
-# gemv_st (gemv_stream.cuh): decode gemv jobs of up to TC_MAX_ROWS rows, fmt 2 and fmt 4 with a
-# power of two group size of 16..256, with the weights (and grouped scales) streamed by the
-# bulk-copy engine through a ring of ST_STAGES shared-memory stages, one resident block per SM
-# over a contiguous range of 16-row tiles, x staged once per block and job. Taken where the
-# whole of K's staged x fits beside the ring. ``STREAM``: True takes it wherever it serves,
-# False never, "auto" (the default) where bench/gemv_splitk.py measured it faster on the H200
-# (bench/results/gemv-stream-2026-12-01.md): 2 to 4 rows (SB 4) of plain jobs of K >=
-# ST_AUTO_MIN_K (dense S=4 6144 x 6144: 18.9 against 20.5 us in int4, 25.0 against 37.7 us
-# with gs=64 scales); at one row it ties or loses (gs=128, o_proj), on the value projection's
-# 64 small jobs it loses, and expert groups stay on moe_tc_f (74 against 86 us at 8x1).
-# COLIWORKER_GEMV_STREAM=1 / 0 / auto sets it from the start (the GPU tests run every path,
-# tests/kernels/test_gemv_stream_cpu.py runs its source on the CPU).
-STREAM: bool | str = {"1": True, "0": False}.get(
-    os.environ.get("COLIWORKER_GEMV_STREAM", "auto"), "auto"
-)
-ST_AUTO_MIN_K = 4096
-ST_ROWS = 16
-ST_PIECES = (1024, 512)  # bytes of a row per stage: the first that gives ST_STAGES[1] stages
-ST_BARS = 16 * 8  # the mbarriers before the ring (ST_MAX_STAGES = 8)
-ST_STAGES = (6, 3)  # stages wanted, fewest accepted
-# Math warps per block (its k slices: 8 or 16; 16 only with 1024-byte pieces, whose 16 steps
-# give each one) and blocks per SM (1 or 2; each then has half the SM's shared memory).
-# COLIWORKER_ST_WARPS / COLIWORKER_ST_BLOCKS set them from the start.
-ST_WARPS = int(os.environ.get("COLIWORKER_ST_WARPS", "8"))
-ST_BLOCKS = int(os.environ.get("COLIWORKER_ST_BLOCKS", "1"))
-ST_SMEM_SM = 228 * 1024  # shared memory of an SM; each resident block reserves 1 KiB of it
-# gemv_st's integer path (its Q8 template argument, gemv_stream.cuh) for fmt 2 and fmt 4 with
-# groups of 32 or more: the codes as u8 against each activation row scaled by a power of two
-# and split in four int8 parts, exact int32 sums on the m16n8k32 tensor-core path (fmt 4: each
-# mma's sum scaled by its group's); fewer instructions per weight byte than the bf16 path,
-# other bits (within 1e-7 of float64 where the bf16 path is). Off until measured faster;
-# COLIWORKER_ST_Q8=1 sets it from the start.
-ST_Q8 = os.environ.get("COLIWORKER_ST_Q8", "0") == "1"
-# Split-K of the many-row gemv (gemv_pf_sk, prefill_tc.cu): where gemv_pf's grid would leave
-# SMs idle (o_proj of 8-32 sequences: 24 tiles of 256 weight rows), a tile's K is split over a
-# cluster of C blocks that meet in distributed shared memory in a fixed order (``_pf_choice``).
-# ``PF_SPLIT_K`` off keeps gemv_pf's k slices (KS = 4) there; ``PF_SK_FORCE`` fixes (KS, C)
-# (tests and bench/gemv_splitk.py). Measured on an H100 (bench/results/pf-split-k-2026-12-05.md):
-# o_proj of 32 sequences 187.6 -> 79.2 us (C = 8), the value projection of 32 sequences
-# 22.1 -> 17.1 us (KS = 1, no split). COLIWORKER_PF_SPLIT_K=0 sets it off from the start.
-PF_SPLIT_K = os.environ.get("COLIWORKER_PF_SPLIT_K", "1") != "0"
-PF_SK_FORCE: tuple[int, int] | None = None
 
 
 def settings() -> tuple:
-    """The switches that pick launches (TENSOR_CORES, SPLIT_K, SPLIT_K_FORCE, MOE_TC_FAST,
-    STREAM, ST_WARPS, ST_BLOCKS, ST_Q8, PF_SPLIT_K, PF_SK_FORCE): part of every cached plan's
-    key, so a plan made under other settings is not reused."""
-    return (TENSOR_CORES, SPLIT_K, SPLIT_K_FORCE, MOE_TC_FAST, STREAM, ST_WARPS, ST_BLOCKS, ST_Q8,
-            PF_SPLIT_K, PF_SK_FORCE)  # fmt: skip
+    """The switches that pick launches (TENSOR_CORES, SPLIT_K, SPLIT_K_FORCE, MOE_TC_FAST;
+    gemv_stream's STREAM, ST_WARPS, ST_BLOCKS, ST_Q8; prefill_tc's PF_SPLIT_K, PF_SK_FORCE):
+    part of every cached plan's key, so a plan made under other settings is not reused."""
+    return (TENSOR_CORES, SPLIT_K, SPLIT_K_FORCE, MOE_TC_FAST, st.STREAM, st.ST_WARPS,
+            st.ST_BLOCKS, st.ST_Q8, pf.PF_SPLIT_K, pf.PF_SK_FORCE)  # fmt: skip
 
 
 TC_VARIANTS = (
@@ -151,86 +115,19 @@ TC_VARIANTS = (
 )  # fmt: skip
 
 
-def _st_stage(spec: WeightSpec, dual: bool, pc: int) -> int:
-    """Bytes of one gemv_st ring stage of pc-byte pieces: 16 rows of a piece per matrix (pc +
-    64 bytes apart), and for fmt 4 their scales (st_scale_stride floats per row: the piece's
-    2 * pc / gs, plus 4)."""
-    scales = 4 * ST_ROWS * (2 * pc // spec.group_size + 4) if spec.fmt == 4 else 0
-    return (2 if dual else 1) * (ST_ROWS * (pc + 64) + scales)
-
-
-def _st_geometry(
-    spec: WeightSpec, max_rows: int, dual: bool
-) -> tuple[int, int, int, int, int] | None:
-    """(SB, ring stages, piece bytes, dynamic shared bytes, math warps) of gemv_st, or None
-    where the staged x of all of K and ST_STAGES[1] stages do not fit in a block's share of the
-    SM's shared memory (ST_BLOCKS blocks per SM; dual: stages and partials of two matrices).
-    Pieces of 1024 bytes, or of 512 where 1024-byte stages would not give ST_STAGES[1] of them
-    (4 activation rows: x takes 12 bf16 columns of K); ST_WARPS math warps with 1024-byte
-    pieces, 8 with 512."""
-    sb, m, q8 = tc_sb(max_rows), 2 if dual else 1, _st_q8(spec)
-    nt = (4 * sb + 7) // 8 if q8 else (3 * sb + 7) // 8
-    in_padded = spec.layout.in_padded
-    room = min(227 * 1024, ST_SMEM_SM // ST_BLOCKS - 1024)
-    for pc in ST_PIECES:
-        mw = ST_WARPS if pc == 1024 else 8
-        if q8:  # int8 parts of 4 columns per row, then st_q8_scratch
-            xbytes = 4 * sb * (in_padded + 32) + 4 * (mw * sb + mw * 4 * sb + 4 * sb + sb)
-        else:  # bf16 parts of 3 columns per row
-            xbytes = 2 * 3 * sb * (in_padded + 16)
-        rest = ST_BARS + 4 * m * mw * ST_ROWS * 8 * nt + xbytes
-        stage = _st_stage(spec, dual, pc)
-        ns = min(ST_STAGES[0], (room - rest) // stage)
-        if ns >= ST_STAGES[1]:
-            return sb, ns, pc, rest + ns * stage, mw
-    return None
-
-
-def _st_q8(spec: WeightSpec) -> bool:
-    """Whether gemv_st runs its integer path (Q8) for this spec: ``ST_Q8`` on, fmt 2 or fmt
-    4 with groups of 32 or more (an mma's 32 elements in one group)."""
-    return ST_Q8 and (spec.fmt == 2 or (spec.fmt == 4 and spec.group_size >= 32))
-
-
-def stream_eligible(spec: WeightSpec, max_rows: int, dual: bool = False) -> bool:
-    """Whether gemv_st serves these jobs (and ``STREAM`` takes it: True, or "auto" for plain
-    jobs of 2 to 4 rows and K >= ST_AUTO_MIN_K): fmt 2, or fmt 4 with a power of two group
-    size of 16..256 (a piece's scales are whole 16-byte rows); dual: gate and up jobs."""
-    fmt, gs = spec.fmt, spec.group_size
-    if not (STREAM and TENSOR_CORES and max_rows <= TC_MAX_ROWS):
-        return False
-    if STREAM == "auto" and (dual or max_rows == 1 or spec.layout.in_padded < ST_AUTO_MIN_K):
-        return False
-    if not (fmt == 2 or (fmt == 4 and 16 <= gs <= 256 and gs & (gs - 1) == 0)):
-        return False
-    return _st_geometry(spec, max_rows, dual) is not None
-
-
-def _gemv_st(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: int,
-             dual: bool = False) -> Launch:  # fmt: skip
-    """gemv_launch's launch on the streamed path (same jobs, same pointer): ST_BLOCKS blocks
-    per SM, or one per tile where there are fewer tiles."""
-    lay = spec.layout
-    geo = _st_geometry(spec, max_rows, dual)
-    assert geo is not None
-    sb, ns, pc, smem, mw = geo
-    ntr, nz = -(-max_out // ST_ROWS), -(-max_rows // sb)
-    name = f"gemv_st<{spec.fmt}, {sb}, {'true' if dual else 'false'}, {mw}"
-    name += ", true>" if _st_q8(spec) else ">"
-    fn = get_function("gemv_tc.cu", name, TC_VARIANTS, smem)
-    if ST_BLOCKS > 1:  # all of the SM's shared memory (the driver sizes it for one block)
-        fn.preferred_shared_memory_carveout = 100
-    gs, shift = gs_args(spec.fmt, spec.group_size)
-    tail = (np.int32(n_jobs), np.int32(ntr), np.int32(nz), np.int32(spec.in_features),
-            np.int32(lay.in_padded), np.int32(lay.ld), np.int32(max(lay.ngp, 1)), gs, shift,
-            np.int32(ns), np.int32(pc))  # fmt: skip
-    return Launch(fn, (min(ST_BLOCKS * n_sm, n_jobs * ntr * nz),), ((mw + 1) * 32,), tail, smem)
-
-
 def tc_eligible(spec: WeightSpec, max_rows: int, most: int = TC_MAX_ROWS) -> bool:
     """Whether the tensor-core path serves this weight spec at ``max_rows`` rows per job
     (``most``: the path's row limit; the split-K gemv's is GEMV_TC_MAX_ROWS)."""
     if not TENSOR_CORES or max_rows > most:
+        return False
+    return spec.fmt == 2 or (spec.fmt == 4 and spec.group_size % 16 == 0)
+
+
+def prefill_eligible(spec: WeightSpec, max_rows: int, fewest: int = TC_MAX_ROWS + 1) -> bool:
+    """Whether the tensor-core prefill path (``kernels/prefill_tc.py``) serves this weight spec
+    at ``max_rows`` rows (``fewest``: where it starts; the gemv's is past GEMV_TC_MAX_ROWS with
+    split-K on)."""
+    if not TENSOR_CORES or max_rows < fewest:
         return False
     return spec.fmt == 2 or (spec.fmt == 4 and spec.group_size % 16 == 0)
 
@@ -309,32 +206,6 @@ def _gemv_sk(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: i
     return Launch(fn, grid, (WARPS * 32,), (*spec.geom(), np.int32(kts)), smem)
 
 
-# ---- tensor-core prefill path (prefill_tc.cu): the same formats, more than TC_MAX_ROWS rows ----
-#
-# Blocks of PF_SROWS activation rows (64 mma columns: bf16 hi and lo of each row). gemv_pf takes
-# KS = 1 (every warp over all of K, PF_ROWS[1] weight rows per block) when that fills the GPU,
-# else KS = 4 (k slices meeting in shared memory, 4x the blocks).
-PF_SROWS = 32
-PF_SMEM = 2 * PF_SROWS * (512 + 16) * 2  # the staged K tile: 64 bf16 columns (PF_SMEM)
-PF_ROWS = {1: 256, 4: 64}  # gemv_pf weight rows per block by KS (PfTile<PF_MR, KS>::ROWS)
-PF_MOE_ROWS = (128, 256)  # moe_pf rows per gate+up tile (hidden) and per down tile
-PF_CLUSTERS = (2, 4, 8)  # gemv_pf_sk's cluster sizes (C = 1: gemv_pf)
-PF_BLOCK_COST = 4  # a block's fixed cost (launch, first loads, reduction) in K tiles
-PF_VARIANTS = (
-    tuple(f"gemv_pf<{f}, {ks}>" for f in (2, 4) for ks in PF_ROWS)
-    + tuple(f"moe_pf<{f}>" for f in (2, 4))
-    + tuple(f"gemv_pf_sk<{f}, {ks}, {c}>" for f in (2, 4) for ks in PF_ROWS for c in PF_CLUSTERS)
-)
-
-
-def prefill_eligible(spec: WeightSpec, max_rows: int, fewest: int = TC_MAX_ROWS + 1) -> bool:
-    """Whether the tensor-core prefill path serves this weight spec at ``max_rows`` rows
-    (``fewest``: where it starts; the gemv's is past GEMV_TC_MAX_ROWS with split-K on)."""
-    if not TENSOR_CORES or max_rows < fewest:
-        return False
-    return spec.fmt == 2 or (spec.fmt == 4 and spec.group_size % 16 == 0)
-
-
 _sm_counts: dict[int, int] = {}
 
 
@@ -396,7 +267,7 @@ def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int,
     the jobs, device ``records.GEMV_JOB`` [n_jobs] (8-byte aligned). Every job's x is float32
     [rows, x_stride] with ``in_features`` valid columns, y float32 [rows, y_stride]. dual:
     each job's w0 / s0 and w1 / s1 are an expert's gate and up, y = silu(gate x) * (up x)
-    (gemv_st only: where ``stream_eligible(spec, max_rows, True)``)."""
+    (gemv_st only: where ``gemv_stream.stream_eligible(spec, max_rows, True)``)."""
     if n_jobs <= 0 or max_rows <= 0 or max_out <= 0:
         return None
     dev = cupy.cuda.runtime.getDevice()
@@ -404,17 +275,17 @@ def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int,
     def make() -> Launch:
         lay = spec.layout
         if dual:
-            if not stream_eligible(spec, max_rows, True):
+            if not st.stream_eligible(spec, max_rows, True):
                 raise ValueError(
-                    "gemv_launch: dual jobs need gemv_st (matmul.STREAM on, fmt 2, "
+                    "gemv_launch: dual jobs need gemv_st (gemv_stream.STREAM on, fmt 2, "
                     f"<= {TC_MAX_ROWS} rows), got fmt {spec.fmt}, {max_rows} rows"
                 )
-            return _gemv_st(spec, n_jobs, max_rows, max_out, _sm_count(dev), True)
+            return st._gemv_st(spec, n_jobs, max_rows, max_out, _sm_count(dev), True)
         most = GEMV_TC_MAX_ROWS if SPLIT_K and lay.in_padded >= SB8_MIN_K else TC_MAX_ROWS
         if prefill_eligible(spec, max_rows, most + 1):
-            return _gemv_pf(spec, n_jobs, max_rows, max_out, _sm_count(dev))
-        if stream_eligible(spec, max_rows):
-            return _gemv_st(spec, n_jobs, max_rows, max_out, _sm_count(dev))
+            return pf._gemv_pf(spec, n_jobs, max_rows, max_out, _sm_count(dev))
+        if st.stream_eligible(spec, max_rows):
+            return st._gemv_st(spec, n_jobs, max_rows, max_out, _sm_count(dev))
         if tc_eligible(spec, max_rows, most) and SPLIT_K:
             return _gemv_sk(spec, n_jobs, max_rows, max_out, _sm_count(dev))
         if tc_eligible(spec, max_rows):
@@ -431,49 +302,6 @@ def gemv_launch(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int,
 
     key = (dev, "gemv", id(spec), n_jobs, max_rows, max_out, settings(), dual)
     return _cached(key, make)
-
-
-def _pf_choice(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: int
-               ) -> tuple[int, int]:  # fmt: skip
-    """(KS, C) of a many-row gemv launch: gemv_pf (C = 1) with KS = 1 where its blocks fill
-    the GPU twice over; else, with ``PF_SPLIT_K``, KS = 1 and the cluster size C with the least
-    modelled time, waves x (PF_BLOCK_COST + K tiles per rank) (``PF_SK_FORCE`` fixes both);
-    without it KS = 4 (4x the blocks, k slices meeting in shared memory). Blocks of one launch
-    run side by side and are latency bound: splitting pays while the grid leaves block slots
-    empty and stops where it adds waves. On an H100 every KS = 4 form, split or not, measured
-    slower than the best KS = 1 one (bench/results/pf-split-k-2026-12-05.md)."""
-    if PF_SK_FORCE is not None:
-        ks, c = PF_SK_FORCE
-        if ks not in PF_ROWS or c not in (1, *PF_CLUSTERS):
-            raise ValueError(f"PF_SK_FORCE={PF_SK_FORCE}: KS not in {tuple(PF_ROWS)} or C not "
-                             f"in {(1, *PF_CLUSTERS)}")  # fmt: skip
-        return ks, c
-    tiles = -(-max_rows // PF_SROWS) * -(-max_out // PF_ROWS[1]) * n_jobs
-    if tiles >= 2 * n_sm:
-        return 1, 1
-    if not PF_SPLIT_K:
-        return 4, 1
-    slots = (2 if spec.fmt == 2 else 1) * n_sm  # blocks per SM: gemv_pf's __launch_bounds__
-    nb = -(-spec.in_features // 1024)  # int4 blocks of K (a rank's share is whole blocks)
-    nt = -(-spec.in_features // 512)  # K tiles
-    best = (0, 0)
-    for c in (1, *PF_CLUSTERS):
-        per_rank = nt if c == 1 else 2 * -(-nb // c)
-        cost = -(-tiles * c // (slots // c * c)) * (PF_BLOCK_COST + per_rank)
-        if best[1] == 0 or cost < best[0]:
-            best = (cost, c)
-    return 1, best[1]
-
-
-def _gemv_pf(spec: WeightSpec, n_jobs: int, max_rows: int, max_out: int, n_sm: int) -> Launch:
-    """gemv_launch's launch on the tensor-core prefill path (same jobs, same pointer):
-    gemv_pf, or gemv_pf_sk where ``_pf_choice`` splits K over a cluster."""
-    nz = -(-max_rows // PF_SROWS)
-    ks, c = _pf_choice(spec, n_jobs, max_rows, max_out, n_sm)
-    name = f"gemv_pf<{spec.fmt}, {ks}>" if c == 1 else f"gemv_pf_sk<{spec.fmt}, {ks}, {c}>"
-    fn = get_function("prefill_tc.cu", name, PF_VARIANTS)
-    grid = (nz * c, -(-max_out // PF_ROWS[ks]), n_jobs)
-    return Launch(fn, grid, (WARPS * 32,), spec.geom(), PF_SMEM)
 
 
 def launch_gemv(
@@ -515,7 +343,7 @@ def moe_launch(
 
     def make() -> Launch | None:
         if prefill_eligible(gu, max_rows) and prefill_eligible(dn, max_rows) and gu.fmt == dn.fmt:
-            return _moe_pf(gu, dn, n_jobs, max_rows, max_ie, max_dout, n_sm)
+            return pf._moe_pf(gu, dn, n_jobs, max_rows, max_ie, max_dout, n_sm)
         if tc_eligible(gu, max_rows) and tc_eligible(dn, max_rows) and gu.fmt == dn.fmt:
             return _moe_tc(gu, dn, n_jobs, max_rows, max_ie, max_dout, n_sm)
         sb = pick_sb(max_rows)
@@ -571,24 +399,6 @@ def _moe_tc(
     tail = (np.int32(n_jobs), np.int32(ta), np.int32(tb), np.int32(nz), *gu.geom(), *dn.geom(),
             np.int32(kt))  # fmt: skip
     return Launch(fn, (blocks,), (WARPS * 32,), tail, smem)
-
-
-def _moe_pf(
-    gu: WeightSpec, dn: WeightSpec, n_jobs: int, max_rows: int, max_ie: int, max_dout: int,
-    n_sm: int,
-) -> Launch | None:  # fmt: skip
-    """moe_launch's launch on the tensor-core prefill path (same arguments, same pointers)."""
-    name = f"moe_pf<{gu.fmt}>"
-    fn = get_function("prefill_tc.cu", name, PF_VARIANTS)
-    nz = -(-max_rows // PF_SROWS)
-    ta = -(-max_ie // PF_MOE_ROWS[0])
-    tb = -(-max_dout // PF_MOE_ROWS[1])
-    total = (ta + tb) * nz * n_jobs
-    if total <= 0:
-        return None
-    blocks = min(total, _resident_blocks(fn, name, PF_SMEM, n_sm))
-    tail = (np.int32(n_jobs), np.int32(ta), np.int32(tb), np.int32(nz), *gu.geom(), *dn.geom())
-    return Launch(fn, (blocks,), (WARPS * 32,), tail, PF_SMEM)
 
 
 def run(call: Any, w: Any, x: np.ndarray) -> Any:

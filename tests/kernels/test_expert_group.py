@@ -63,13 +63,13 @@ def test_other_experts_of_one_shape(cupy_backend, rng, monkeypatch, routed):
     the arena's plan by group shape (group_tables.group_shape: the tables copied in, these
     experts' addresses patched in): every call matches float64, and gives the bits of the same
     call planned afresh; graphs on and off, and with gemv_st's streamed tables."""
-    from coliworker.kernels import matmul as mm
+    from coliworker.kernels import gemv_stream as st
 
     b = cupy_backend
     d, ie = 4096, 256  # K >= 4096: the streamed form takes 2-4 rows where STREAM is on
     host, dev = place_experts(b, rng, 7, d, ie, 2, 0)
-    for stream in ("auto", "off"):
-        monkeypatch.setattr(mm, "STREAM", stream)
+    for stream in ("auto", True, False):
+        monkeypatch.setattr(st, "STREAM", stream)
         for k in range(8):
             sel = [int(i) for i in rng.permutation(7)[:4]]
             hs, ds = [host[i] for i in sel], [dev[i] for i in sel]
@@ -177,20 +177,20 @@ def test_tensor_core_expert_group_matches_both_paths(cupy_backend, rng, fmt, gs,
 @pytest.mark.parametrize("rows", [[1] * 8, [4] * 8, [2, 1, 4, 3, 1]])
 @pytest.mark.parametrize("d,ie", [(6144, 2048), (2048 + 64, 640)])
 def test_streamed_expert_group(cupy_backend, rng, monkeypatch, fmt, gs, q8, rows, d, ie):
-    # matmul.STREAM: groups of up to 4 rows per expert (fmt 2, fmt 4 with power of two group
-    # sizes) as two gemv_st launches (gate and up, then down), against float64 and the moe
+    # gemv_stream.STREAM: groups of up to 4 rows per expert (fmt 2, fmt 4 with power of two
+    # group sizes) as two gemv_st launches (gate and up, then down), against float64 and the moe
     # path; routed (one token's 8 experts read one x row in place) likewise. q8: gemv_st's
-    # integer path (matmul.ST_Q8, fmt 2).
-    from coliworker.kernels import matmul
+    # integer path (gemv_stream.ST_Q8, fmt 2).
+    from coliworker.kernels import gemv_stream
 
-    monkeypatch.setattr(matmul, "ST_Q8", q8)
+    monkeypatch.setattr(gemv_stream, "ST_Q8", q8)
 
     b = cupy_backend
     host, dev = place_experts(b, rng, len(rows), d, ie, fmt, gs)
     x = rng.standard_normal((sum(rows), d)).astype(np.float32)
     ref = reference.expert_group(host, rows, x)
     moe = b.expert_group(dev, rows, x).out
-    monkeypatch.setattr(matmul, "STREAM", True)
+    monkeypatch.setattr(gemv_stream, "STREAM", True)
     got = b.expert_group(dev, rows, x).out
     assert rel_err(got, ref) < TC_TOL and rel_err(moe, ref) < TC_TOL
     assert np.array_equal(got, b.expert_group(dev, rows, x).out)  # same bits every call

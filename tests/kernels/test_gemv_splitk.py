@@ -3,7 +3,7 @@ streamed one (gemv_st, gemv_stream.cuh) against gemv_tc and the float64 referenc
 through ``gemv_launch`` with job tables built here.
 
 Every case runs the same jobs with ``matmul.SPLIT_K`` off (gemv_tc), on (the host's choice of
-cluster size), forced to each cluster size C in ``SK_CLUSTERS``, and with ``matmul.STREAM`` on
+cluster size), forced to each cluster size C in ``SK_CLUSTERS``, and with ``gemv_stream.STREAM`` on
 (gemv_st where it serves the jobs): results within ``TC_TOL``
 of float64 per activation row, and the same bits on every call of one launch (also replayed
 from a CUDA graph). Shapes cross the edges of the split: output rows not a multiple of the
@@ -71,15 +71,15 @@ class Jobs:
 
     def launch(self, split: bool, force: int | None = None, stream: bool | str = False):
         """stream: True for gemv_st, "q8" for its integer path (ST_Q8)."""
-        from coliworker.kernels import matmul
+        from coliworker.kernels import gemv_stream, matmul
 
-        saved = matmul.SPLIT_K, matmul.SPLIT_K_FORCE, matmul.STREAM, matmul.ST_Q8
+        saved = matmul.SPLIT_K, matmul.SPLIT_K_FORCE, gemv_stream.STREAM, gemv_stream.ST_Q8
         matmul.SPLIT_K, matmul.SPLIT_K_FORCE = split, force
-        matmul.STREAM, matmul.ST_Q8 = bool(stream), stream == "q8"
+        gemv_stream.STREAM, gemv_stream.ST_Q8 = bool(stream), stream == "q8"
         try:
             ln = matmul.gemv_launch(self.spec, len(self.xs), self.max_rows, max(self.out_rows))
         finally:
-            matmul.SPLIT_K, matmul.SPLIT_K_FORCE, matmul.STREAM, matmul.ST_Q8 = saved
+            matmul.SPLIT_K, matmul.SPLIT_K_FORCE, gemv_stream.STREAM, gemv_stream.ST_Q8 = saved
         assert ln is not None
         return ln
 
@@ -108,20 +108,20 @@ def paths() -> list[tuple[str, bool, int | None, bool | str]]:
 
 def check_all_paths(jobs: Jobs, tol: float = TC_TOL) -> dict[str, list[np.ndarray]]:
     """Every path within tol of float64 (per job, per activation row), two calls the same bits."""
-    from coliworker.kernels import matmul
+    from coliworker.kernels import gemv_stream
 
     ref = jobs.reference()
     got = {}
-    saved_stream, saved_q8 = matmul.STREAM, matmul.ST_Q8
+    saved_stream, saved_q8 = gemv_stream.STREAM, gemv_stream.ST_Q8
     for name, split, force, stream in paths():
         ln = jobs.launch(split, force, stream)
         if stream:  # gemv_st (its math warps and a producer) exactly where it serves the jobs
-            matmul.STREAM, matmul.ST_Q8 = True, stream == "q8"
+            gemv_stream.STREAM, gemv_stream.ST_Q8 = True, stream == "q8"
             try:
-                served = matmul.stream_eligible(jobs.spec, jobs.max_rows)
-                geo = matmul._st_geometry(jobs.spec, jobs.max_rows, False)
+                served = gemv_stream.stream_eligible(jobs.spec, jobs.max_rows)
+                geo = gemv_stream._st_geometry(jobs.spec, jobs.max_rows, False)
             finally:
-                matmul.STREAM, matmul.ST_Q8 = saved_stream, saved_q8
+                gemv_stream.STREAM, gemv_stream.ST_Q8 = saved_stream, saved_q8
             st_block = (geo[4] + 1) * 32 if served else None
             assert (ln.block[0] == st_block) == served, (name, ln.block)
         ys = jobs.run(ln)
@@ -233,7 +233,7 @@ def test_split_k_bit_identical_and_graph_replay(rng, fmt, gs):
 def test_split_k_through_backend_matmul(cupy_backend, rng):
     # CupyBackend.matmul takes the split path by default, gemv_st with STREAM on, gemv_tc with
     # both off.
-    from coliworker.kernels import matmul
+    from coliworker.kernels import gemv_stream, matmul
 
     b = cupy_backend
     t = make_tensor(rng, 2, 6144, 6144)
@@ -241,13 +241,13 @@ def test_split_k_through_backend_matmul(cupy_backend, rng):
     x = rng.standard_normal((1, 6144)).astype(np.float32)
     ref = reference.matmul(t, x)
     got = {}
-    saved = matmul.SPLIT_K, matmul.STREAM
+    saved = matmul.SPLIT_K, gemv_stream.STREAM
     try:
         for split, stream in ((True, True), (True, False), (False, False)):
-            matmul.SPLIT_K, matmul.STREAM = split, stream
+            matmul.SPLIT_K, gemv_stream.STREAM = split, stream
             got[split, stream] = b.matmul(w, x).out
     finally:
-        matmul.SPLIT_K, matmul.STREAM = saved
+        matmul.SPLIT_K, gemv_stream.STREAM = saved
     for k, y in got.items():
         assert row_rel_err(y, ref) < TC_TOL, k
     # the defaults: split-K, and at one row no gemv_st unless STREAM is True

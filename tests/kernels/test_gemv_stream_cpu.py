@@ -210,11 +210,12 @@ def test_gemv_st_on_cpu(tmp_path):
 
 
 @pytest.fixture
-def matmul_host(host_module, monkeypatch):
-    """kernels/matmul.py's pure host functions where CuPy is absent, STREAM on."""
-    mm = host_module("matmul")
-    monkeypatch.setattr(mm, "STREAM", True)
-    return mm
+def stream_host(host_module, monkeypatch):
+    """kernels/gemv_stream.py's pure host functions where CuPy is absent, STREAM on, and
+    kernels/matmul.py (its WeightSpec)."""
+    st, mm = host_module("gemv_stream"), host_module("matmul")
+    monkeypatch.setattr(st, "STREAM", True)
+    return st, mm
 
 
 @pytest.mark.parametrize(
@@ -239,24 +240,24 @@ def matmul_host(host_module, monkeypatch):
         (2, 0, 6144, 4, True, 8, 2, None),  # x of 4 rows and 3 stages: over half an SM
     ],
 )
-def test_stream_geometry(matmul_host, monkeypatch, fmt, gs, k, rows, dual, warps, blocks, want):
+def test_stream_geometry(stream_host, monkeypatch, fmt, gs, k, rows, dual, warps, blocks, want):
     """Where gemv_st serves a shape, and its SB, ring stages, piece size and math warps
     (ST_WARPS where pieces are 1024 bytes, 8 with 512) at ST_BLOCKS blocks per SM: each
     block's shared memory fits one block (227 KiB) and its share of the SM's, less the 1 KiB
     each reserves, with at least ST_STAGES[1] stages."""
-    mm = matmul_host
-    monkeypatch.setattr(mm, "ST_WARPS", warps)
-    monkeypatch.setattr(mm, "ST_BLOCKS", blocks)
+    st, mm = stream_host
+    monkeypatch.setattr(st, "ST_WARPS", warps)
+    monkeypatch.setattr(st, "ST_BLOCKS", blocks)
     spec = mm.WeightSpec.of(fmt, k, gs)
-    assert mm.stream_eligible(spec, rows, dual) == (want is not None)
+    assert st.stream_eligible(spec, rows, dual) == (want is not None)
     if want is None:
         return
-    sb, ns, pc, smem, mw = mm._st_geometry(spec, rows, dual)
+    sb, ns, pc, smem, mw = st._st_geometry(spec, rows, dual)
     assert (sb, ns, pc, mw) == want
-    assert smem <= 227 * 1024 and ns >= mm.ST_STAGES[1]
-    assert blocks * (smem + 1024) <= mm.ST_SMEM_SM
+    assert smem <= 227 * 1024 and ns >= st.ST_STAGES[1]
+    assert blocks * (smem + 1024) <= st.ST_SMEM_SM
     partials = 4 * (2 if dual else 1) * mw * 16 * 8 * ((3 * sb + 7) // 8)
-    assert smem >= ns * mm._st_stage(spec, dual, pc) + partials + 6 * sb * spec.layout.in_padded
+    assert smem >= ns * st._st_stage(spec, dual, pc) + partials + 6 * sb * spec.layout.in_padded
 
 
 @pytest.mark.parametrize(
@@ -273,8 +274,8 @@ def test_stream_geometry(matmul_host, monkeypatch, fmt, gs, k, rows, dual, warps
         (2, 0, 16384, 4, False, False),  # served nowhere: x does not fit
     ],
 )
-def test_stream_auto(matmul_host, monkeypatch, fmt, gs, k, rows, dual, taken):
+def test_stream_auto(stream_host, monkeypatch, fmt, gs, k, rows, dual, taken):
     """STREAM "auto" (the default) takes gemv_st only where the H200 measured it faster."""
-    mm = matmul_host
-    monkeypatch.setattr(mm, "STREAM", "auto")
-    assert mm.stream_eligible(mm.WeightSpec.of(fmt, k, gs), rows, dual) == taken
+    st, mm = stream_host
+    monkeypatch.setattr(st, "STREAM", "auto")
+    assert st.stream_eligible(mm.WeightSpec.of(fmt, k, gs), rows, dual) == taken

@@ -124,7 +124,7 @@ def test_matmul_split_k_clusters(cupy_backend, rng, monkeypatch, fmt, gs, s, o, 
     # gemv_pf_sk: every (KS, C) against float64 and each other (the sums meet in another
     # order: not the same bits as gemv_pf), each the same bits on every call. i = 2101: K ends
     # inside an int4 block; i = 512 with C = 8: ranks with no K at all (their sums are zero).
-    from coliworker.kernels import matmul
+    from coliworker.kernels import prefill_tc
 
     b = cupy_backend
     t = make_tensor(rng, fmt, o, i, gs)
@@ -133,7 +133,7 @@ def test_matmul_split_k_clusters(cupy_backend, rng, monkeypatch, fmt, gs, s, o, 
     ref = reference.matmul(t, x)
     for ks in (1, 4):
         for c in (1, 2, 4, 8):
-            monkeypatch.setattr(matmul, "PF_SK_FORCE", (ks, c))
+            monkeypatch.setattr(prefill_tc, "PF_SK_FORCE", (ks, c))
             y = b.matmul(w, x).out
             assert rel_err(y, ref) < PF_TOL, (ks, c)
             assert np.array_equal(y, b.matmul(w, x).out), (ks, c)
@@ -143,16 +143,16 @@ def test_matmul_split_k_clusters(cupy_backend, rng, monkeypatch, fmt, gs, s, o, 
 def test_matmul_split_k_on_and_off(cupy_backend, rng, monkeypatch):
     # o_proj of 32 sequences: the host's choice with PF_SPLIT_K (K split over a cluster)
     # beside gemv_pf's k slices (PF_SPLIT_K off), both within the bound.
-    from coliworker.kernels import matmul
+    from coliworker.kernels import prefill_tc
 
     b = cupy_backend
     t = make_tensor(rng, 2, 6144, 16384)
     w = b.place(t, 0)
     x = rng.standard_normal((32, 16384)).astype(np.float32)
     ref = reference.matmul(t, x)
-    monkeypatch.setattr(matmul, "PF_SPLIT_K", True)
+    monkeypatch.setattr(prefill_tc, "PF_SPLIT_K", True)
     on = b.matmul(w, x).out
-    monkeypatch.setattr(matmul, "PF_SPLIT_K", False)
+    monkeypatch.setattr(prefill_tc, "PF_SPLIT_K", False)
     off = b.matmul(w, x).out
     assert rel_err(on, ref) < PF_TOL and rel_err(off, ref) < PF_TOL
     assert not np.array_equal(on, off)  # another launch: the sums in another order
@@ -163,18 +163,18 @@ def test_pf_split_k_choice(monkeypatch):
     # grids that fill the GPU twice over keep gemv_pf, smaller ones split K over a cluster
     # as far as one wave allows (short K: not split), and PF_SPLIT_K off keeps the k slices.
     pytest.importorskip("cupy")
-    from coliworker.kernels import matmul
+    from coliworker.kernels import matmul, prefill_tc
 
     def choose(fmt, n_jobs, rows, out, k, n_sm=132):
         spec = matmul.WeightSpec.of(fmt, k, 64 if fmt == 4 else 0)
-        return matmul._pf_choice(spec, n_jobs, rows, out, n_sm)
+        return prefill_tc._pf_choice(spec, n_jobs, rows, out, n_sm)
 
-    monkeypatch.setattr(matmul, "PF_SPLIT_K", True)
+    monkeypatch.setattr(prefill_tc, "PF_SPLIT_K", True)
     assert choose(2, 1, 32, 6144, 16384) == (1, 8)  # o_proj, 32 sequences: 24 tiles
     assert choose(2, 1, 8, 6144, 16384) == (1, 8)
     assert choose(2, 1, 352, 6184, 2100) == (1, 1)  # 11 x 25 tiles: two waves already
     assert choose(2, 64, 32, 256, 512) == (1, 1)  # value projection: 64 short jobs
     assert choose(4, 1, 32, 6144, 16384) == (1, 4)  # fmt 4: one block per SM
-    monkeypatch.setattr(matmul, "PF_SPLIT_K", False)
+    monkeypatch.setattr(prefill_tc, "PF_SPLIT_K", False)
     assert choose(2, 1, 32, 6144, 16384) == (4, 1)
     assert choose(2, 1, 352, 6184, 2100) == (1, 1)
