@@ -2,7 +2,8 @@
 wrappers of ``attention.cu`` (its flash kernels in ``attention_flash.cuh`` and
 ``attention_flash_h.cuh``): absorbed q, split-T attention with online softmax, merge
 (reference: ``reference.attention`` / ``reference.attention_ragged``; tests:
-``tests/kernels/test_attention.py`` on the GPU, ``test_attention_cpu.py`` on the CPU).
+``tests/kernels/test_attention.py`` on the GPU, ``test_attention_cpu.py`` (absorb) and
+``test_attention_flash_cpu.py`` (flash, merge) on the CPU).
 
 Two attention kernels: ``mla_flash`` (tensor cores, every head of a block scores each KV tile
 staged once; the default where it fits: K <= 512 and its shared memory) and ``mla_attend``

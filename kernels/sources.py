@@ -1,6 +1,6 @@
 """The CUDA sources of ``kernels/`` as they are compiled: a file with its local
 ``#include "x.cuh"`` lines replaced by the headers' text (once each). No CuPy: the CPU tests
-read the kernels' source through here too (``tests/kernels/test_attention_cpu.py``).
+read the kernels' source through here too (``tests/kernels/test_*_cpu.py``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Shared by the tests that run a kernel's CUDA source on the CPU (test_attention_cpu.py,
-test_gemv_stream_cpu.py): the source without its inline PTX, and the g++ build and run of a
-shim (which includes ``fibers.h`` and the stripped source as ``kernel.inc``)."""
+test_attention_flash_cpu.py, test_gemv_stream_cpu.py, test_prefill_tc_cpu.py): the source
+without its inline PTX, and the g++ build and run of a shim (which includes ``fibers.h`` and
+the stripped source as ``kernel.inc``)."""
 
 from __future__ import annotations
 

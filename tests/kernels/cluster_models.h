@@ -1,7 +1,7 @@
 // Models of cluster.cuh's inline PTX for the tests that run a cluster kernel's source on the CPU
-// (test_attention_cpu.py, test_prefill_tc_cpu.py): clusters of g_cluster blocks along x, which
-// fibers.h launches together; the cluster barrier; loads from another block's shared memory at
-// the same offset as p in this block's.
+// (test_attention_cpu.py, test_attention_flash_cpu.py, test_prefill_tc_cpu.py): clusters of
+// g_cluster blocks along x, which fibers.h launches together; the cluster barrier; loads from
+// another block's shared memory at the same offset as p in this block's.
 #pragma once
 #include "fibers.h"
 int g_cluster = 1;

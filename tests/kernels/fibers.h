@@ -1,9 +1,11 @@
 // CUDA blocks on the CPU, for the tests that run a kernel's own source under g++
-// (test_attention_cpu.py, test_gemv_stream_cpu.py): one fiber (ucontext) per CUDA thread, run
-// in turn until each reaches a barrier (the block's, a warp's, a named one, the cluster's) or
-// yields in a wait loop; the CUDA types and built-ins those kernels use; a scheduler tick for
-// asynchronous work (copies that land later). Each test adds its stand-ins for the kernel's
-// inline PTX. A run that stops making progress ends the program with status 3 (a deadlock).
+// (test_attention_cpu.py, test_attention_flash_cpu.py, test_gemv_stream_cpu.py,
+// test_prefill_tc_cpu.py): one fiber (ucontext) per CUDA thread, run in turn until each reaches a
+// barrier (the block's, a warp's, a named one, the cluster's) or yields in a wait loop; the CUDA
+// types and built-ins those kernels use; a scheduler tick for asynchronous work (copies that land
+// later); the warp's slot exchange and mma sums the stand-ins of warp-wide PTX are built on. Each
+// test adds its stand-ins for the kernel's inline PTX. A run that stops making progress ends the
+// program with status 3 (a deadlock).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -110,6 +112,32 @@ inline int __shfl_xor_sync(unsigned m, int v, int o) {  // the float one's slots
     f = __shfl_xor_sync(m, f, o);
     std::memcpy(&v, &f, 4);
     return v;
+}
+// The warp's lanes trade values through their slots (Warp::u), as the stand-ins of warp-wide
+// instructions (mma, ldmatrix) do: this lane leaves the bytes at mine in its slot, the warp
+// meets, read(u) reads any lane l's slot u[l], the warp meets again (the slots free for reuse).
+template <class F> inline void warp_exchange(const void *mine, size_t bytes, F read) {
+    Warp *w = tl_warp;
+    std::memcpy(w->u[threadIdx.x & 31], mine, bytes);
+    w->bar->arrive_and_wait();
+    read(w->u);
+    w->bar->arrive_and_wait();
+}
+// One mma.m16n8kK by the warp, each lane's registers a0..a3, b0, b1 (in) left in its slot: this
+// lane's four sums s[e] over k < K of A(u, r, k) * B(u, k, n), its outputs' rows r = lane / 4
+// + 8 (e / 2) and columns n = 2 (lane % 4) + e % 2, A and B reading an operand from the slots u
+// by the instruction's fragment layout; summed in Acc from 0, the accumulator added by the caller.
+template <int K, class Acc, class FA, class FB>
+inline void warp_mma(Acc (&s)[4], const unsigned (&in)[6], FA A, FB B) {
+    const int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
+    warp_exchange(in, sizeof in, [&](const unsigned (*u)[8]) {
+        for (int e = 0; e < 4; ++e) {
+            const int r = gid + 8 * (e >> 1), n = 2 * t + (e & 1);
+            Acc acc = 0;
+            for (int k = 0; k < K; ++k) acc += A(u, r, k) * B(u, k, n);
+            s[e] = acc;
+        }
+    });
 }
 
 // The kernel f on grid g, clusters of C blocks along x run together, nt threads per block,

@@ -1,7 +1,7 @@
 // Models of tc.cuh's inline PTX for the tests that run an int4 tensor-core kernel's source on
 // the CPU (test_gemv_stream_cpu.py, test_prefill_tc_cpu.py): bf16 rounding, prmt, the nibble
 // magic, and mma.m16n8k16 bf16 / m16n8k32 s8 by the PTX manual's fragment layouts, each mma
-// summed in float64 (int64 for s8) across the warp's lanes (fibers.h: the warp's slots).
+// summed in float64 (int64 for s8) across the warp's lanes (fibers.h: warp_mma).
 #pragma once
 #include "fibers.h"
 inline unsigned short tc_bf16(float v) {  // cvt.rn.bf16.f32: round to nearest even
@@ -34,26 +34,16 @@ inline void tc_quad(const uint4 &c, int q, unsigned &lo, unsigned &hi) {
 inline double bf(unsigned reg, int half) { return f32_of((unsigned short)(reg >> (16 * half))); }
 inline void tc_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, uint2 b,
                    const float (&c)[4]) {
-    const int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
-    Warp *w = tl_warp;
-    unsigned *u = w->u[lane];
-    u[0] = a0; u[1] = a1; u[2] = a2; u[3] = a3; u[4] = b.x; u[5] = b.y;
-    w->bar->arrive_and_wait();
     // A [16 x 16]: (r, k) in lane (r % 8) * 4 + (k % 8) / 2, register r / 8 + 2 (k / 8), half
     // k % 2; B [16 x 8]: (k, n) in lane n * 4 + (k % 8) / 2, register 4 + k / 8, half k % 2.
-    auto A = [&](int r, int k) {
-        return bf(w->u[(r & 7) * 4 + ((k & 7) >> 1)][(r >> 3) + 2 * (k >> 3)], k & 1);
-    };
-    auto B = [&](int k, int n) { return bf(w->u[n * 4 + ((k & 7) >> 1)][4 + (k >> 3)], k & 1); };
-    float o[4];
-    for (int e = 0; e < 4; ++e) {
-        const int r = gid + 8 * (e >> 1), n = 2 * t + (e & 1);
-        double acc = 0;
-        for (int k = 0; k < 16; ++k) acc += A(r, k) * B(k, n);
-        o[e] = (float)(acc + c[e]);
-    }
-    w->bar->arrive_and_wait();
-    for (int e = 0; e < 4; ++e) d[e] = o[e];
+    double s[4];
+    warp_mma<16>(
+        s, {a0, a1, a2, a3, b.x, b.y},
+        [](auto u, int r, int k) {
+            return bf(u[(r & 7) * 4 + ((k & 7) >> 1)][(r >> 3) + 2 * (k >> 3)], k & 1);
+        },
+        [](auto u, int k, int n) { return bf(u[n * 4 + ((k & 7) >> 1)][4 + (k >> 3)], k & 1); });
+    for (int e = 0; e < 4; ++e) d[e] = (float)(s[e] + c[e]);
 }
 // mma.m16n8k32 u8 (SA: s8) x s8 -> s32. A [16 x 32]: (r, k) in lane (r % 8) * 4 + (k % 16) / 4,
 // register r / 8 + 2 (k / 16), byte k % 4; B [32 x 8]: (k, n) in lane n * 4 + (k % 16) / 4,
@@ -61,27 +51,20 @@ inline void tc_mma(float (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigne
 template <bool SA>
 inline void tc_mma_q8(int (&d)[4], unsigned a0, unsigned a1, unsigned a2, unsigned a3, uint2 b,
                       const int (&c)[4]) {
-    const int lane = threadIdx.x & 31, gid = lane >> 2, t = lane & 3;
-    Warp *w = tl_warp;
-    unsigned *u = w->u[lane];
-    u[0] = a0; u[1] = a1; u[2] = a2; u[3] = a3; u[4] = b.x; u[5] = b.y;
-    w->bar->arrive_and_wait();
     auto byte = [](unsigned reg, int k) { return (reg >> (8 * (k & 3))) & 255u; };
-    auto A = [&](int r, int k) {
-        const unsigned v = byte(w->u[(r & 7) * 4 + ((k & 15) >> 2)][(r >> 3) + 2 * (k >> 4)], k);
-        return SA ? (long long)(signed char)v : (long long)v;
-    };
-    auto B = [&](int k, int n) {
-        return (long long)(signed char)byte(w->u[n * 4 + ((k & 15) >> 2)][4 + (k >> 4)], k);
-    };
-    int o[4];
+    long long s[4];
+    warp_mma<32>(
+        s, {a0, a1, a2, a3, b.x, b.y},
+        [&](auto u, int r, int k) {
+            const unsigned v = byte(u[(r & 7) * 4 + ((k & 15) >> 2)][(r >> 3) + 2 * (k >> 4)], k);
+            return SA ? (long long)(signed char)v : (long long)v;
+        },
+        [&](auto u, int k, int n) {
+            return (long long)(signed char)byte(u[n * 4 + ((k & 15) >> 2)][4 + (k >> 4)], k);
+        });
     for (int e = 0; e < 4; ++e) {
-        const int r = gid + 8 * (e >> 1), n = 2 * t + (e & 1);
-        long long acc = c[e];
-        for (int k = 0; k < 32; ++k) acc += A(r, k) * B(k, n);
+        const long long acc = c[e] + s[e];
         if (acc != (int)acc) { std::printf("mma q8: int32 overflow\n"); std::exit(4); }
-        o[e] = (int)acc;
+        d[e] = (int)acc;
     }
-    w->bar->arrive_and_wait();
-    for (int e = 0; e < 4; ++e) d[e] = o[e];
 }
