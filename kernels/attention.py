@@ -482,14 +482,14 @@ def run(
         if len(a.plans) >= PLANS_PER_ARENA:
             a.plans.clear()
         a.plans[key] = plan
-    (_, dev_end, host_end, d_off, j_off, l_off, r_off, in_end, out_off, dout, _, jobs,
-     launches, rep) = plan  # fmt: skip
-    a.reserve(dev_end, host_end)  # the size the plan was made for: nothing to do
+    # (a kept plan's arena is the size it was made for: it forgets its plans when it grows)
+    (_, _, _, d_off, _, l_off, r_off, in_end, out_off, dout, _, jobs, launches, rep,
+     (qv, jv, lv, rv)) = plan  # fmt: skip
     base, host = a.dptr, a.host
-    call.put(0, q, 4 * q.size)
+    call.put(0, q, 4 * q.size, qv)
     if n_up:
-        stack_into(host, l_off, latents, n_up, K)
-        stack_into(host, r_off, ropes, n_up, R)
+        stack_into(lv, latents)
+        stack_into(rv, ropes)
     if caches is not None:
         p, src = d_off, 0
         for c, n in zip(caches, fresh, strict=True):
@@ -504,7 +504,8 @@ def run(
         for s in range(S):
             KV_DESC.pack_into(host, d_off + KV_DESC.size * s, base + l_off, base + r_off,
                               n_up - S + 1 + s, 0)  # fmt: skip
-    host[j_off : j_off + len(jobs)] = jobs
+    if not call.kept(plan):
+        jv[...] = jobs
     if call.replay(rep):  # the same plan: the same work, as its graph
         return call.finish()
     call.send(in_end)
@@ -593,6 +594,15 @@ def _plan(
     launches = _launch_args(kv_b, base, scratch, d_off, j_off, l_off, r_off,
                             0 if batch else n_up, H, flash, f16,
                             (absorb, split, attend, merge, value, proj))  # fmt: skip
+    host = a.host  # the inputs' views: q, the gemv jobs, the new cache rows (latent, rope)
+    views = (host[: 4 * S * H * (q_dim + R)].view(np.float32).reshape(S, H, q_dim + R),
+             host[j_off : j_off + len(jobs)], _rows_view(host, l_off, n_up, K),
+             _rows_view(host, r_off, n_up, R))  # fmt: skip
     return ((kv_b, o_proj), dev_end, host_end, d_off, j_off, l_off, r_off, in_end, out_off,
             dout, scratch, np.frombuffer(bytes(jobs), np.uint8), launches,
-            call.new_replay())  # fmt: skip
+            call.new_replay(), views)  # fmt: skip
+
+
+def _rows_view(host: np.ndarray, off: int, n: int, w: int) -> np.ndarray:
+    """float32 [n, w] at ``off`` of the arena's host half."""
+    return host[off : off + 4 * n * w].view(np.float32).reshape(n, w)

@@ -41,15 +41,15 @@ from typing import Any
 import numpy as np
 
 from coliworker.kernels.group_tables import (
-    _triple,
     counter_bytes,
     group_shape,
     patch,
     plan_group,
     route_plan,
+    triples_of,
     write_group,
 )
-from coliworker.kernels.pinned import align, put_host
+from coliworker.kernels.pinned import align
 
 #: Host plans an arena keeps (its ``plans``); past this it drops them all.
 PLANS_PER_ARENA = 1024
@@ -125,7 +125,7 @@ def _module(name: str) -> Any:
 def prepare(
     call: Any, experts: Sequence[tuple[Any, Any, Any]], rows: Sequence[int], x: np.ndarray,
     n_sm: int, extra_in: int = 0, x_rows: Sequence[int] | None = None, extra_out: int = 0,
-) -> tuple[Any, list[tuple], dict[str, int], Any]:  # fmt: skip
+) -> tuple[Any, list[tuple], dict[str, Any], Any]:  # fmt: skip
     """Plan a group, reserve its arena and write its inputs; returns the arena, the launches,
     the offsets and the plan's ``Replay`` (its kept graph; None where no plan is kept: unfused
     experts). Inputs: x float32 [T, D] at 0, the tables, ``extra_in`` more bytes at
@@ -150,16 +150,20 @@ def prepare(
     hit = a.plans.get(key)
     triples = None  # the experts' _triple entries, looked up once where a plan is not theirs
     if hit is None:
-        triples = [_triple(t) for t in experts]
+        triples = triples_of(experts)
         skey = ("group shape", settings, group_shape(triples), *rows, T, D, extra_in,
                 extra_out, xr)  # fmt: skip
         hit = a.plans.get(skey)
     if hit is not None:  # where: None for the same experts, else the address slots to patch
-        _, end, out_end, t_off, table, where, calls, off, rep = hit
-        a.reserve(end, out_end)
-        call.put(0, x, 4 * T * D)
-        a.host[t_off : t_off + len(table)] = table
-        if where is not None:
+        # (a kept plan's arena is the size it was made for: it forgets its plans when it grows)
+        _, _, _, t_off, table, where, calls, off, rep = hit
+        call.put(0, x, 4 * T * D, off["xv"])
+        if where is None:  # the tables as made: in place where this plan's call left them
+            if not call.kept(hit):
+                off["tv"][...] = table
+        else:  # other experts: their addresses patched into the shape's tables
+            if not call.kept(table):
+                off["tv"][...] = table
             patch(a.host, t_off, where, triples)  # type: ignore[arg-type]
         return a, calls, off, rep
     plan = plan_group(experts, rows)
@@ -185,7 +189,15 @@ def prepare(
                            base + (xp_off if packed else 0), base + y_off, base + h_off,
                            base + hu_off, x_at, _streamed, slots)  # fmt: skip
     calls = _launches(call, launches, base + t_off, base + h_off, base + hu_off, n_sm)
-    off = {"extra": e_off, "in_end": in_end, "y": y_off, "out": o_off, "xp": xp_off}
+    off = {
+        "extra": e_off,
+        "in_end": in_end,
+        "y": y_off,
+        "out": o_off,
+        "xp": xp_off,
+        "xv": a.host[: 4 * T * D].view(np.float32).reshape(T, D),
+        "tv": a.host[t_off : t_off + plan.table_bytes],
+    }  # (x's and the tables' views)
     rep = None
     if not plan.unfused:  # (unfused experts' launches hold views of this call's arena)
         if len(a.plans) >= PLANS_PER_ARENA - 1:
@@ -279,10 +291,15 @@ def routed(
     a, calls, off, rep = prepare(call, sel, rp.rows, x, n_sm, extra, rp.x_rows, 4 * T * d_out)
     base, o0 = a.dptr, off["extra"]
     o1, o2 = o0 + align(4 * n), o0 + 2 * align(4 * n)
-    put_host(a.host, o0, rp.pos, 4 * n, np.int32)
-    put_host(a.host, o1, weights, 4 * n)
+    views = off.get("routes")
+    if views is None:  # pos, w and src in the arena (kept with the plan's layout)
+        h = a.host
+        views = off["routes"] = (h[o0 : o0 + 4 * n].view(np.int32), h[o1 : o1 + 4 * n].view(
+            np.float32).reshape(T, K), h[o2 : o2 + 4 * n].view(np.int32))  # fmt: skip
+    views[0][...] = rp.pos
+    views[1][...] = weights
     if rp.x_rows is None:
-        put_host(a.host, o2, rp.src, 4 * n, np.int32)
+        views[2][...] = rp.src
     if rep is not None and call.replay(rep):  # the same plan: the same work, as its graph
         return call.finish()
     combine = route.combine_launch(T, K, d_out)

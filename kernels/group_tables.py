@@ -40,6 +40,18 @@ class RoutePlan:
     x_rows: list[int] | None
 
 
+_ZEROS: dict[int, np.ndarray] = {}
+
+
+def _zeros(k: int) -> np.ndarray:
+    """int32 zeros [k], read-only, made once per k (a one-token plan's ``src``)."""
+    z = _ZEROS.get(k)
+    if z is None:
+        z = _ZEROS[k] = np.zeros(k, np.int32)
+        z.flags.writeable = False
+    return z
+
+
 def route_plan(routes: np.ndarray, n_experts: int, small: bool | None = None) -> RoutePlan:
     """Plan routes int [T, K] (indexes below ``n_experts``, already checked) as packed rows.
     ``small``: plain Python (True) or NumPy (False); None picks by size (``SMALL_ROUTES``)."""
@@ -49,11 +61,10 @@ def route_plan(routes: np.ndarray, n_experts: int, small: bool | None = None) ->
         small = n <= SMALL_ROUTES
     if small and T == 1:  # one token (decode): each expert used once, in ascending order
         flat = routes.ravel().tolist()
-        used = sorted(set(flat))
-        if len(used) == K:
-            rank = {e: c for c, e in enumerate(used)}
-            return RoutePlan(used, [1] * K, np.zeros(K, np.int32),
-                             np.array([rank[e] for e in flat], np.int32), [0] * K)  # fmt: skip
+        used = sorted(flat)
+        if len(set(used)) == K:
+            packed = np.array([used.index(e) for e in flat], np.int32)
+            return RoutePlan(used, [1] * K, _zeros(K), packed, [0] * K)
     if small:
         flat = routes.ravel().tolist()
         counts = [0] * n_experts
@@ -321,6 +332,17 @@ def _triple(t: tuple[Any, Any, Any]) -> tuple[Any, tuple, bytes]:
             _ADDRS[3].pack(*g.ptrs, *u.ptrs, *d.ptrs),
         )
     return e
+
+
+def triples_of(experts: Sequence[tuple[Any, Any, Any]]) -> list[tuple[Any, tuple, bytes]]:
+    """``_triple`` of each of ``experts``: the kept entries looked up in one pass."""
+    get = _triples.get
+    out = [get(id(t)) for t in experts]
+    for i, t in enumerate(experts):
+        e = out[i]
+        if e is None or e[0] is not t:
+            out[i] = _triple(t)
+    return out  # type: ignore[return-value]
 
 
 def group_shape(triples: Sequence[tuple[Any, tuple, bytes]]) -> tuple:

@@ -77,10 +77,9 @@ def put_host(
         f.result()
 
 
-def stack_into(host: np.ndarray, off: int, parts: Sequence[np.ndarray], n: int, w: int) -> None:
-    """Row blocks ``parts`` (float32 [n_i, w], n rows in all) stacked into pinned ``host`` at
-    off: one copy, no temporary."""
-    out = host[off : off + 4 * n * w].view(np.float32).reshape(n, w)
+def stack_into(out: np.ndarray, parts: Sequence[np.ndarray]) -> None:
+    """Row blocks ``parts`` (float32 [n_i, w]) stacked into ``out`` (a view of [sum n_i, w] in
+    pinned memory): one copy, no temporary."""
     if len(parts) == 1:
         out[...] = parts[0]
     else:

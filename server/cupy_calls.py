@@ -101,7 +101,7 @@ class Arena:
     size (several in flight) get fresh arenas."""
 
     __slots__ = ("dev", "dptr", "host", "hptr", "events", "eptr", "home", "graphs", "plans",
-                 "side", "pipe", "pptr", "stamp_dev", "stamps", "h2d_stamp",
+                 "last", "side", "pipe", "pptr", "stamp_dev", "stamps", "h2d_stamp",
                  "d2h_stamp")  # fmt: skip
 
     def __init__(self, home: list[Arena]) -> None:
@@ -113,6 +113,9 @@ class Arena:
         self.home = home
         self.graphs = Graphs()  # the calls' device work, captured (kernels/graphs.py)
         self.plans: dict[tuple, Any] = {}  # the ops' host plans in this arena, by call shape
+        # The plan whose constant bytes (job tables, descriptors) the host half holds now, as
+        # its last call left them (``Call.kept``); None: not known.
+        self.last: Any = None
         self.side: tuple[Any, Any] | None = None  # the copy streams (up, down), once made
         self.pipe: list[Any] = []  # a pipelined call's events, made as needed
         self.pptr: list[int] = []
@@ -145,6 +148,7 @@ class Arena:
         """Drop what holds this arena's addresses: its graphs and plans."""
         self.graphs.clear()
         self.plans.clear()
+        self.last = None
 
     def reserve(self, dev_bytes: int, host_bytes: int) -> None:
         if (self.dev is None or self.dev.nbytes < dev_bytes) or (
@@ -196,11 +200,12 @@ class Replay:
     Only the copy switches (``kernels/copy.py``) change the list for one plan; the graph is
     kept with the switches it was captured under and is not replayed under others."""
 
-    __slots__ = ("exec", "out", "stamped", "copies")
+    __slots__ = ("exec", "out", "stamped", "copies", "view")
 
     def __init__(self) -> None:
         self.exec: Any = None  # graphs._Exec once captured (held: it lives as long as this)
         self.out: tuple[int, int, tuple[int, ...]] = (0, 0, ())
+        self.view: Any = None  # the output in the arena's host half, float32 of its shape
         self.stamped = False
         self.copies: tuple = ()
 
@@ -226,7 +231,8 @@ class Call:
     of GPU time)."""
 
     __slots__ = ("backend", "device", "what", "stream", "arena", "_prev", "out", "direct",
-                 "work", "graphable", "spans", "done", "stamped", "_h2d", "rep")  # fmt: skip
+                 "work", "graphable", "spans", "done", "stamped", "_h2d", "rep", "last",
+                 "view")  # fmt: skip
 
     def __init__(self, backend: Any, device: int, what: str) -> None:
         """``backend``: the CuPy backend (its per-thread ``_stream`` and ``_arenas``, and
@@ -247,6 +253,8 @@ class Call:
         self.stamped = False  # the phases are the copy kernels' stamps
         self._h2d = -1  # where send's first event lies in work, when its copy is stamped
         self.rep: Replay | None = None  # the plan's graph to keep once issued (``replay``)
+        self.last: Any = None  # the arena's last plan when the call took it (``kept``)
+        self.view: Any = None  # the output's view in the arena (a replayed plan's), else None
 
     def __enter__(self) -> Call:
         self._prev = cupy.cuda.runtime.getDevice()
@@ -276,17 +284,31 @@ class Call:
         if a is None:
             pool = self.backend._arenas(self.device)
             a = self.arena = pool.pop() if pool else Arena(pool)
+            self.last, a.last = a.last, None  # this call's writes may change any byte
         return a
+
+    def kept(self, plan: Any) -> bool:
+        """Whether the arena's host half holds ``plan``'s constant bytes (its tables, written
+        by its last call, and nothing of another call's written over them since): the op
+        skips writing them. Call it right where the op writes them (or skips): from here on
+        ``plan`` is the arena's last plan."""
+        self.arena.last = plan
+        return self.last is plan
 
     def reserve(self, dev_bytes: int, host_bytes: int) -> Arena:
         a = self.take()
         a.reserve(dev_bytes, host_bytes)
         return a
 
-    def put(self, off: int, a: np.ndarray, nbytes: int) -> None:
+    def put(self, off: int, a: np.ndarray, nbytes: int, view: Any = None) -> None:
         """float32 array ``a`` (``nbytes`` bytes) as the inputs' bytes [off, off + nbytes):
         ``send`` reads it where it lies when that is a registered shared-memory segment
-        (``CupyBackend.attach_segment``), else it is copied into the arena (``_put``)."""
+        (``CupyBackend.attach_segment``), else it is copied into the arena (``put_host``;
+        ``view``: a plan's float32 view of those bytes in the arena's host half, of a's shape,
+        which a small ``a`` is assigned to: the same bytes with less work)."""
+        if nbytes < DIRECT_BYTES and view is not None:
+            view[...] = a
+            return
         if nbytes >= DIRECT_BYTES and a.dtype == np.float32 and a.flags.c_contiguous:
             ptr = a.ctypes.data
             if self.backend._registered(ptr, nbytes):
@@ -373,7 +395,7 @@ class Call:
             self.rep = rep
             return False
         cupy.cuda.runtime.graphLaunch(ex.ptr, self.stream.ptr)
-        self.out, self.stamped = rep.out, rep.stamped
+        self.out, self.stamped, self.view = rep.out, rep.stamped, rep.view
         return True
 
     def issue(self) -> None:
@@ -394,14 +416,21 @@ class Call:
         spans = self.spans
         rt.eventSynchronize(ev[3] if spans is None else self.done)
         off, n, shape = self.out
-        if n >= DETACH_BYTES:
+        view = self.view
+        if view is not None:  # a replayed plan's output: below DETACH_BYTES
+            out = view.copy()
+        elif n >= DETACH_BYTES:
             # The result keeps the pinned buffer (returned to CuPy's pinned pool when it is
             # dropped): no copy into fresh pages, whose first touch costs more than the copy.
             out = a.host[off : off + n].view(np.float32).reshape(shape)
             a.host, a.hptr = None, 0
             a.forget()
         else:
-            out = a.host[off : off + n].view(np.float32).reshape(shape).copy()  # arena reused
+            view = a.host[off : off + n].view(np.float32).reshape(shape)
+            out = view.copy()  # arena reused
+            rep = self.rep
+            if rep is not None and rep.exec is not None:
+                rep.view = view  # the plan's (it lives no longer than the arena's host half)
         if self.stamped:
             h0, h1, d0, d1 = a.stamps.tolist()
             phases = Phases(h1 - h0, max(0, d0 - h1), d1 - d0)
