@@ -10,8 +10,15 @@ the event-record nodes, with the two copies (copy engine, or the copy kernel of
 (runtime calls one by one), medians of ``--calls``.
 
     PYTHONPATH=.dev python bench/graph_launch.py [--calls 2000] [--bytes 24576]
+    PYTHONPATH=.dev python bench/graph_launch.py --copies [--calls 500] [--out DIR]
 
-Prints a table; writes nothing (a diagnostic beside bench/host_profile.py).
+``--copies`` instead sweeps one copy alone in a graph (launch + wait, and its span on the GPU
+from the copy kernel's stamps), host -> device and back, over sizes from a decode call's 24 KB
+to the 1 MiB limit of ``kernels/copy.py``: the copy engine against the copy kernel at its
+block count (``copy.blocks``) and at fixed counts, each checked to the byte. With ``--out``
+it writes the table and JSON there (``harness``).
+
+Prints a table; writes nothing else (a diagnostic beside bench/host_profile.py).
 """
 
 from __future__ import annotations
@@ -22,12 +29,116 @@ import time
 
 import numpy as np
 
+COPY_SIZES = (24 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20)
+COPY_BLOCKS = (8, 32, 64, 132, 264)
+
+
+def copy_sweep(calls: int, out: str | None) -> None:
+    """``--copies``: one copy alone in a graph, by size, direction and how (module docstring)."""
+    import cupy
+    import cupyx
+
+    from coliworker.kernels import copy as ck
+    from coliworker.kernels._module import get_function
+    from coliworker.kernels.launch import Launch
+
+    rt = cupy.cuda.runtime
+    s = cupy.cuda.Stream(non_blocking=True)
+    sp = s.ptr
+    top = max(COPY_SIZES)
+    dev = cupy.zeros(top, cupy.uint8)
+    host = cupyx.empty_pinned((top,), np.uint8)
+    stamp_dev = cupy.asarray(np.array([np.iinfo(np.uint64).max, 0, 0], np.uint64))
+    stamp_out = cupyx.empty_pinned((2,), np.uint64)
+    stamp = (np.uint64(stamp_dev.data.ptr), np.uint64(stamp_out.ctypes.data))
+    fn = get_function("copy.cu", "coli_copy", ck.VARIANTS)
+    rng = np.random.default_rng()
+    rows = []
+
+    def timed(issue, stamped: bool) -> tuple[float, float]:
+        rt.streamBeginCapture(sp, 2)
+        issue()
+        g = rt.streamEndCapture(sp)
+        ex = rt.graphInstantiate(g)
+        for _ in range(20):
+            rt.graphLaunch(ex, sp)
+        s.synchronize()
+        total, span = [], []
+        for _ in range(calls):
+            t0 = time.perf_counter_ns()
+            rt.graphLaunch(ex, sp)
+            s.synchronize()
+            total.append(time.perf_counter_ns() - t0)
+            if stamped:
+                span.append(int(stamp_out[1]) - int(stamp_out[0]))
+        rt.graphExecDestroy(ex)
+        rt.graphDestroy(g)
+        return float(np.median(total)) / 1e3, (float(np.median(span)) / 1e3 if span else 0.0)
+
+    with s:
+        for n in COPY_SIZES:
+            for name, kind, dst, src in (("H2D", 1, dev.data.ptr, host.ctypes.data),
+                                         ("D2H", 2, host.ctypes.data, dev.data.ptr)):  # fmt: skip
+                row = {"bytes": n, "direction": name}
+                row["engine"] = timed(
+                    lambda d=dst, s_=src, m=n, k=kind: rt.memcpyAsync(d, s_, m, k, sp), False
+                )[0]
+                policy = ck.blocks(n)
+                row["policy blocks"] = policy
+                for b in sorted({policy, *COPY_BLOCKS}):
+                    go = Launch(fn, (b,), (256,), (np.int64(n),), 0)
+                    want = rng.integers(0, 256, n, dtype=np.uint8)
+                    if kind == 1:
+                        host[:n] = want
+                    else:
+                        dev[:n] = cupy.asarray(want)
+                    s.synchronize()
+                    t, span = timed(
+                        lambda g=go, d=dst, s_=src: g(np.uint64(d), np.uint64(s_), *stamp), True
+                    )
+                    got = cupy.asnumpy(dev[:n]) if kind == 1 else host[:n].copy()
+                    assert np.array_equal(got, want), f"copy kernel {name} {n} B x {b} blocks"
+                    row[f"x{b}"] = (t, span)
+                rows.append(row)
+    head = ["engine", "kernel, blocks by policy", *(f"kernel x{b}" for b in COPY_BLOCKS)]
+    lines = [f"One copy alone in a graph: launch + wait, us, medians of {calls}; in brackets the",
+             "copy kernel's own span on the GPU (first block's start to last block's end).", "",
+             "| size | dir | " + " | ".join(head) + " |",
+             "|---|---|" + "---|" * len(head)]  # fmt: skip
+    for r in rows:
+        pb = r["policy blocks"]
+        cells = [f"{r['engine']:.1f}"] + [
+            f"{r[f'x{b}'][0]:.1f} ({r[f'x{b}'][1]:.1f})" + (f", x{b}" if i == 0 else "")
+            for i, b in enumerate((pb, *COPY_BLOCKS))
+        ]
+        lines.append(f"| {r['bytes'] >> 10} KiB | {r['direction']} | " + " | ".join(cells) + " |")
+    print("\n".join(lines))
+    if out:
+        import os
+        import sys
+
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from bench import harness
+
+        date, doc = harness.run_record("bench/graph_launch.py")
+        doc.update(calls=calls, rows=rows)
+        stem = harness.write_json(out, f"copy-sweep-{date:%Y-%m-%d}-{doc['machine']['commit']}",
+                                  doc)  # fmt: skip
+        with open(stem + ".md", "w") as f:
+            f.write("\n".join([f"# copy sweep, {doc['machine'].get('gpu', '')}, {doc['date']}",
+                                f"command: `{doc['command']}`", "", *lines, ""]))  # fmt: skip
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--bytes", type=int, default=24576, help="bytes each copy moves")
+    p.add_argument("--copies", action="store_true", help="the copy sweep (module docstring)")
+    p.add_argument("--out", default=None, help="with --copies: write results here")
     a = p.parse_args()
+    if a.copies:
+        copy_sweep(min(a.calls, 500), a.out)
+        return
     import cupy
     import cupyx
 

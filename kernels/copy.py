@@ -24,6 +24,13 @@ COPY_BLOCKS = 64
 _THREADS = 256
 
 
+def blocks(n: int) -> int:
+    """coli_copy's blocks for ``n`` bytes: four 16-byte lanes per thread, at most
+    ``COPY_BLOCKS``."""
+    lanes = -(-n // 16)
+    return max(1, min(COPY_BLOCKS, -(-lanes // (4 * _THREADS))))
+
+
 def copy_launch(n: int, device: int | None = None) -> Launch | None:
     """coli_copy for ``n`` bytes on ``device`` (the current one, which it must be; given by
     a caller that knows it, one runtime call less per copy), taking (dst, src) addresses,
@@ -35,8 +42,6 @@ def copy_launch(n: int, device: int | None = None) -> Launch | None:
 
     def make() -> Launch:
         fn = get_function("copy.cu", "coli_copy", VARIANTS)
-        lanes = -(-n // 16)
-        blocks = max(1, min(COPY_BLOCKS, -(-lanes // (4 * _THREADS))))
-        return Launch(fn, (blocks,), (_THREADS,), (np.int64(n),), 0)
+        return Launch(fn, (blocks(n),), (_THREADS,), (np.int64(n),), 0)
 
     return cached((dev, "copy", n), make)  # type: ignore[return-value]
