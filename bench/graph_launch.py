@@ -29,6 +29,20 @@ import time
 
 import numpy as np
 
+
+def _captured(rt, s, issue, warm: int) -> tuple[int, int]:
+    """``issue()``'s work on stream ``s`` captured as a graph: (graph, its exec), launched
+    ``warm`` times and waited for."""
+    rt.streamBeginCapture(s.ptr, 2)
+    issue()
+    g = rt.streamEndCapture(s.ptr)
+    ex = rt.graphInstantiate(g)
+    for _ in range(warm):
+        rt.graphLaunch(ex, s.ptr)
+    s.synchronize()
+    return g, ex
+
+
 COPY_SIZES = (24 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20)
 COPY_BLOCKS = (8, 32, 64, 132, 264)
 
@@ -56,13 +70,7 @@ def copy_sweep(calls: int, out: str | None) -> None:
     rows = []
 
     def timed(issue, stamped: bool) -> tuple[float, float]:
-        rt.streamBeginCapture(sp, 2)
-        issue()
-        g = rt.streamEndCapture(sp)
-        ex = rt.graphInstantiate(g)
-        for _ in range(20):
-            rt.graphLaunch(ex, sp)
-        s.synchronize()
+        g, ex = _captured(rt, s, issue, 20)
         total, span = [], []
         for _ in range(calls):
             t0 = time.perf_counter_ns()
@@ -215,13 +223,7 @@ def main() -> None:
         kern()
         s.synchronize()
         for name, events, copies, kernels in variants:
-            rt.streamBeginCapture(sp, 2)
-            work(events, copies, kernels, True)
-            g = rt.streamEndCapture(sp)
-            ex = rt.graphInstantiate(g)
-            for _ in range(50):
-                rt.graphLaunch(ex, sp)
-            s.synchronize()
+            g, ex = _captured(rt, s, lambda e=events, c=copies, k=kernels: work(e, c, k, True), 50)
             launch, total = [], []
             for _ in range(a.calls):
                 t0 = time.perf_counter_ns()
