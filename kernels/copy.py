@@ -5,11 +5,14 @@ device half (``server/cupy_calls.py``). In a CUDA graph a copy-engine transfer (
 costs several microseconds of launch and of latency (``bench/graph_launch.py``); up to
 ``KERNEL_BYTES`` the copy is a kernel that reads or writes the pinned memory through its
 mapped address instead. Larger copies keep the copy engine, which moves them at the link's
-rate without taking SMs. ``ENABLED = False`` keeps every copy on the copy engine (tests run
+rate without taking SMs. ``ENABLED = False`` (``COLIWORKER_COPY_KERNEL=0``) keeps every copy
+on the copy engine (tests run
 both: a copy is exact either way).
 """
 
 from __future__ import annotations
+
+import os
 
 import cupy
 import numpy as np
@@ -18,7 +21,7 @@ from coliworker.kernels._module import get_function
 from coliworker.kernels.launch import Launch, cached
 
 VARIANTS = ("coli_copy",)
-ENABLED = True
+ENABLED = os.environ.get("COLIWORKER_COPY_KERNEL", "1") != "0"
 KERNEL_BYTES = 1 << 20
 COPY_BLOCKS = 64
 _THREADS = 256
