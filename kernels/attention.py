@@ -41,7 +41,7 @@ from coliworker.kernels._module import get_function
 from coliworker.kernels.expert_group import PLANS_PER_ARENA
 from coliworker.kernels.launch import max_active_clusters
 from coliworker.kernels.matmul import Launch, WeightSpec, _cached, gemv_launch, gs_args
-from coliworker.kernels.pinned import align, stack_into
+from coliworker.kernels.pinned import align, at, stack_into
 from coliworker.kernels.records import GEMV_JOB, KV_DESC
 
 ABS_P = 4  # mla_absorb: parts of the Q rows per column, one 128-thread group each
@@ -595,14 +595,8 @@ def _plan(
                             0 if batch else n_up, H, flash, f16,
                             (absorb, split, attend, merge, value, proj))  # fmt: skip
     host = a.host  # the inputs' views: q, the gemv jobs, the new cache rows (latent, rope)
-    views = (host[: 4 * S * H * (q_dim + R)].view(np.float32).reshape(S, H, q_dim + R),
-             host[j_off : j_off + len(jobs)], _rows_view(host, l_off, n_up, K),
-             _rows_view(host, r_off, n_up, R))  # fmt: skip
+    views = (at(host, 0, (S, H, q_dim + R)), host[j_off : j_off + len(jobs)],
+             at(host, l_off, (n_up, K)), at(host, r_off, (n_up, R)))  # fmt: skip
     return ((kv_b, o_proj), dev_end, host_end, d_off, j_off, l_off, r_off, in_end, out_off,
             dout, scratch, np.frombuffer(bytes(jobs), np.uint8), launches,
             call.new_replay(), views)  # fmt: skip
-
-
-def _rows_view(host: np.ndarray, off: int, n: int, w: int) -> np.ndarray:
-    """float32 [n, w] at ``off`` of the arena's host half."""
-    return host[off : off + 4 * n * w].view(np.float32).reshape(n, w)

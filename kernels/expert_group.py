@@ -49,7 +49,7 @@ from coliworker.kernels.group_tables import (
     triples_of,
     write_group,
 )
-from coliworker.kernels.pinned import align
+from coliworker.kernels.pinned import align, at
 
 #: Host plans an arena keeps (its ``plans``); past this it drops them all.
 PLANS_PER_ARENA = 1024
@@ -195,7 +195,7 @@ def prepare(
         "y": y_off,
         "out": o_off,
         "xp": xp_off,
-        "xv": a.host[: 4 * T * D].view(np.float32).reshape(T, D),
+        "xv": at(a.host, 0, (T, D)),
         "tv": a.host[t_off : t_off + plan.table_bytes],
     }  # (x's and the tables' views)
     rep = None
@@ -294,8 +294,8 @@ def routed(
     views = off.get("routes")
     if views is None:  # pos, w and src in the arena (kept with the plan's layout)
         h = a.host
-        views = off["routes"] = (h[o0 : o0 + 4 * n].view(np.int32), h[o1 : o1 + 4 * n].view(
-            np.float32).reshape(T, K), h[o2 : o2 + 4 * n].view(np.int32))  # fmt: skip
+        views = off["routes"] = (at(h, o0, (n,), np.int32), at(h, o1, (T, K)),
+                                 at(h, o2, (n,), np.int32))  # fmt: skip
     views[0][...] = rp.pos
     views[1][...] = weights
     if rp.x_rows is None:

@@ -30,7 +30,7 @@ from coliworker.kernels.expert_group import PLANS_PER_ARENA
 from coliworker.kernels.launch import Launch
 from coliworker.kernels.launch import cached as _cached
 from coliworker.kernels.layout import Layout
-from coliworker.kernels.pinned import align
+from coliworker.kernels.pinned import align, at
 from coliworker.kernels.records import GEMV_JOB
 
 WARPS = 8
@@ -424,10 +424,7 @@ def run(call: Any, w: Any, x: np.ndarray) -> Any:
             a.plans.clear()
         # The plan holds w: the id in its key stays its own while the plan lives; and views of
         # x and the job in the arena's host half (the arena forgets its plans when it grows).
-        views = (
-            a.host[:xb].view(np.float32).reshape(s, n_in),
-            a.host[j_off : j_off + GEMV_JOB.size],
-        )
+        views = (at(a.host, 0, (s, n_in)), a.host[j_off : j_off + GEMV_JOB.size])
         plan = a.plans[key] = (w, go, np.frombuffer(bytes(job), np.uint8), call.new_replay(),
                                views)  # fmt: skip
     _, go, job, rep, (xv, jv) = plan

@@ -3,13 +3,15 @@
 ``put_host`` copies an array in (large ones in slices on several threads: NumPy releases the
 GIL while it copies), ``copy_async`` starts such a copy and returns at once (the pipelined
 expert group, ``kernels/expert_group.py``, sends each piece up as soon as its copy is done),
-``stack_into`` stacks row blocks without a temporary, ``align`` rounds an offset in a call's
-arena up to 256 bytes. The copy threads are one pool per process, ``COPY_THREADS`` of them
+``stack_into`` stacks row blocks without a temporary, ``at`` views a buffer's bytes as an
+array of a shape (a plan keeps its inputs' and output's views), ``align`` rounds an offset in
+a call's arena up to 256 bytes. The copy threads are one pool per process, ``COPY_THREADS`` of them
 (``set_copy_threads``: the host-profile bench sweeps it). No CuPy here.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Sequence
@@ -22,6 +24,12 @@ import numpy as np
 def align(n: int) -> int:
     """``n`` rounded up to a multiple of 256 (offsets in a call's arena)."""
     return -(-n // 256) * 256
+
+
+def at(buf: np.ndarray, off: int, shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+    """The bytes of uint8 ``buf`` from ``off`` as a ``dtype`` array of ``shape`` (a view)."""
+    n = np.dtype(dtype).itemsize * math.prod(shape)
+    return buf[off : off + n].view(dtype).reshape(shape)
 
 
 # Inputs of at least this many bytes are copied into the pinned buffer by several threads.

@@ -34,7 +34,7 @@ from coliworker.kernels import copy
 from coliworker.kernels import graphs as cupy_graphs
 from coliworker.kernels.copy import copy_launch
 from coliworker.kernels.graphs import COPY, LAUNCH, MARK, Graphs
-from coliworker.kernels.pinned import align, put_host
+from coliworker.kernels.pinned import align, at, put_host
 from coliworker.server import hostmem
 from coliworker.server.backend import Phases, Result
 from coliworker.server.errors import OutOfDeviceMemory
@@ -422,11 +422,11 @@ class Call:
         elif n >= DETACH_BYTES:
             # The result keeps the pinned buffer (returned to CuPy's pinned pool when it is
             # dropped): no copy into fresh pages, whose first touch costs more than the copy.
-            out = a.host[off : off + n].view(np.float32).reshape(shape)
+            out = at(a.host, off, shape)
             a.host, a.hptr = None, 0
             a.forget()
         else:
-            view = a.host[off : off + n].view(np.float32).reshape(shape)
+            view = at(a.host, off, shape)
             out = view.copy()  # arena reused
             rep = self.rep
             if rep is not None and rep.exec is not None:
