@@ -37,7 +37,15 @@ from bench.kernels import make_tensor  # noqa: E402  (run from the repository ro
 def _stage_timers() -> dict[str, int]:
     """Wrap the CuPy backend's per-call steps with wall-time accumulators (ns, by step).
     Nested steps count in both (``finish`` includes the wait for the GPU)."""
-    from coliworker.kernels import attention, expert_group, expert_group_pipe, launch, pinned, route
+    from coliworker.kernels import (
+        attention,
+        attention_call,
+        expert_group,
+        expert_group_pipe,
+        launch,
+        pinned,
+        route,
+    )
     from coliworker.kernels import graphs as cupy_graphs
     from coliworker.server import cupy_calls
 
@@ -59,12 +67,12 @@ def _stage_timers() -> dict[str, int]:
         wrap(expert_group, name, f"expert_group.{name}")
     for name in ("pipe_plan", "pipe_tables", "issue_pipelined"):
         wrap(expert_group_pipe, name, f"expert_group_pipe.{name}")
-    for mod in (expert_group, cupy_calls):  # each imported put_host by name
-        wrap(mod, "put_host", "put_host")
+    wrap(cupy_calls, "put_host", "put_host")  # (Call.put's: the ops write through plan views)
     wrap(pinned, "copy_async", "pinned.copy_async (started)")  # issue_pipelined's, at the call
-    for name in ("absorb_launch", "flash_launch", "flash_splits", "flash_ok", "gemv_launch",
-                 "_plan", "head_jobs", "stack_into"):  # fmt: skip
+    for name in ("absorb_launch", "flash_launch", "flash_splits", "flash_ok"):
         wrap(attention, name, f"attention.{name}")
+    for name in ("gemv_launch", "_plan", "head_jobs", "stack_into"):
+        wrap(attention_call, name, f"attention_call.{name}")
     for name in ("reserve", "put", "send", "receive", "issue", "finish", "__enter__",
                  "__exit__"):  # fmt: skip
         wrap(cupy_calls.Call, name, f"Call.{name}")

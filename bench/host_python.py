@@ -3,7 +3,7 @@ host beside its device work, measurable on any machine.
 
 A stand-in ``cupy`` module (runtime calls that return at once, device arrays that are host
 arrays, kernels that are never compiled) lets the real host path run: ``Call``, the ops' plans,
-tables and arenas (``kernels/expert_group.py``, ``kernels/attention.py``,
+tables and arenas (``kernels/expert_group.py``, ``kernels/attention_call.py``,
 ``kernels/matmul.py``), graph capture and replay (``kernels/graphs.py``). Each row makes the
 same calls as ``bench/host_profile.py`` at GLM-5.2 shapes, and prints the median host time per
 call (no GPU wait in it: there is no GPU) beside the runtime calls it made. Timings on a shared

@@ -6,7 +6,7 @@ kernels, one D2H phase, timed with CUDA events.
 
 This module is the dispatcher: each op's host side (plan, job tables, arena layout,
 launches) is its own module (``kernels/matmul.py``, ``kernels/expert_group.py``,
-``kernels/attention.py``), run inside a ``Call`` (``server/cupy_calls.py``: the device, the
+``kernels/attention_call.py``), run inside a ``Call`` (``server/cupy_calls.py``: the device, the
 thread's stream, a reusable arena, the device work issued at the end as a CUDA graph once
 seen before, ``kernels/graphs.py``). What stays on a device (weights, tensors arriving block
 by block, KV caches) is in ``server/cupy_residents.py``; sessions' shared-memory segments in
@@ -28,7 +28,7 @@ import cupy
 import numpy as np
 
 from coliworker.kernels import attention as att
-from coliworker.kernels import expert_group, layout
+from coliworker.kernels import attention_call, expert_group, layout
 from coliworker.kernels import matmul as mm
 from coliworker.kernels.qtensor import QTensor
 from coliworker.server.backend import DeviceInfo, ExpertTriple, Result
@@ -180,7 +180,7 @@ class CupyBackend:
         with Call(self, experts[0][0].device, "expert_group_routed") as call:
             return expert_group.routed(call, experts, x, routes, weights, self._sms[call.device])
 
-    # -- MLA attention (host side: kernels/attention.py) --------------------------------
+    # -- MLA attention (host side: kernels/attention_call.py) --------------------------------
 
     def new_kv(self, device: int, k: int, r: int) -> CupyKVCache:
         return CupyKVCache(self, device, k, r)
@@ -206,8 +206,9 @@ class CupyBackend:
         self._check_kr(kv_b.in_features, rope_dim)
         with Call(self, kv_b.device, "attention") as call:
             n_sm = self._sms[call.device]
-            return att.run(call, kv_b, o_proj, q, None, (), max(latent.shape[0], 1), q_dim,
-                           rope_dim, v_dim, scale, [latent], [rope], n_sm)  # fmt: skip
+            return attention_call.run(call, kv_b, o_proj, q, None, (), max(latent.shape[0], 1),
+                                      q_dim, rope_dim, v_dim, scale, [latent], [rope],
+                                      n_sm)  # fmt: skip
 
     def attention_ragged(
         self,
@@ -233,8 +234,9 @@ class CupyBackend:
         lats = [lat for lat, _ in rows] if rows is not None else []
         ropes = [rop for _, rop in rows] if rows is not None else []
         with Call(self, kv_b.device, "attention_ragged") as call:
-            res = att.run(call, kv_b, o_proj, q, caches, fresh, max(t_max, 1), q_dim, rope_dim,
-                          v_dim, scale, lats, ropes, self._sms[call.device])  # fmt: skip
+            res = attention_call.run(call, kv_b, o_proj, q, caches, fresh, max(t_max, 1), q_dim,
+                                     rope_dim, v_dim, scale, lats, ropes,
+                                     self._sms[call.device])  # fmt: skip
         for c, n in zip(caches, fresh, strict=True):
             c.length += n
         return res

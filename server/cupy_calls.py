@@ -1,5 +1,5 @@
 """The CuPy backend's per-call plumbing: the context every op's host side runs in
-(``kernels/matmul.py``, ``kernels/expert_group.py``, ``kernels/attention.py``).
+(``kernels/matmul.py``, ``kernels/expert_group.py``, ``kernels/attention_call.py``).
 
 Host time per call is kept near the floor: every buffer of a call (inputs, outputs, scratch, on
 the device and pinned on the host) lies in one reusable ``Arena`` with its own timing events,
@@ -193,7 +193,7 @@ class Replay:
     """A plan's device work as its arena last issued it: the graph, and where the output lies.
 
     An op's plan (kept per arena and call shape: ``kernels/expert_group.py``,
-    ``kernels/attention.py``, ``kernels/matmul.py``) fixes every address and launch of the
+    ``kernels/attention_call.py``, ``kernels/matmul.py``) fixes every address and launch of the
     work its calls list, so the list is a function of the plan: once the list has been
     captured (``kernels/graphs.py``), a later call of the plan writes its inputs and launches
     the kept graph (``Call.replay``) without listing its work again or looking the list up.

@@ -1,5 +1,5 @@
-"""The MLA attention ops (kernels/attention.py) through CupyBackend against the float64
-reference. GPU only."""
+"""The MLA attention ops (kernels/attention_call.py, their launches kernels/attention.py)
+through CupyBackend against the float64 reference. GPU only."""
 
 from __future__ import annotations
 

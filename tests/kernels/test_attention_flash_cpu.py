@@ -213,12 +213,12 @@ def test_flash_f16_geometry(attention_host):
     rows, 16-byte aligned), the two planes of 64 q rows and one tile, Ss and the exponents; rows
     wider than the staging's FH_MAX_W and shared memory past the limit keep the tf32 kernel."""
     att = attention_host
-    assert att._krp16(512, 64) == 576 and att._krp16(40, 8) == 64 and att._krp16(11, 3) == 32
+    assert att.krp16(512, 64) == 576 and att.krp16(40, 8) == 64 and att.krp16(11, 3) == 32
     for k, r in ((512, 64), (40, 8), (11, 3), (256, 32), (500, 100)):
         geo = att._flash_geometry(k, r, True)
         assert geo is not None, (k, r)
         ntc, qst, kst, smem = geo
-        krp = att._krp16(k, r)
+        krp = att.krp16(k, r)
         assert 16 * ntc >= k and (ntc == 1 or 8 * ntc < k)
         assert qst == krp + 8 and kst == max(krp, 16 * ntc) + 8
         assert qst % 16 == 8 and kst % 16 == 8  # 4 mod 8 words a row, rows 16-byte aligned
