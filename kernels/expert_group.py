@@ -148,7 +148,7 @@ def prepare(
     settings = mm.settings()
     key = ("group", settings, *map(id, experts), *rows, T, D, extra_in, extra_out, xr)
     hit = a.plans.get(key)
-    triples = None  # the experts' _triple entries, looked up once where a plan is not theirs
+    triples = None  # the experts' triples_of entries, looked up once where a plan is not theirs
     if hit is None:
         triples = triples_of(experts)
         skey = ("group shape", settings, group_shape(triples), *rows, T, D, extra_in,

@@ -1,7 +1,7 @@
 """An expert group's plans and job tables, no CuPy: the routed plan (``route_plan``: a routed
 group as a packed one), the group plan (``plan_group``: fused launches, unfused experts, row and
 hidden offsets), the tables packed into the call's pinned buffer (``write_group``) and, for a
-plan reused by experts of the same shape, their addresses patched in (``_triple``,
+plan reused by experts of the same shape, their addresses patched in (``triples_of``,
 ``group_shape``, ``patch``). ``kernels/expert_group.py`` (the ops' host side) and
 ``kernels/expert_group_pipe.py`` (the pipelined prefill) build on them; they are timed and
 tested on any machine (``tests/kernels/test_expert_group.py``). Residents are duck-typed:
@@ -299,7 +299,7 @@ _BYTES = {n: struct.Struct(f"{16 * n}s") for n in (1, 2, 3)}
 def patch(buf: Any, off: int, slots: Sequence[tuple[int, int, tuple[int, ...]]],
           triples: Sequence[tuple[Any, tuple, bytes]]) -> None:  # fmt: skip
     """Tables that ``write_group`` packed at ``off`` of ``buf`` for experts of the same shape
-    (specs, widths, rows) made those of the experts of ``triples`` (their ``_triple`` entries):
+    (specs, widths, rows) made those of the experts of ``triples`` (their ``triples_of`` entries):
     their addresses written into ``slots`` (``write_group``'s), nothing else changes. A slot's
     matrices are consecutive (all three, gate and up, or down), so its bytes are one range of
     the triple's packed addresses."""
@@ -312,41 +312,40 @@ def patch(buf: Any, off: int, slots: Sequence[tuple[int, int, tuple[int, ...]]],
             _BYTES[len(ms)].pack_into(buf, off + pos, b[16 * ms[0] : 16 * ms[-1] + 16])
 
 
-#: Triples whose shape and addresses ``_triple`` keeps (cleared when full): a model's experts.
+#: Triples whose shape and addresses ``triples_of`` keeps (cleared when full): a model's experts.
 TRIPLES_KEPT = 8192
 _triples: dict[int, tuple[Any, tuple, bytes]] = {}
 
 
-def _triple(t: tuple[Any, Any, Any]) -> tuple[Any, tuple, bytes]:
-    """(t, its part of ``group_shape``, its six addresses packed): made once per triple (the
-    worker resolves an expert list to the same triple objects every call; the entry holds
-    the triple, so its id stays its own while the entry lives)."""
-    e = _triples.get(id(t))
-    if e is None or e[0] is not t:
-        g, u, d = t
-        if len(_triples) >= TRIPLES_KEPT:
-            _triples.clear()
-        e = _triples[id(t)] = (
-            t,
-            (id(g.spec), id(u.spec), id(d.spec), g.out_features, d.out_features),
-            _ADDRS[3].pack(*g.ptrs, *u.ptrs, *d.ptrs),
-        )
+def _keep_triple(t: tuple[Any, Any, Any]) -> tuple[Any, tuple, bytes]:
+    """Triple ``t``'s entry (``triples_of``), made and kept."""
+    g, u, d = t
+    if len(_triples) >= TRIPLES_KEPT:
+        _triples.clear()
+    e = _triples[id(t)] = (
+        t,
+        (id(g.spec), id(u.spec), id(d.spec), g.out_features, d.out_features),
+        _ADDRS[3].pack(*g.ptrs, *u.ptrs, *d.ptrs),
+    )
     return e
 
 
 def triples_of(experts: Sequence[tuple[Any, Any, Any]]) -> list[tuple[Any, tuple, bytes]]:
-    """``_triple`` of each of ``experts``: the kept entries looked up in one pass."""
+    """Each of ``experts``' entry: (the triple, its part of ``group_shape``, its six addresses
+    packed), made once per triple (the worker resolves an expert list to the same triple
+    objects every call; the entry holds the triple, so its id stays its own while the entry
+    lives), looked up in one pass."""
     get = _triples.get
     out = [get(id(t)) for t in experts]
     for i, t in enumerate(experts):
         e = out[i]
         if e is None or e[0] is not t:
-            out[i] = _triple(t)
+            out[i] = _keep_triple(t)
     return out  # type: ignore[return-value]
 
 
 def group_shape(triples: Sequence[tuple[Any, tuple, bytes]]) -> tuple:
     """What a group's plan and tables depend on beside the experts' addresses, from the
-    experts' ``_triple`` entries: each expert's gate, up and down specs (interned: by identity)
+    experts' ``triples_of`` entries: each expert's gate, up and down specs (interned: by identity)
     and its hidden and output widths."""
     return tuple([t[1] for t in triples])

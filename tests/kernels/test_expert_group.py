@@ -271,7 +271,7 @@ def test_patch_gives_the_tables_of_other_experts(rng, streamed):
     a, b = experts(), experts()
 
     def shape(ex):
-        return gt.group_shape([gt._triple(t) for t in ex])
+        return gt.group_shape(gt.triples_of(ex))
 
     assert shape(a) == shape(b)
     assert shape(a) != shape([*a[:4], (a[4][0], a[4][1], Res(d4, 64, 0))])
@@ -287,7 +287,7 @@ def test_patch_gives_the_tables_of_other_experts(rng, streamed):
         bufs.append(buf)
     assert len(slots) == (3 * 2 + 2 if streamed else 5)
     patched = bufs[0].copy()
-    gt.patch(patched, 32, slots, [gt._triple(t) for t in b])
+    gt.patch(patched, 32, slots, gt.triples_of(b))
     assert not np.array_equal(bufs[0], bufs[1])
     assert np.array_equal(patched, bufs[1])
 
