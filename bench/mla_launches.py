@@ -39,7 +39,11 @@ SPLITS = {1: (32, 64, 128, 132), 8: (8, 16, 32), 32: (2, 4, 8)}
 CLUSTERS = (1, 2, 4, 8)
 # In-process variants, where this tree's attention module has the switches: (label, settings).
 VARIANTS = (
-    ("new kernels", dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=False, MERGE_ZG=True)),
+    ("new kernels", dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=False, MERGE_ZG=True, FL_KP=2)),
+    (
+        "new kernels, 16 flash warps",
+        dict(ABSORB_W=True, FL_CLUSTER=None, FL_F16=False, MERGE_ZG=True, FL_KP=4),
+    ),
     ("old kernels", dict(ABSORB_W=False, FL_CLUSTER=1, FL_F16=False)),
     (
         "fp16 flash",
@@ -193,12 +197,12 @@ def breakdown(dec: Decode, log: list, calls: int) -> dict[str, float]:
 
 
 def max_clusters() -> dict[int, int | str]:
-    """cuOccupancyMaxActiveClusters of mla_flash_c<32, C> at GLM-5.2 widths: clusters of C
-    one-block-per-SM blocks resident at once (S=1 needs 128 / C of them in one wave)."""
+    """cuOccupancyMaxActiveClusters of mla_flash_c<NTC, C, FL_KP> at GLM-5.2 widths: clusters
+    of C one-block-per-SM blocks resident at once (S=1 needs 128 / C of them in one wave)."""
     out: dict[int, int | str] = {}
     if not hasattr(att, "FL_CLUSTERS"):
         return out
-    for c in att.FL_CLUSTERS.get(32, ()):
+    for c in att.FL_CLUSTERS.get(512, att.FL_CLUSTERS.get(32, ())):
         try:
             out[c] = att._max_clusters(GLM["K"], GLM["R"], c)
         except Exception as exc:  # noqa: BLE001 - a report, not a check

@@ -41,6 +41,29 @@ from coliworker.kernels.launch import max_active_clusters
 from coliworker.kernels.matmul import Launch, WeightSpec, _cached, gs_args
 
 ABS_P = 4  # mla_absorb: parts of the Q rows per column, one 128-thread group each
+#: mla_flash's k parts per head group (attention_flash.cuh): its block is 4 KP warps, each
+#: taking 1 / KP of the scores' k-steps and of the latent's columns; 2 (8 warps) or 4 (16
+#: warps: twice the warps per SM to hide the mma and shared loads' latency with, at one block
+#: per SM). COLIWORKER_FLASH_KP sets it; tests run both. mla_flash_h is always KP = 2.
+FL_KPS = (2, 4)
+
+
+def _flash_kp(text: str | None) -> int:
+    """``FL_KP`` from COLIWORKER_FLASH_KP's text (None: unset, the default); a ValueError for
+    anything but one of ``FL_KPS``."""
+    if text is None:
+        return 2
+    if text.strip() not in {str(k) for k in FL_KPS}:
+        raise ValueError(f"COLIWORKER_FLASH_KP={text!r}: must be one of {FL_KPS}")
+    return int(text)
+
+
+FL_KP = _flash_kp(os.environ.get("COLIWORKER_FLASH_KP"))
+
+
+def _ntcs(kp: int) -> tuple[int, ...]:
+    """The NTC of mla_flash<NTC, KP>: 8-column n-tiles per warp, up to K = 512."""
+    return tuple(n for n in (1, 2, 4, 8, 16, 32) if 8 * kp * n <= 512)
 ATT_WARPS = 8
 ATT_TT = 8
 # (lanes' share of K + R, heads per warp): registers hold q and the weighted latent.
@@ -51,10 +74,11 @@ NPL_CHOICES = ((2, 2), (4, 2), (8, 2), (18, 2), (36, 1))
 ABW_SB = (1, 4, 8)
 ABW_MIN_BLOCKS = 128  # about one block per SM (absorb_w_sb)
 ABSORB_W = True
-# mla_flash_c: clusters of C T slices merged in distributed shared memory, by NTC (the widths
-# that have them). ``FL_CLUSTER``: None (the default): C and nsplit from ``cluster_choice``;
-# 1: mla_flash and mla_merge only; c: that C wherever it divides nsplit.
-FL_CLUSTERS = {32: (2, 4, 8), 8: (4,)}
+# mla_flash_c: clusters of C T slices merged in distributed shared memory, by the latent columns
+# a block's warps cover (KP * 8 * NTC: the widths that have them). ``FL_CLUSTER``: None (the
+# default): C and nsplit from ``cluster_choice``; 1: mla_flash and mla_merge only; c: that C
+# wherever it divides nsplit.
+FL_CLUSTERS = {512: (2, 4, 8), 128: (4,)}
 FL_CLUSTER: int | None = None
 #: The share of the one-block-per-SM nsplit that ``cluster_choice`` may give up so that a
 #: launch's clusters fit in one wave.
@@ -67,10 +91,13 @@ VARIANTS = (
     )
     + tuple(f"mla_attend<{n}, {h}>" for n, h in NPL_CHOICES)
     + ("mla_merge<1>", "mla_merge<4>")
-    + tuple(f"mla_flash<{n}>" for n in (1, 2, 4, 8, 16, 32))
-    + tuple(f"mla_flash_c<{n}, {c}>" for n, cs in FL_CLUSTERS.items() for c in cs)
+    + tuple(f"mla_flash<{n}, {kp}>" for kp in FL_KPS for n in _ntcs(kp))
+    + tuple(
+        f"mla_flash_c<{w // (8 * kp)}, {c}, {kp}>"
+        for kp in FL_KPS for w, cs in FL_CLUSTERS.items() for c in cs
+    )
     + tuple(f"mla_flash_h<{n}>" for n in (1, 2, 4, 8, 16, 32))
-    + tuple(f"mla_flash_hc<{n}, {c}>" for n, cs in FL_CLUSTERS.items() for c in cs)
+    + tuple(f"mla_flash_hc<{w // 16}, {c}>" for w, cs in FL_CLUSTERS.items() for c in cs)
     + ("mla_qsplit",)
 )
 FLASH = True
@@ -214,10 +241,12 @@ def _merge(s: int, heads: int, k: int, nsplit: int) -> Launch:
 
 
 @functools.cache
-def _flash_geometry(k: int, r: int, f16: bool = False) -> tuple[int, int, int, int] | None:
-    """(NTC, QST, KST, shared bytes) of mla_flash, or with ``f16`` of mla_flash_h (QSTH, KSTH:
-    row strides in fp16 values), or None where it does not fit."""
-    ntc = next((n for n in (1, 2, 4, 8, 16, 32) if 16 * n >= k), None)
+def _flash_geometry(k: int, r: int, f16: bool = False, kp: int = 2
+                    ) -> tuple[int, int, int, int] | None:  # fmt: skip
+    """(NTC, QST, KST, shared bytes) of mla_flash<NTC, kp>, or with ``f16`` of mla_flash_h
+    (always kp 2; QSTH, KSTH: row strides in fp16 values), or None where it does not fit."""
+    kp = 2 if f16 else kp
+    ntc = next((n for n in _ntcs(kp) if 8 * kp * n >= k), None)
     if ntc is None:
         return None
     if f16:  # two fp16 planes (4 bytes a value, as fp32), exponents of 64 q rows and a tile
@@ -227,9 +256,14 @@ def _flash_geometry(k: int, r: int, f16: bool = False) -> tuple[int, int, int, i
         fits = smem <= FL_SMEM_MAX and kst - 8 <= FH_MAX_W
         return (ntc, qst, kst, smem) if fits else None
     krp = -(-(k + r) // 8) * 8
-    qst, kst = krp + 4, max(krp, 16 * ntc) + 4  # 4 mod 8: conflict-free fragment loads
-    smem = 4 * (FL_HB * qst + FL_TT * kst + 2 * FL_HB * FL_TT)
+    qst, kst = krp + 4, max(krp, 8 * kp * ntc) + 4  # 4 mod 8: conflict-free fragment loads
+    smem = 4 * (FL_HB * qst + FL_TT * kst + kp * FL_HB * FL_TT)
     return (ntc, qst, kst, smem) if smem <= FL_SMEM_MAX else None
+
+
+def _flash_kp_now(k: int, r: int) -> int:
+    """KP of the flash launch at these widths: 2 for mla_flash_h, else ``FL_KP``."""
+    return 2 if flash_f16(k, r) else FL_KP
 
 
 def flash_f16(k: int, r: int) -> bool:
@@ -239,7 +273,7 @@ def flash_f16(k: int, r: int) -> bool:
 
 def flash_ok(k: int, r: int) -> bool:
     """Whether mla_flash serves these widths (and ``FLASH`` is on)."""
-    return FLASH and _flash_geometry(k, r) is not None
+    return FLASH and _flash_geometry(k, r, False, FL_KP) is not None
 
 
 def flash_splits(s: int, heads: int, t_max: int, n_sm: int, k: int, r: int) -> int:
@@ -248,7 +282,7 @@ def flash_splits(s: int, heads: int, t_max: int, n_sm: int, k: int, r: int) -> i
     rounded down to a multiple of the forced C. Scratch as ``attend_splits``'s."""
     per = s * -(-heads // FL_HB)
     n = max(1, min(max(1, n_sm // per), -(-t_max // FL_MIN_ROWS), 1024))
-    key = (per, n, k, r, n_sm, FL_CLUSTER, t_max, FL_F16)
+    key = (per, n, k, r, n_sm, FL_CLUSTER, t_max, FL_F16, FL_KP)
     got = _splits.get(key)
     if got is None:
         have = _cluster_sizes(k, r)
@@ -331,14 +365,15 @@ def flash_cluster(k: int, r: int, nsplit: int, s: int, heads: int) -> int:
 def _cluster_sizes(k: int, r: int) -> tuple[int, ...]:
     """The C of mla_flash_c (mla_flash_hc) at these widths (none where mla_flash does not serve
     them or the exchanged context does not fit in its Q and KV buffers)."""
-    geo = _flash_geometry(k, r, flash_f16(k, r))
+    kp = _flash_kp_now(k, r)
+    geo = _flash_geometry(k, r, flash_f16(k, r), kp)
     if geo is None:
         return ()
     ntc, qst, kst, _ = geo
     ast = -(-k // 32) * 32 + 8  # fl_ast: the exchanged context must fit in Qs + KVs
     if FL_HB * ast > FL_HB * qst + FL_TT * kst:
         return ()
-    return FL_CLUSTERS.get(ntc, ())
+    return FL_CLUSTERS.get(8 * kp * ntc, ())
 
 
 _resident: dict[tuple, int] = {}
@@ -348,21 +383,22 @@ def _max_clusters(k: int, r: int, c: int) -> int:
     """Clusters of C mla_flash_c blocks at these widths resident at once on this device
     (asked of the driver once per device and widths)."""
     f16 = flash_f16(k, r)
-    key = (cupy.cuda.runtime.getDevice(), k, r, c, f16)
+    kp = _flash_kp_now(k, r)
+    key = (cupy.cuda.runtime.getDevice(), k, r, c, f16, kp)
     n = _resident.get(key)
     if n is None:
-        ntc, _, _, smem = _flash_geometry(k, r, f16)  # type: ignore[misc]
-        fn = get_function("attention.cu", _flash_name(f16, ntc, c), VARIANTS, smem)
-        n = _resident[key] = max_active_clusters(fn, c, 256, smem)
+        ntc, _, _, smem = _flash_geometry(k, r, f16, kp)  # type: ignore[misc]
+        fn = get_function("attention.cu", _flash_name(f16, ntc, c, kp), VARIANTS, smem)
+        n = _resident[key] = max_active_clusters(fn, c, 128 * kp, smem)
     return n
 
 
-def _flash_name(f16: bool, ntc: int, c: int) -> str:
-    """The flash kernel's variant: mla_flash<NTC> or, in clusters of C > 1, mla_flash_c<NTC, C>;
-    their fp16 forms (``f16``) mla_flash_h and mla_flash_hc."""
-    if c > 1:
-        return f"mla_flash_hc<{ntc}, {c}>" if f16 else f"mla_flash_c<{ntc}, {c}>"
-    return f"mla_flash_h<{ntc}>" if f16 else f"mla_flash<{ntc}>"
+def _flash_name(f16: bool, ntc: int, c: int, kp: int = 2) -> str:
+    """The flash kernel's variant: mla_flash<NTC, KP> or, in clusters of C > 1,
+    mla_flash_c<NTC, C, KP>; their fp16 forms (``f16``, KP 2) mla_flash_h and mla_flash_hc."""
+    if f16:
+        return f"mla_flash_hc<{ntc}, {c}>" if c > 1 else f"mla_flash_h<{ntc}>"
+    return f"mla_flash_c<{ntc}, {c}, {kp}>" if c > 1 else f"mla_flash<{ntc}, {kp}>"
 
 
 def qsplit_launch(s: int, heads: int, k: int, r: int) -> Launch | None:
@@ -394,15 +430,17 @@ def flash_launch(s: int, heads: int, k: int, r: int, scale: float, nsplit: int
 
     def make() -> tuple[Launch, Launch | None]:
         f16 = flash_f16(k, r)
-        geo = _flash_geometry(k, r, f16)
+        kp = _flash_kp_now(k, r)
+        geo = _flash_geometry(k, r, f16, kp)
         assert geo is not None  # callers check flash_ok
         ntc, qst, kst, smem = geo
         c = flash_cluster(k, r, nsplit, s, heads)
-        fn = get_function("attention.cu", _flash_name(f16, ntc, c), VARIANTS, smem)
-        att = Launch(fn, (nsplit, s, -(-heads // FL_HB)), (256,),
+        fn = get_function("attention.cu", _flash_name(f16, ntc, c, kp), VARIANTS, smem)
+        att = Launch(fn, (nsplit, s, -(-heads // FL_HB)), (128 * kp,),
                      (np.int32(s), np.int32(heads), np.int32(k), np.int32(r), np.float32(scale),
                       np.int32(nsplit), np.int32(qst), np.int32(kst)), smem)  # fmt: skip
         return att, (None if c > 1 and nsplit == c else _merge(s, heads, k, nsplit // c))
 
-    key = (dev, "flash", s, heads, k, r, float(scale), nsplit, FL_CLUSTER, FL_F16, MERGE_ZG)
+    key = (dev, "flash", s, heads, k, r, float(scale), nsplit, FL_CLUSTER, FL_F16, FL_KP,
+           MERGE_ZG)  # fmt: skip
     return _cached(key, make)  # type: ignore[return-value,arg-type]

@@ -82,7 +82,7 @@ def run(
     a = call.take()
     key = ("attention", id(kv_b), id(o_proj), S, H, q_dim, R, V, scale, n_up, nsplit,
            caches is None, flash, mm.settings(), att.ABSORB_W, att.FL_CLUSTER, att.FL_F16,
-           att.QSPLIT_FUSED, att.MERGE_ZG)  # fmt: skip
+           att.FL_KP, att.QSPLIT_FUSED, att.MERGE_ZG)  # fmt: skip
     plan = a.plans.get(key)
     if plan is None:  # _plan sizes the arena first: a reallocated arena forgets its plans
         plan = _plan(call, kv_b, o_proj, S, H, q_dim, R, V, scale, n_up, nsplit, flash,

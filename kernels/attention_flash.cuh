@@ -7,14 +7,18 @@
 #include "cluster.cuh"
 // ---- mla_flash: all heads of a block share each KV tile, scores and context on tensor cores --
 //
-// grid (nsplit, S, ceil(H / 64)), block 256 (8 warps), dynamic shared ``flash_smem`` bytes:
-//   Qs  [64][QST]      qfull of the block's 64 heads (zero beyond H and beyond K + R)
-//   KVs [FL_TT][KST]   one tile of FL_TT cache rows [latent | rope | zeros], cp.async-filled
-//   Ss  [2][64][FL_TT] partial scores of the two k halves
-// Warp w owns heads 16 * (w & 3) .. + 16 of the block. Scores: warp (w & 3, kh = w >> 2) takes
-// the k-steps of half kh for both 8-row n-tiles; the halves meet in Ss. Context: the same warp
-// takes columns [ch * 8 * NTC, (ch + 1) * 8 * NTC) of the latent (ch = w >> 2) for all FL_TT
-// rows; both halves compute the same softmax from Ss, so they agree on m and l exactly.
+// grid (nsplit, S, ceil(H / 64)), block 128 KP (4 KP warps: KP parts of k per head group),
+// dynamic shared ``flash_smem`` bytes:
+//   Qs  [64][QST]       qfull of the block's 64 heads (zero beyond H and beyond K + R)
+//   KVs [FL_TT][KST]    one tile of FL_TT cache rows [latent | rope | zeros], cp.async-filled
+//   Ss  [KP][64][FL_TT] partial scores of the KP k parts
+// Warp w owns heads 16 * (w & 3) .. + 16 of the block. Scores: warp (w & 3, part = w >> 2)
+// takes the k-steps of its part for both 8-row n-tiles; the parts meet in Ss (summed in part
+// order). Context: the same warp takes columns [part * 8 * NTC, (part + 1) * 8 * NTC) of the
+// latent for all FL_TT rows; the KP warps of a head group compute the same softmax from Ss, so
+// they agree on m and l exactly. KP = 2 (8 warps) is the form mla_flash_h shares; KP = 4 (16
+// warps, half the k-steps and columns a warp) has twice the warps to hide the mma and shared
+// loads' latency with (``attention.FL_KP``).
 //
 // Numerics: mma.m16n8k8 tf32 with split operands. x = hi + lo, hi = x with the low 13 mantissa
 // bits cleared (exactly a tf32), lo = x - hi (exact in fp32, |lo| < 2^-10 |x|, truncated to tf32
@@ -67,14 +71,15 @@ __device__ __forceinline__ void fl_cp16(float *dst, const float *src, int n) {
 
 // One row of width W (a multiple of 4) into dst: [a (na values) | b (nb values) | zeros].
 // VEC: 16-byte copies, for na and nb multiples of 4 and 16-byte aligned a, b and dst; thread
-// i of nt takes chunk i, i + nt, ... of every row of a tile (rows ``rows``, dst stride ``ld``).
-template <bool VEC>
+// i of NT (the block) takes chunk i, i + NT, ... of every row of a tile (rows ``rows``, dst
+// stride ``ld``).
+template <bool VEC, int NT = FL_WARPS * 32>
 __device__ __forceinline__ void fl_stage(float *dst, int ld, int rows, int W, const float *a,
                                          int lda, int na, const float *b, int ldb, int nb,
                                          int valid) {
     constexpr int V = VEC ? 4 : 1;
     const int wv = W / V;
-    for (int i = threadIdx.x; i < rows * wv; i += FL_WARPS * 32) {
+    for (int i = threadIdx.x; i < rows * wv; i += NT) {
         const int t = i / wv, c = (i - t * wv) * V;
         const float *src = a;
         int n = 0;
@@ -110,16 +115,17 @@ __device__ __forceinline__ FlSlice fl_slice(const KvDesc &d, int z, int nsplit) 
             tb, min(d.len, tb + chunk)};
 }
 
-// Prefetch the next tile's cache rows (after [t0, t0 + FL_TT), up to te) into L2.
+// Prefetch the next tile's cache rows (after [t0, t0 + FL_TT), up to te) into L2 (NT threads).
+template <int NT = FL_WARPS * 32>
 __device__ __forceinline__ void fl_prefetch(const float *lat, const float *rop, int t0, int te,
                                             int K, int R) {
     if (t0 + FL_TT >= te) return;
     const int nr = min(FL_TT, te - t0 - FL_TT);
     const char *a = reinterpret_cast<const char *>(lat + (size_t)(t0 + FL_TT) * K);
-    for (int o = threadIdx.x * 128; o < nr * K * 4; o += FL_WARPS * 32 * 128)
+    for (int o = threadIdx.x * 128; o < nr * K * 4; o += NT * 128)
         asm volatile("prefetch.global.L2 [%0];" ::"l"(a + o));
     const char *b = reinterpret_cast<const char *>(rop + (size_t)(t0 + FL_TT) * R);
-    for (int o = threadIdx.x * 128; o < nr * R * 4; o += FL_WARPS * 32 * 128)
+    for (int o = threadIdx.x * 128; o < nr * R * 4; o += NT * 128)
         asm volatile("prefetch.global.L2 [%0];" ::"l"(b + o));
 }
 
@@ -160,18 +166,21 @@ __device__ __forceinline__ void fl_rescale(float (&acc)[NTC][4], const float (&f
 // The online softmax of one tile for heads gid, gid + 8 (s: head gid's row of Ss) over this
 // lane's tile rows ``rows`` (rows at or past ``valid`` are out): p = e^(score - m), m and l
 // carried over; alpha = e^(m_old - m), the factor of the context so far (fl_rescale). A score
-// is both halves' partials times scale.
+// is the KP parts' partials, summed in part order, times scale.
+template <int KP = 2>
 __device__ __forceinline__ void fl_softmax(float (&p)[2][4], float (&m)[2], float (&l)[2],
                                            float (&alpha)[2], const float *s,
                                            const int (&rows)[4], float scale, int valid) {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const float *s0 = s + 8 * i * FL_TT;
-        const float *s1 = s0 + FL_HB * FL_TT;
         float mt = -COLI_INF;
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
-            const float v = (s0[rows[r]] + s1[rows[r]]) * scale;
+            float v = s0[rows[r]];
+#pragma unroll
+            for (int q = 1; q < KP; ++q) v += s0[q * FL_HB * FL_TT + rows[r]];
+            v *= scale;
             p[i][r] = rows[r] < valid ? v : -COLI_INF;
             mt = fmaxf(mt, p[i][r]);
         }
@@ -191,10 +200,10 @@ __device__ __forceinline__ void fl_softmax(float (&p)[2][4], float (&m)[2], floa
 }
 
 // The end of a slice (mla_flash, mla_flash_h): this block's unnormalized context acc (warp
-// layout of fl_body), running max m and this lane's share of the sum l of its heads written as
-// mla_attend's partials (C = 1), or merged over the C slices of its cluster in distributed
-// shared memory (Qs and Ss, both free by now, hold what the blocks exchange).
-template <int NTC, int C>
+// layout of fl_body, KP parts), running max m and this lane's share of the sum l of its heads
+// written as mla_attend's partials (C = 1), or merged over the C slices of its cluster in
+// distributed shared memory (Qs and Ss, both free by now, hold what the blocks exchange).
+template <int NTC, int C, int KP = 2>
 __device__ __forceinline__ void
 fl_tail(float (&acc)[NTC][4], const float (&m)[2], float (&l)[2], float *Qs, float *Ss,
         float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc,
@@ -202,7 +211,8 @@ fl_tail(float (&acc)[NTC][4], const float (&m)[2], float (&l)[2], float *Qs, flo
     const int z = blockIdx.x, s = blockIdx.y, hb = blockIdx.z * FL_HB;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int gid = lane >> 2, t4 = lane & 3;
-    const int hg = warp & 3, half = warp >> 2;
+    const int hg = warp & 3, part = warp >> 2;
+    constexpr int NT = 128 * KP;
 
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -215,13 +225,13 @@ fl_tail(float (&acc)[NTC][4], const float (&m)[2], float (&l)[2], float *Qs, flo
             const int h = hb + hg * 16 + gid + 8 * i;
             if (h >= H) continue;
             const size_t slot = ((size_t)s * H + h) * nsplit + z;
-            if (half == 0 && t4 == 0) {
+            if (part == 0 && t4 == 0) {
                 pm[slot] = m[i];
                 pl[slot] = l[i];
             }
 #pragma unroll
             for (int j = 0; j < NTC; ++j) {
-                const int c = half * 8 * NTC + 8 * j + 2 * t4;
+                const int c = part * 8 * NTC + 8 * j + 2 * t4;
                 if (c < K) pacc[slot * K + c] = acc[j][2 * i];
                 if (c + 1 < K) pacc[slot * K + c + 1] = acc[j][2 * i + 1];
             }
@@ -240,13 +250,13 @@ fl_tail(float (&acc)[NTC][4], const float (&m)[2], float (&l)[2], float *Qs, flo
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         const int hl = hg * 16 + gid + 8 * i;
-        if (half == 0 && t4 == 0) {
+        if (part == 0 && t4 == 0) {
             ML[hl] = m[i];
             ML[FL_HB + hl] = l[i];
         }
 #pragma unroll
         for (int j = 0; j < NTC; ++j) {
-            const int c = half * 8 * NTC + 8 * j + 2 * t4;
+            const int c = part * 8 * NTC + 8 * j + 2 * t4;
             if (c + 1 < K) {
                 *reinterpret_cast<float2 *>(A + hl * AST + c) =
                     make_float2(acc[j][2 * i], acc[j][2 * i + 1]);
@@ -284,7 +294,7 @@ fl_tail(float (&acc)[NTC][4], const float (&m)[2], float (&l)[2], float *Qs, flo
     __syncthreads();
     if ((K & 3) == 0) {
         const int n4 = K >> 2;
-        for (int i = threadIdx.x; i < HPR * n4; i += FL_WARPS * 32) {
+        for (int i = threadIdx.x; i < HPR * n4; i += NT) {
             const int hr = i / n4, c = (i - hr * n4) * 4, hl = rank * HPR + hr, h = hb + hl;
             float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
@@ -306,7 +316,7 @@ fl_tail(float (&acc)[NTC][4], const float (&m)[2], float (&l)[2], float *Qs, flo
             }
         }
     } else {
-        for (int i = threadIdx.x; i < HPR * K; i += FL_WARPS * 32) {
+        for (int i = threadIdx.x; i < HPR * K; i += NT) {
             const int hr = i / K, c = i - hr * K, hl = rank * HPR + hr, h = hb + hl;
             float v = 0.f;
 #pragma unroll
@@ -323,10 +333,10 @@ fl_tail(float (&acc)[NTC][4], const float (&m)[2], float (&l)[2], float *Qs, flo
     coli_cluster_wait_exit();  // no block leaves while another reads its shared memory
 }
 
-// NTC: 8-column n-tiles of the latent per warp (2 * 8 * NTC >= K). QST, KST: row strides of Qs
-// and KVs (>= the padded K + R, >= 16 * NTC, 4 mod 8). Outputs as mla_attend's (C = 1), or
+// NTC: 8-column n-tiles of the latent per warp (KP * 8 * NTC >= K). QST, KST: row strides of Qs
+// and KVs (>= the padded K + R, >= 8 KP NTC, 4 mod 8). Outputs as mla_attend's (C = 1), or
 // merged over the C slices of a cluster (``mla_flash_c``).
-template <int NTC, int C>
+template <int NTC, int C, int KP>
 __device__ __forceinline__ void
 fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc,
         const float *__restrict__ qfull, const KvDesc *__restrict__ kv, float *__restrict__ cl,
@@ -338,7 +348,8 @@ fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
     const int z = blockIdx.x, s = blockIdx.y, hb = blockIdx.z * FL_HB;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int gid = lane >> 2, t4 = lane & 3;
-    const int hg = warp & 3, half = warp >> 2;
+    const int hg = warp & 3, part = warp >> 2;
+    constexpr int NT = 128 * KP;
     const FlSlice sl = fl_slice(kv[s], z, nsplit);
     const float *__restrict__ lat = sl.lat;
     const float *__restrict__ rop = sl.rop;
@@ -349,24 +360,24 @@ fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
     // 16-byte copies where every row starts 16-byte aligned (K and R multiples of 4).
     const bool vec = ((K | R) & 3) == 0;
     const float *qrow = qfull + ((size_t)s * H + hb) * KR;
-    if (vec) fl_stage<true>(Qs, QST, FL_HB, KRP, qrow, KR, KR, qrow, 0, 0, H - hb);
-    else fl_stage<false>(Qs, QST, FL_HB, KRP, qrow, KR, KR, qrow, 0, 0, H - hb);
+    if (vec) fl_stage<true, NT>(Qs, QST, FL_HB, KRP, qrow, KR, KR, qrow, 0, 0, H - hb);
+    else fl_stage<false, NT>(Qs, QST, FL_HB, KRP, qrow, KR, KR, qrow, 0, 0, H - hb);
 
     float acc[NTC][4];
 #pragma unroll
     for (int j = 0; j < NTC; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     float m[2] = {-COLI_INF, -COLI_INF}, l[2] = {0.f, 0.f};
-    const int nks = KRP / 8, ks0 = half ? nks / 2 : 0, ks1 = half ? nks : nks / 2;
+    const int nks = KRP / 8, ks0 = part * nks / KP, ks1 = (part + 1) * nks / KP;
     const float *qa = Qs + (hg * 16 + gid) * QST + t4;
 
     for (int t0 = tb; t0 < te; t0 += FL_TT) {
         __syncthreads();  // every warp is done with the previous tile (and Ss)
         const float *la = lat + (size_t)t0 * K, *ro = rop + (size_t)t0 * R;
-        if (vec) fl_stage<true>(KVs, KST, FL_TT, W, la, K, K, ro, R, R, te - t0);
-        else fl_stage<false>(KVs, KST, FL_TT, W, la, K, K, ro, R, R, te - t0);
+        if (vec) fl_stage<true, NT>(KVs, KST, FL_TT, W, la, K, K, ro, R, R, te - t0);
+        else fl_stage<false, NT>(KVs, KST, FL_TT, W, la, K, K, ro, R, R, te - t0);
         asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
         __syncthreads();
-        fl_prefetch(lat, rop, t0, te, K, R);  // the next tile into L2 meanwhile
+        fl_prefetch<NT>(lat, rop, t0, te, K, R);  // the next tile into L2 meanwhile
 
         // Scores of heads hg, rows 0..15, k-steps [ks0, ks1). The three products of the split
         // operands accumulate apart, six independent mma chains: one chain per n-tile would
@@ -393,7 +404,7 @@ fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
         }
         {
             const float one2[2] = {1.f, 1.f}, one4[4] = {1.f, 1.f, 1.f, 1.f};
-            fl_scores_out<false>(Ss + (half * FL_HB + hg * 16 + gid) * FL_TT + 2 * t4, slh, shl,
+            fl_scores_out<false>(Ss + (part * FL_HB + hg * 16 + gid) * FL_TT + 2 * t4, slh, shl,
                                  shh, one2, one4);
         }
         __syncthreads();
@@ -403,11 +414,11 @@ fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
         {
             const int rows[4] = {t4, t4 + 4, 8 + t4, 12 + t4};
             float alpha[2];
-            fl_softmax(p, m, l, alpha, Ss + (hg * 16 + gid) * FL_TT, rows, scale, te - t0);
+            fl_softmax<KP>(p, m, l, alpha, Ss + (hg * 16 + gid) * FL_TT, rows, scale, te - t0);
             fl_rescale(acc, alpha);
         }
         // Context: acc[heads, cols] += P[heads, rows] @ latent[rows, cols].
-        const int cb = half * 8 * NTC + gid;
+        const int cb = part * 8 * NTC + gid;
 #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
             unsigned ah[4], al[4];
@@ -421,26 +432,26 @@ fl_body(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc
         }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");  // a slice without rows still staged Q
-    fl_tail<NTC, C>(acc, m, l, Qs, Ss, pm, pl, pacc, cl, S, H, K, nsplit);
+    fl_tail<NTC, C, KP>(acc, m, l, Qs, Ss, pm, pl, pacc, cl, S, H, K, nsplit);
 }
 
-// Slices as ``nsplit`` blocks in x, partials for mla_merge (cl unused).
-template <int NTC>
-__global__ void __launch_bounds__(FL_WARPS * 32, 1)
+// Slices as ``nsplit`` blocks in x, partials for mla_merge (cl unused). Block 128 KP.
+template <int NTC, int KP>
+__global__ void __launch_bounds__(128 * KP, 1)
 mla_flash(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc,
           const float *__restrict__ qfull, const KvDesc *__restrict__ kv, float *__restrict__ cl,
           int S, int H, int K, int R, float scale, int nsplit, int QST, int KST) {
-    fl_body<NTC, 1>(pm, pl, pacc, qfull, kv, cl, S, H, K, R, scale, nsplit, QST, KST);
+    fl_body<NTC, 1, KP>(pm, pl, pacc, qfull, kv, cl, S, H, K, R, scale, nsplit, QST, KST);
 }
 
 // Clusters of C consecutive slices (nsplit a multiple of C) merged in DSMEM: cl [H, S, K] when
 // nsplit == C (no mla_merge), else pm, pl, pacc of nsplit / C slices. Shared memory as
 // mla_flash's, and at least 64 * fl_ast(K) floats in Qs + KVs for the exchanged context.
-template <int NTC, int C>
-__global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(FL_WARPS * 32, 1)
+template <int NTC, int C, int KP>
+__global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(128 * KP, 1)
 mla_flash_c(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc,
             const float *__restrict__ qfull, const KvDesc *__restrict__ kv,
             float *__restrict__ cl, int S, int H, int K, int R, float scale, int nsplit, int QST,
             int KST) {
-    fl_body<NTC, C>(pm, pl, pacc, qfull, kv, cl, S, H, K, R, scale, nsplit, QST, KST);
+    fl_body<NTC, C, KP>(pm, pl, pacc, qfull, kv, cl, S, H, K, R, scale, nsplit, QST, KST);
 }

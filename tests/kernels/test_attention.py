@@ -88,16 +88,17 @@ def test_attention_ragged_glm52(cupy_backend, rng):
     print(f"GLM-5.2 MLA ragged + o_proj, 1 seq T=4096: kernel {kern / 1e3:.1f} us")
 
 
-@pytest.fixture(params=["flash", "fp32", "new", "f16"])
+@pytest.fixture(params=["flash", "fp32", "new", "new-kp4", "f16"])
 def attention_path(request, monkeypatch):
     """mla_flash + mla_merge, mla_attend + mla_merge, the new kernels (mla_absorb_w,
-    mla_flash_c with its clusters chosen as FL_CLUSTER = None chooses them), or those with the
-    fp16 flash kernels (mla_flash_h / mla_flash_hc)."""
+    mla_flash_c with its clusters chosen as FL_CLUSTER = None chooses them) with 8 flash warps
+    (KP 2) or 16 (KP 4), or those with the fp16 flash kernels (mla_flash_h / mla_flash_hc)."""
     from coliworker.kernels import attention
 
     monkeypatch.setattr(attention, "FLASH", request.param != "fp32")
     monkeypatch.setattr(attention, "FL_F16", request.param == "f16")
-    if request.param in ("new", "f16"):
+    monkeypatch.setattr(attention, "FL_KP", 4 if request.param == "new-kp4" else 2)
+    if request.param in ("new", "new-kp4", "f16"):
         monkeypatch.setattr(attention, "ABSORB_W", True)
         monkeypatch.setattr(attention, "FL_CLUSTER", None)
     return request.param
@@ -125,19 +126,21 @@ def test_attention_ragged_both_paths(cupy_backend, rng, attention_path, h, q, r,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("f16", [False, True], ids=["tf32", "f16"])
+@pytest.mark.parametrize("f16,kp", [(False, 2), (False, 4), (True, 2)], ids=["tf32", "tf32-kp4", "f16"])
 @pytest.mark.parametrize(
     "nsplit,cluster",
     [(8, None), (4, None), (6, None), (32, 2), (32, 1), (1, None), (132, None), (132, 4), (16, 8)],
 )
-def test_flash_clusters(cupy_backend, rng, monkeypatch, nsplit, cluster, f16):
+def test_flash_clusters(cupy_backend, rng, monkeypatch, nsplit, cluster, f16, kp):
     """mla_flash_c at GLM-5.2 widths: clusters of C T slices merged in distributed shared
     memory, into cl where C == nsplit (no mla_merge), else into partials for mla_merge
     (nsplit 6 as chosen: C = 2; 132 forced to C = 4; 16 to C = 8), and mla_flash (C = 1: 132
     as chosen, 3 x 132 blocks are more than one wave of clusters) as before, against
-    float64; their partials merged by mla_merge<1>, or (f16) mla_merge<4> from 16 on."""
+    float64; their partials merged by mla_merge<1>, or (f16) mla_merge<4> from 16 on; the tf32
+    kernels with 8 warps (KP 2) and 16 (KP 4)."""
     from coliworker.kernels import attention
 
+    monkeypatch.setattr(attention, "FL_KP", kp)
     monkeypatch.setattr(attention, "flash_splits", lambda *a: nsplit)
     monkeypatch.setattr(attention, "FL_CLUSTER", cluster)
     monkeypatch.setattr(attention, "FL_F16", f16)

@@ -22,7 +22,7 @@ _FLASH_SHIM = (
     FIBER_SHIM
     + r"""
 int run(int H, std::vector<int> lens, int nsplit, int C, bool f16 = false, int K = 512,
-        int R = 64, float lat_scale = 3, int spread = 0) {
+        int R = 64, float lat_scale = 3, int spread = 0, int kp = 2) {
     const int KR = K + R, S = (int)lens.size();
     const int QST = f16 ? 584 : 580, KST = QST, nhb = (H + 63) / 64;
     const float scale = 1.f / std::sqrt(256.f);
@@ -73,10 +73,15 @@ int run(int H, std::vector<int> lens, int nsplit, int C, bool f16 = false, int K
         launch({nsplit, S, nhb}, 1, 256, hargs(mla_flash_h<1>));  // one n-tile a half
     } else if (f16) {
         launch({nsplit, S, nhb}, 1, 256, hargs(mla_flash_h<4>));  // K <= 64
-    } else if (C == 1) launch({nsplit, S, nhb}, 1, 256, args(mla_flash<32>));
-    else if (C == 2) launch({nsplit, S, nhb}, 2, 256, args(mla_flash_c<32, 2>));
-    else if (C == 4) launch({nsplit, S, nhb}, 4, 256, args(mla_flash_c<32, 4>));
-    else launch({nsplit, S, nhb}, 8, 256, args(mla_flash_c<32, 8>));
+    } else if (kp == 4) {  // 16 warps, four k parts
+        if (C == 1) launch({nsplit, S, nhb}, 1, 512, args(mla_flash<16, 4>));
+        else if (C == 2) launch({nsplit, S, nhb}, 2, 512, args(mla_flash_c<16, 2, 4>));
+        else if (C == 4) launch({nsplit, S, nhb}, 4, 512, args(mla_flash_c<16, 4, 4>));
+        else launch({nsplit, S, nhb}, 8, 512, args(mla_flash_c<16, 8, 4>));
+    } else if (C == 1) launch({nsplit, S, nhb}, 1, 256, args(mla_flash<32, 2>));
+    else if (C == 2) launch({nsplit, S, nhb}, 2, 256, args(mla_flash_c<32, 2, 2>));
+    else if (C == 4) launch({nsplit, S, nhb}, 4, 256, args(mla_flash_c<32, 4, 2>));
+    else launch({nsplit, S, nhb}, 8, 256, args(mla_flash_c<32, 8, 2>));
     // the partials merged by mla_merge<4> (into cl4) and mla_merge<1> (into cl), both checked
     const int nz = nsplit / C;
     std::vector<float> cl4;
@@ -114,20 +119,24 @@ int run(int H, std::vector<int> lens, int nsplit, int C, bool f16 = false, int K
                     mx = std::max(mx, std::fabs(o[c] / l));
                 }
         }
-    printf("%s H %d S %d K %d nsplit %d C %d: rel err %.2g, unwritten %ld\n",
-           f16 ? "fp16" : "tf32", H, S, K, nsplit, C, md / mx, nan);
+    printf("%s KP %d H %d S %d K %d nsplit %d C %d: rel err %.2g, unwritten %ld\n",
+           f16 ? "fp16" : "tf32", f16 ? 2 : kp, H, S, K, nsplit, C, md / mx, nan);
     return nan > 0 || md > 1e-5 * mx;
 }
 
 int main() {
     // clusters into cl (an empty sequence beside), partials + mla_merge over two head blocks
-    // (heads beyond H), C = 4 and C = 8 (slices without rows)
+    // (heads beyond H), C = 4 and C = 8 (slices without rows), no clusters (C = 1), each with
+    // 8 warps (KP 2) and with 16 (KP 4)
     // (every merge by mla_merge<1> and mla_merge<4>)
     // mla_flash_h (fp16 parts): the same, K = 11 and 12 (one n-tile a half; odd widths: scalar
     // loads), latents 1e4, 1e-6 and 1e-8 times the rope (each segment's scale; K = 40: the rope
     // staged from column 48), rows 2^-12 .. 2^12 apart in one tile (P's scale per row)
     return run(64, {40, 1}, 2, 2) + run(70, {70}, 4, 2) + run(64, {50}, 4, 4) +
-           run(64, {33, 1}, 8, 8) + run(64, {40, 1}, 2, 2, true) + run(70, {70, 17}, 4, 1, true) +
+           run(64, {33, 1}, 8, 8) + run(64, {33}, 2, 1) +
+           run(64, {40, 1}, 2, 2, false, 512, 64, 3, 0, 4) +
+           run(64, {33, 1}, 8, 8, false, 512, 64, 3, 0, 4) +
+           run(70, {40, 17}, 4, 1, false, 512, 64, 3, 0, 4) + run(64, {40, 1}, 2, 2, true) + run(70, {70, 17}, 4, 1, true) +
            run(64, {33, 1}, 8, 8, true) + run(5, {20, 3}, 2, 1, true, 12, 4) +
            run(3, {37}, 2, 1, true, 11, 3) + run(64, {90}, 2, 1, true, 512, 64, 1e4f) +
            run(64, {90}, 2, 1, true, 512, 64, 1e-6f) + run(64, {90}, 2, 1, true, 512, 64, 1e-8f) +
@@ -141,10 +150,11 @@ int main() {
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
 def test_flash_clusters_on_cpu(tmp_path):
-    """mla_flash_c (C = 2, 4, 8: into cl, and into partials for mla_merge; two head blocks,
-    heads beyond H, slices without rows) against float64 at GLM-5.2 widths (K 512, R 64), their
+    """mla_flash (C = 1) and mla_flash_c (C = 2, 4, 8: into cl, and into partials for
+    mla_merge; two head blocks, heads beyond H, slices without rows), with 8 warps (KP 2) and 16
+    (KP 4), against float64 at GLM-5.2 widths (K 512, R 64), their
     CUDA source run on the CPU (``_FLASH_SHIM``): every output written, within 1e-5 (~1e-6)."""
-    build_and_run(tmp_path, _FLASH_SHIM, cpu_source(sources.source("attention.cu")), 240)
+    build_and_run(tmp_path, _FLASH_SHIM, cpu_source(sources.source("attention.cu")), 420)
 
 
 @pytest.fixture
@@ -228,11 +238,40 @@ def test_flash_f16_geometry(attention_host):
     assert att._flash_geometry(512, 144, True) is None  # 512 + 144 > FH_MAX_W = 640
     assert att._flash_geometry(512, 128, True) is not None
     assert att._flash_geometry(520, 64, True) is None  # K > 512: no NTC
-    for f16 in (False, True):  # every variant the host names is compiled
-        for ntc in (1, 2, 4, 8, 16, 32):
-            assert att._flash_name(f16, ntc, 1) in att.VARIANTS
-        for ntc, cs in att.FL_CLUSTERS.items():
-            assert all(att._flash_name(f16, ntc, c) in att.VARIANTS for c in cs)
+    for ntc in (1, 2, 4, 8, 16, 32):  # every fp16 variant the host names is compiled
+        assert att._flash_name(True, ntc, 1) in att.VARIANTS
+    for w, cs in att.FL_CLUSTERS.items():
+        assert all(att._flash_name(True, w // 16, c) in att.VARIANTS for c in cs)
+
+
+@pytest.mark.parametrize("kp", [2, 4])
+def test_flash_geometry(attention_host, kp):
+    """mla_flash<NTC, KP>'s layout and shared memory (attention_flash.cuh): the KP parts' warps
+    cover the latent (8 KP NTC columns, NTC the least that does), row strides 4 mod 8 floats,
+    64 q rows, one tile and KP partial scores; every variant the host names, clustered or not,
+    is compiled; a width it cannot cover keeps mla_attend."""
+    att = attention_host
+    for k, r in ((512, 64), (40, 8), (11, 3), (256, 32), (500, 100), (129, 7)):
+        ntc, qst, kst, smem = att._flash_geometry(k, r, False, kp)
+        krp = -(-(k + r) // 8) * 8
+        assert 8 * kp * ntc >= k and (ntc == 1 or 4 * kp * ntc < k)
+        assert qst == krp + 4 and kst == max(krp, 8 * kp * ntc) + 4 and qst % 8 == 4
+        assert smem == 4 * (64 * qst + 16 * kst + kp * 64 * 16) <= att.FL_SMEM_MAX
+        for c in (1, *att.FL_CLUSTERS.get(8 * kp * ntc, ())):
+            assert att._flash_name(False, ntc, c, kp) in att.VARIANTS
+    assert att._flash_geometry(520, 64, False, kp) is None  # K > 512: no NTC
+    assert att._flash_geometry(512, 64, False, kp)[0] == 64 // kp
+
+
+def test_flash_kp_setting(attention_host):
+    """COLIWORKER_FLASH_KP's values: unset is the default, 2 or 4 as given, else an error
+    naming the variable, the value and the choices."""
+    att = attention_host
+    assert att._flash_kp(None) in att.FL_KPS
+    assert att._flash_kp("2") == 2 and att._flash_kp("4") == 4
+    for bad in ("3", "", "four", "8"):
+        with pytest.raises(ValueError, match=r"COLIWORKER_FLASH_KP=.*\(2, 4\)"):
+            att._flash_kp(bad)
 
 
 def test_qsplit_fused_choice(attention_host, monkeypatch):
