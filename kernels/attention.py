@@ -64,6 +64,8 @@ FL_KP = _flash_kp(os.environ.get("COLIWORKER_FLASH_KP"))
 def _ntcs(kp: int) -> tuple[int, ...]:
     """The NTC of mla_flash<NTC, KP>: 8-column n-tiles per warp, up to K = 512."""
     return tuple(n for n in (1, 2, 4, 8, 16, 32) if 8 * kp * n <= 512)
+
+
 ATT_WARPS = 8
 ATT_TT = 8
 # (lanes' share of K + R, heads per warp): registers hold q and the weighted latent.
@@ -94,7 +96,9 @@ VARIANTS = (
     + tuple(f"mla_flash<{n}, {kp}>" for kp in FL_KPS for n in _ntcs(kp))
     + tuple(
         f"mla_flash_c<{w // (8 * kp)}, {c}, {kp}>"
-        for kp in FL_KPS for w, cs in FL_CLUSTERS.items() for c in cs
+        for kp in FL_KPS
+        for w, cs in FL_CLUSTERS.items()
+        for c in cs
     )
     + tuple(f"mla_flash_h<{n}>" for n in (1, 2, 4, 8, 16, 32))
     + tuple(f"mla_flash_hc<{w // 16}, {c}>" for w, cs in FL_CLUSTERS.items() for c in cs)

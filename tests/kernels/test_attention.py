@@ -126,7 +126,9 @@ def test_attention_ragged_both_paths(cupy_backend, rng, attention_path, h, q, r,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("f16,kp", [(False, 2), (False, 4), (True, 2)], ids=["tf32", "tf32-kp4", "f16"])
+@pytest.mark.parametrize(
+    "f16,kp", [(False, 2), (False, 4), (True, 2)], ids=["tf32", "tf32-kp4", "f16"]
+)
 @pytest.mark.parametrize(
     "nsplit,cluster",
     [(8, None), (4, None), (6, None), (32, 2), (32, 1), (1, None), (132, None), (132, 4), (16, 8)],
