@@ -44,7 +44,9 @@ ABS_P = 4  # mla_absorb: parts of the Q rows per column, one 128-thread group ea
 #: mla_flash's k parts per head group (attention_flash.cuh): its block is 4 KP warps, each
 #: taking 1 / KP of the scores' k-steps and of the latent's columns; 2 (8 warps) or 4 (16
 #: warps: twice the warps per SM to hide the mma and shared loads' latency with, at one block
-#: per SM). COLIWORKER_FLASH_KP sets it; tests run both. mla_flash_h is always KP = 2.
+#: per SM). The default is 2: on an H100 KP 4 tied at one sequence and was 9-11% slower at 8 and 32
+#: (bench/results/flash-kp-2026-12-06.md). COLIWORKER_FLASH_KP sets it; tests run both.
+#: mla_flash_h is always KP = 2.
 FL_KPS = (2, 4)
 
 
