@@ -202,7 +202,7 @@ def max_clusters() -> dict[int, int | str]:
     out: dict[int, int | str] = {}
     if not hasattr(att, "FL_CLUSTERS"):
         return out
-    for c in att.FL_CLUSTERS.get(512, att.FL_CLUSTERS.get(32, ())):
+    for c in att.FL_CLUSTERS.get(512, ()):
         try:
             out[c] = att._max_clusters(GLM["K"], GLM["R"], c)
         except Exception as exc:  # noqa: BLE001 - a report, not a check
@@ -313,7 +313,7 @@ def main() -> int:
         )
     if not args.profile:
         occ = max_clusters()
-        lines.append("max active clusters of mla_flash_c<32, C>: " + str(occ))
+        lines.append(f"max active clusters of mla_flash_c<NTC, C, {att.FL_KP}>: " + str(occ))
         results.append(dict(max_active_clusters=occ))
     if args.out is not None and not args.profile:
         args.out.mkdir(parents=True, exist_ok=True)

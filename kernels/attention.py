@@ -267,9 +267,9 @@ def _flash_geometry(k: int, r: int, f16: bool = False, kp: int = 2
     return (ntc, qst, kst, smem) if smem <= FL_SMEM_MAX else None
 
 
-def _flash_kp_now(k: int, r: int) -> int:
-    """KP of the flash launch at these widths: 2 for mla_flash_h, else ``FL_KP``."""
-    return 2 if flash_f16(k, r) else FL_KP
+def _launch_kp(f16: bool) -> int:
+    """KP of a flash launch: 2 for mla_flash_h (``f16``), else ``FL_KP``."""
+    return 2 if f16 else FL_KP
 
 
 def flash_f16(k: int, r: int) -> bool:
@@ -371,8 +371,9 @@ def flash_cluster(k: int, r: int, nsplit: int, s: int, heads: int) -> int:
 def _cluster_sizes(k: int, r: int) -> tuple[int, ...]:
     """The C of mla_flash_c (mla_flash_hc) at these widths (none where mla_flash does not serve
     them or the exchanged context does not fit in its Q and KV buffers)."""
-    kp = _flash_kp_now(k, r)
-    geo = _flash_geometry(k, r, flash_f16(k, r), kp)
+    f16 = flash_f16(k, r)
+    kp = _launch_kp(f16)
+    geo = _flash_geometry(k, r, f16, kp)
     if geo is None:
         return ()
     ntc, qst, kst, _ = geo
@@ -389,7 +390,7 @@ def _max_clusters(k: int, r: int, c: int) -> int:
     """Clusters of C mla_flash_c blocks at these widths resident at once on this device
     (asked of the driver once per device and widths)."""
     f16 = flash_f16(k, r)
-    kp = _flash_kp_now(k, r)
+    kp = _launch_kp(f16)
     key = (cupy.cuda.runtime.getDevice(), k, r, c, f16, kp)
     n = _resident.get(key)
     if n is None:
@@ -436,7 +437,7 @@ def flash_launch(s: int, heads: int, k: int, r: int, scale: float, nsplit: int
 
     def make() -> tuple[Launch, Launch | None]:
         f16 = flash_f16(k, r)
-        kp = _flash_kp_now(k, r)
+        kp = _launch_kp(f16)
         geo = _flash_geometry(k, r, f16, kp)
         assert geo is not None  # callers check flash_ok
         ntc, qst, kst, smem = geo
