@@ -273,6 +273,32 @@ def issue(
     call.issue()
 
 
+#: One-token routed groups (decode) run their experts in route order (``_one_token``); off:
+#: every routed group goes through ``route_plan`` (experts ascending), the reference the tests
+#: compare to the bit.
+ROUTE_ORDER = True
+_ONES = {k: [1] * k for k in range(1, 257)}  # a one-token group's rows, made once per K
+_ZEROS_L = {k: [0] * k for k in range(1, 257)}  # ... and the token row its experts read
+_ARANGE = {k: np.arange(k, dtype=np.int32) for k in range(1, 257)}  # ... and its pos
+for _a in _ARANGE.values():
+    _a.flags.writeable = False
+
+
+def _one_token(routes: np.ndarray) -> list[int] | None:
+    """A one-token group's experts in route order where its K routes name K other experts
+    (a router's top-k): slot j is packed row j, reading the token's row, and pos is 0..K-1.
+    Each expert's output row is computed as it is in ascending order (one row per expert,
+    the same launches; route_combine sums the slots in route order either way), so this
+    gives ``route_plan``'s bits without its sort and rank lookups. None: plan it with
+    ``route_plan`` (a repeated expert, K past the prepared lists, or ROUTE_ORDER off)."""
+    if not ROUTE_ORDER:
+        return None
+    flat = routes[0].tolist()
+    if len(set(flat)) != len(flat) or len(flat) not in _ONES:
+        return None
+    return flat
+
+
 def routed(
     call: Any, experts: Sequence[tuple[Any, Any, Any]], x: np.ndarray, routes: np.ndarray,
     weights: np.ndarray, n_sm: int,
@@ -284,11 +310,17 @@ def routed(
     T, K = routes.shape
     D = x.shape[1]
     n = T * K
-    rp = route_plan(routes, len(experts))
-    sel = [experts[e] for e in rp.used]
+    one = _one_token(routes) if T == 1 else None
+    if one is not None:  # one token, K other experts: each slot a packed row, in route order
+        sel = [experts[e] for e in one]
+        rows, x_rows, pos, src = _ONES[K], _ZEROS_L[K], _ARANGE[K], None
+    else:
+        rp = route_plan(routes, len(experts))
+        sel = [experts[e] for e in rp.used]
+        rows, x_rows, pos, src = rp.rows, rp.x_rows, rp.pos, rp.src
     d_out = experts[0][2].out_features
-    extra = align(4 * n) * 2 + (0 if rp.x_rows is not None else 4 * n)  # pos, w (, src)
-    a, calls, off, rep = prepare(call, sel, rp.rows, x, n_sm, extra, rp.x_rows, 4 * T * d_out)
+    extra = align(4 * n) * 2 + (0 if x_rows is not None else 4 * n)  # pos, w (, src)
+    a, calls, off, rep = prepare(call, sel, rows, x, n_sm, extra, x_rows, 4 * T * d_out)
     base, o0 = a.dptr, off["extra"]
     o1, o2 = o0 + align(4 * n), o0 + 2 * align(4 * n)
     views = off.get("routes")
@@ -296,16 +328,16 @@ def routed(
         h = a.host
         views = off["routes"] = (at(h, o0, (n,), np.int32), at(h, o1, (T, K)),
                                  at(h, o2, (n,), np.int32))  # fmt: skip
-    views[0][...] = rp.pos
+    views[0][...] = pos
     views[1][...] = weights
-    if rp.x_rows is None:
-        views[2][...] = rp.src
+    if x_rows is None:
+        views[2][...] = src
     if rep is not None and call.replay(rep):  # the same plan: the same work, as its graph
         return call.finish()
     combine = route.combine_launch(T, K, d_out)
     u64 = np.uint64
     call.send(off["in_end"])
-    if rp.x_rows is None:
+    if x_rows is None:
         call.launch(route.gather_launch(n, D), u64(base + off["xp"]), u64(base), u64(base + o2))
     for go, args in calls:
         call.launch(go, *args)

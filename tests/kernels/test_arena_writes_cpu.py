@@ -108,3 +108,65 @@ def test_kept_plans_leave_the_arena_as_fresh_plans_do():
                        text=True, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "differ []" in r.stdout
+
+
+ROUTE_ORDER_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    sys.argv = ["x"]
+    from bench import host_python as hp
+    hp._stub_cupy()
+    import cupyx
+    cupyx.empty_pinned = lambda shape, dtype: np.zeros(shape, dtype)
+    from coliworker.kernels import expert_group, graphs
+    from coliworker.kernels.group_tables import counter_bytes
+    from coliworker.kernels.records import MOE_JOB
+    from coliworker.server.backend_cupy import CupyBackend
+
+    graphs._record_fn = lambda *a: 0
+    D, I = 256, 64
+    b = CupyBackend((0,))
+    pool = [(hp.Resident(2, D, I), hp.Resident(2, D, I), hp.Resident(2, I, D))
+            for _ in range(16)]
+    r = np.random.default_rng(int(sys.argv[-1]) if len(sys.argv) > 1 else None)
+    for i in range(6):
+        k = int(r.integers(1, 9))
+        routes = r.permutation(16)[:k].astype(np.int32).reshape(1, k)
+        x = r.standard_normal((1, D)).astype(np.float32)
+        w = r.random((1, k)).astype(np.float32)
+        b.expert_group_routed(pool, x, routes, w)
+        (a,) = b._arenas(0)
+        # the plan of k experts of this shape (its layout; the tables patched for these)
+        (plan,) = [v for key, v in a.plans.items() if key[0] == "group shape"
+                   and len(key[2]) == k]
+        t_off, off = plan[3], plan[7]
+        n = counter_bytes(k)
+        recs = np.frombuffer(a.host[t_off + n : t_off + n + k * MOE_JOB.size], MOE_JOB.dtype)
+        names = ("wg", "sg", "wu", "su", "wd", "sd")
+        for j, e in enumerate(routes[0]):  # slot j: expert routes[j], packed row j
+            g, u, dn = pool[e]
+            want = (*g.ptrs, *u.ptrs, *dn.ptrs)
+            got = tuple(int(recs[j][f]) for f in names)
+            assert got == want, (i, j, got, want)
+            assert int(recs[j]["x"]) == a.dptr, (i, j)  # the token's row, read in place
+            assert int(recs[j]["y"]) == a.dptr + off["y"] + 4 * D * j, (i, j)
+            assert int(recs[j]["rows"]) == 1
+        pos, wv, _ = off["routes"]
+        assert np.array_equal(pos, np.arange(k)), (i, pos)
+        assert np.array_equal(wv, w), i
+    print("route order ok")
+    """
+)
+
+
+def test_one_token_routes_run_their_experts_in_route_order():
+    """A one-token routed group of K other experts (expert_group._one_token): job record j
+    holds the addresses of expert routes[j] and writes packed row j, every record reads the
+    token's row in place, and pos is 0..K-1 (route_combine then sums the slots in route order,
+    as it does for route_plan's ascending experts: the GPU tests compare the two to the bit)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, ".dev"), ROOT]))
+    r = subprocess.run([sys.executable, "-c", ROUTE_ORDER_SCRIPT], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "route order ok" in r.stdout

@@ -57,6 +57,30 @@ def test_expert_group_routed(cupy_backend, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64)])
+def test_one_token_route_order_is_bit_identical(cupy_backend, rng, monkeypatch, fmt, gs):
+    """A one-token group of K other experts runs them in route order (expert_group._one_token):
+    the bits of route_plan's ascending order (ROUTE_ORDER off), and within TC_TOL of float64;
+    graphs on (kept plans replayed) and the first calls of each plan."""
+    from coliworker.kernels import expert_group as eg
+
+    b = cupy_backend
+    d, ie, n = 512, 128, 12
+    host, dev = place_experts(b, rng, n, d, ie, fmt, gs)
+    for i in range(10):
+        k = (8, 8, 1, 5)[i % 4]
+        routes = rng.permutation(n)[:k].astype(np.int32).reshape(1, k)
+        x = rng.standard_normal((1, d)).astype(np.float32)
+        w = rng.random((1, k)).astype(np.float32)
+        monkeypatch.setattr(eg, "ROUTE_ORDER", True)
+        got = b.expert_group_routed(dev, x, routes, w).out
+        monkeypatch.setattr(eg, "ROUTE_ORDER", False)
+        ref_bits = b.expert_group_routed(dev, x, routes, w).out
+        assert np.array_equal(got.view(np.uint32), ref_bits.view(np.uint32)), (i, routes)
+        assert rel_err(got, reference.expert_group_routed(host, x, routes, w)) < TC_TOL, i
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("routed", [False, True])
 def test_other_experts_of_one_shape(cupy_backend, rng, monkeypatch, routed):
     """Calls whose experts change from call to call (a decode token's routed experts) reuse
@@ -323,6 +347,15 @@ def _random_routes(rng, T: int, K: int, n_experts: int, distinct: bool) -> np.nd
             np.int32
         )
     return rng.integers(0, n_experts, size=(T, K), dtype=np.int32)
+
+
+def test_one_token_takes_k_other_experts_only(monkeypatch):
+    from coliworker.kernels import expert_group as eg
+
+    assert eg._one_token(np.array([[5, 1, 7]], np.int32)) == [5, 1, 7]
+    assert eg._one_token(np.array([[5, 1, 5]], np.int32)) is None  # a repeated expert
+    monkeypatch.setattr(eg, "ROUTE_ORDER", False)
+    assert eg._one_token(np.array([[5, 1, 7]], np.int32)) is None
 
 
 @pytest.mark.parametrize("small", [True, False, None])
