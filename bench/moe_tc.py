@@ -242,6 +242,29 @@ def render(meta: dict, rows: list[dict]) -> str:
     return "\n".join(md) + "\n"
 
 
+_PFD_LINE = "#define TC_PFD "
+
+
+def _build_with_pfd(pfd: int) -> None:
+    """Later launches use kernels built with moe_tc_fast.cuh's TC_PFD set to ``pfd``: the
+    source text the compiler is handed is patched (and CuPy's cache keyed by it), and the
+    modules and launches already made are dropped."""
+    from coliworker.kernels import _module, launch, sources
+
+    def patched(file: str, _src=sources.source) -> str:
+        text = _src(file)
+        i = text.find(_PFD_LINE)
+        if i < 0:
+            return text
+        j = text.index("\n", i)
+        return text[:i] + f"{_PFD_LINE}{pfd}" + text[j:]
+
+    _module.source = patched
+    _module._modules.clear()
+    _module._functions.clear()
+    launch._launches.clear()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for the JSON and markdown")
@@ -250,6 +273,9 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated substrings of shape names")
     ap.add_argument("--seed", type=int, default=14)
     ap.add_argument("--profile", action="store_true", help="2 launches per path, no timing")
+    ap.add_argument("--pfd", default="", help="comma-separated TC_PFD values (moe_tc_f's L2 "
+                    "prefetch window, in rounds) to build and time each shape under, "
+                    "beside the source's own")  # fmt: skip
     a = ap.parse_args()
     if a.profile:
         a.iters = 0
@@ -280,9 +306,15 @@ def main() -> int:
     )
     print(f"{meta['gpu']}, {meta['sms']} SMs, commit {meta['commit']}", flush=True)
     rows = []
-    for sh in shapes:
-        rows.append(bench_case(rng, spin, sh, a.iters, a.warmup))
-        cupy.get_default_memory_pool().free_all_blocks()
+    for pfd in [None] + [int(v) for v in a.pfd.split(",") if v.strip()]:
+        if pfd is not None:
+            _build_with_pfd(pfd)
+        for sh in shapes:
+            row = bench_case(rng, spin, sh, a.iters, a.warmup)
+            if pfd is not None:
+                row["name"] += f" pfd={pfd}"
+            rows.append(row)
+            cupy.get_default_memory_pool().free_all_blocks()
     a.out.mkdir(parents=True, exist_ok=True)
     stem = a.out / f"moe-tc-{meta['date']}"
     stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
