@@ -242,22 +242,30 @@ def render(meta: dict, rows: list[dict]) -> str:
     return "\n".join(md) + "\n"
 
 
-_PFD_LINE = "#define TC_PFD "
+def _variant(text: str) -> tuple[str, list[tuple[str, str]]]:
+    """``--variant``'s "LABEL=OLD=>NEW[;OLD=>NEW...]" as (label, [(old, new), ...])."""
+    label, _, rest = text.partition("=")
+    subs = [tuple(p.split("=>", 1)) for p in rest.split(";") if p]
+    if not label or not subs or any(len(p) != 2 for p in subs):
+        raise SystemExit(f"--variant {text!r}: expected LABEL=OLD=>NEW[;OLD=>NEW...]")
+    return label, subs  # type: ignore[return-value]
 
 
-def _build_with_pfd(pfd: int) -> None:
-    """Later launches use kernels built with moe_tc_fast.cuh's TC_PFD set to ``pfd``: the
-    source text the compiler is handed is patched (and CuPy's cache keyed by it), and the
-    modules and launches already made are dropped."""
+def _build_with(subs: list[tuple[str, str]]) -> None:
+    """Later launches use kernels built from gemv_tc.cu's text (its headers inlined) with each
+    (old, new) of ``subs`` replaced: the text the compiler is handed is patched (CuPy's cache is
+    keyed by it), and the modules and launches already made are dropped."""
     from coliworker.kernels import _module, launch, sources
 
     def patched(file: str, _src=sources.source) -> str:
         text = _src(file)
-        i = text.find(_PFD_LINE)
-        if i < 0:
+        if file != "gemv_tc.cu":
             return text
-        j = text.index("\n", i)
-        return text[:i] + f"{_PFD_LINE}{pfd}" + text[j:]
+        for old, new in subs:
+            if old not in text:
+                raise SystemExit(f"--variant: {old!r} is not in {file}'s source")
+            text = text.replace(old, new)
+        return text
 
     _module.source = patched
     _module._modules.clear()
@@ -273,9 +281,10 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated substrings of shape names")
     ap.add_argument("--seed", type=int, default=14)
     ap.add_argument("--profile", action="store_true", help="2 launches per path, no timing")
-    ap.add_argument("--pfd", default="", help="comma-separated TC_PFD values (moe_tc_f's L2 "
-                    "prefetch window, in rounds) to build and time each shape under, "
-                    "beside the source's own")  # fmt: skip
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=OLD=>NEW[;...]",
+                    help="also build and time every shape with the kernel source's text OLD "
+                    "replaced by NEW (each pair must occur), labelled LABEL: a knob of "
+                    "moe_tc_f (TC_PFD, OCC, UA) tried without editing the tree; repeatable")  # fmt: skip
     a = ap.parse_args()
     if a.profile:
         a.iters = 0
@@ -306,13 +315,14 @@ def main() -> int:
     )
     print(f"{meta['gpu']}, {meta['sms']} SMs, commit {meta['commit']}", flush=True)
     rows = []
-    for pfd in [None] + [int(v) for v in a.pfd.split(",") if v.strip()]:
-        if pfd is not None:
-            _build_with_pfd(pfd)
+    for label, subs in [("", [])] + [_variant(v) for v in a.variant]:
+        if label:
+            _build_with(subs)
         for sh in shapes:
             row = bench_case(rng, spin, sh, a.iters, a.warmup)
-            if pfd is not None:
-                row["name"] += f" pfd={pfd}"
+            if label:
+                row["name"] += f" {label}"
+                row["variant"] = [f"{o} => {n}" for o, n in subs]
             rows.append(row)
             cupy.get_default_memory_pool().free_all_blocks()
     a.out.mkdir(parents=True, exist_ok=True)
