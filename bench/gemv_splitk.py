@@ -51,7 +51,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import gpu_timing, harness  # noqa: E402  (run from anywhere: bench/ is beside the package)
+from bench import gpu_timing, harness, variants  # noqa: E402  (run from anywhere: bench/ is beside the package)
 
 # gemv_st's other forms timed beside its defaults: (math warps, blocks per SM)
 ST_FORMS = ((16, 1), (8, 2), (16, 2))
@@ -350,6 +350,9 @@ def main() -> int:
     ap.add_argument("--no-sweep", action="store_true", help="only off and on, no forced C")
     ap.add_argument("--seed", type=int, default=14)
     ap.add_argument("--profile", action="store_true", help="2 launches per path, no timing")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=OLD=>NEW[;...]",
+                    help="also build and time every shape with gemv_tc.cu's text OLD replaced "
+                    "by NEW, labelled LABEL (bench/variants.py); repeatable")  # fmt: skip
     a = ap.parse_args()
     if a.profile:
         a.iters = 0
@@ -379,9 +382,16 @@ def main() -> int:
     )
     print(f"{meta['gpu']}, {meta['sms']} SMs, commit {meta['commit']}", flush=True)
     rows = []
-    for sh in shapes:
-        rows.append(bench_case(rng, spin, sh, a.iters, a.warmup, not a.no_sweep))
-        cupy.get_default_memory_pool().free_all_blocks()
+    for label, subs in [("", [])] + [variants.parse(v) for v in a.variant]:
+        if label:
+            variants.build_with(subs, "gemv_tc.cu")
+        for sh in shapes:
+            row = bench_case(rng, spin, sh, a.iters, a.warmup, not a.no_sweep)
+            if label:
+                row["name"] += f" {label}"
+                row["variant"] = [f"{o} => {n}" for o, n in subs]
+            rows.append(row)
+            cupy.get_default_memory_pool().free_all_blocks()
     a.out.mkdir(parents=True, exist_ok=True)
     stem = a.out / f"gemv-splitk-{meta['date']}"
     stem.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

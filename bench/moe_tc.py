@@ -12,6 +12,10 @@ repeated calls, and moe_tc_f for the same bits as moe_tc.
 
     scripts/devlink && PYTHONPATH=.dev:. python bench/moe_tc.py --out $OUT
 
+``--variant LABEL=OLD=>NEW[;OLD=>NEW]`` (repeatable) also times every shape with kernels built
+from gemv_tc.cu's text so patched (``bench/variants.py``): a knob such as TC_PFD, the blocks
+per SM or TC_DB tried without editing the tree; its rows carry LABEL.
+
 Writes ``moe-tc-<date>.json`` and ``.md`` into ``--out``: GPU, date, commit
 (COLIWORKER_COMMIT, else git), the command, per shape the bytes read (row padding and scales
 included), the floor at 4.48 TB/s, old and new times, % of roofline, errors, grid and
@@ -46,7 +50,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import gpu_timing, harness  # noqa: E402  (run from anywhere: bench/ is beside the package)
+from bench import gpu_timing, harness, variants  # noqa: E402  (run from anywhere: bench/ is beside the package)
 
 # (name, fmt, group size, rows per expert, D, I, experts, target us from issue #14)
 SHAPES = [
@@ -242,37 +246,6 @@ def render(meta: dict, rows: list[dict]) -> str:
     return "\n".join(md) + "\n"
 
 
-def _variant(text: str) -> tuple[str, list[tuple[str, str]]]:
-    """``--variant``'s "LABEL=OLD=>NEW[;OLD=>NEW...]" as (label, [(old, new), ...])."""
-    label, _, rest = text.partition("=")
-    subs = [tuple(p.split("=>", 1)) for p in rest.split(";") if p]
-    if not label or not subs or any(len(p) != 2 for p in subs):
-        raise SystemExit(f"--variant {text!r}: expected LABEL=OLD=>NEW[;OLD=>NEW...]")
-    return label, subs  # type: ignore[return-value]
-
-
-def _build_with(subs: list[tuple[str, str]]) -> None:
-    """Later launches use kernels built from gemv_tc.cu's text (its headers inlined) with each
-    (old, new) of ``subs`` replaced: the text the compiler is handed is patched (CuPy's cache is
-    keyed by it), and the modules and launches already made are dropped."""
-    from coliworker.kernels import _module, launch, sources
-
-    def patched(file: str, _src=sources.source) -> str:
-        text = _src(file)
-        if file != "gemv_tc.cu":
-            return text
-        for old, new in subs:
-            if old not in text:
-                raise SystemExit(f"--variant: {old!r} is not in {file}'s source")
-            text = text.replace(old, new)
-        return text
-
-    _module.source = patched
-    _module._modules.clear()
-    _module._functions.clear()
-    launch._launches.clear()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True, help="folder for the JSON and markdown")
@@ -282,9 +255,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=14)
     ap.add_argument("--profile", action="store_true", help="2 launches per path, no timing")
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL=OLD=>NEW[;...]",
-                    help="also build and time every shape with the kernel source's text OLD "
-                    "replaced by NEW (each pair must occur), labelled LABEL: a knob of "
-                    "moe_tc_f (TC_PFD, OCC, UA) tried without editing the tree; repeatable")  # fmt: skip
+                    help="also build and time every shape with gemv_tc.cu's text OLD replaced "
+                    "by NEW, labelled LABEL (bench/variants.py): a knob of moe_tc_f "
+                    "(TC_PFD, OCC, TC_DB) tried without editing the tree; repeatable")  # fmt: skip
     a = ap.parse_args()
     if a.profile:
         a.iters = 0
@@ -315,9 +288,9 @@ def main() -> int:
     )
     print(f"{meta['gpu']}, {meta['sms']} SMs, commit {meta['commit']}", flush=True)
     rows = []
-    for label, subs in [("", [])] + [_variant(v) for v in a.variant]:
+    for label, subs in [("", [])] + [variants.parse(v) for v in a.variant]:
         if label:
-            _build_with(subs)
+            variants.build_with(subs, "gemv_tc.cu")
         for sh in shapes:
             row = bench_case(rng, spin, sh, a.iters, a.warmup)
             if label:
