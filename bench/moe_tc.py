@@ -155,7 +155,33 @@ class Case:
         return self.y.get()
 
 
-def bench_case(rng, spin, spec: tuple, iters: int, warmup: int) -> dict:
+def _phase_launch(ln, which: str):
+    """moe_tc_f's launch with only its gate+up tiles ("a": no down tiles) or only its down
+    tiles ("b": no gate+up tiles, so no down tile waits; they read whatever the hidden buffer
+    holds): each phase's time alone, outputs not checked."""
+    from coliworker.kernels.launch import Launch
+
+    tail = list(ln.tail)  # (n_jobs, gate+up tiles per row, down tiles per row, nz, ...)
+    tail[2 if which == "a" else 1] = np.int32(0)
+    return Launch(ln.fn, ln.grid, ln.block, tuple(tail), ln.smem)
+
+
+def _time_phases(case, spin, iters: int, warmup: int) -> dict:
+    """moe_tc_f's gate+up tiles alone and down tiles alone, and a plain streaming read of all
+    the group's bytes, of gate and up's, and of down's (each set rotated as the kernels)."""
+    ln = case.launch(True)
+    out = {}
+    for which in ("a", "b"):
+        go = _phase_launch(ln, which)
+        out[f"new {which}"] = gpu_timing.time_launch(partial(case.call, go), spin, iters,
+                                                     warmup, before=case.reset)  # fmt: skip
+    for label, mats in (("read", (0, 1, 2)), ("read a", (0, 1)), ("read b", (2,))):
+        bufs = [[a for e in st for m in mats for a in e[m]] for st in case.sets]
+        out[label] = gpu_timing.time_launch(gpu_timing.read_launcher(bufs), spin, iters, warmup)
+    return out
+
+
+def bench_case(rng, spin, spec: tuple, iters: int, warmup: int, phases: bool = False) -> dict:
     name, fmt, gs, r, d, ie, n, target = spec
     case = Case(rng, fmt, gs, r, d, ie, n)
     ref = case.reference()
@@ -194,6 +220,13 @@ def bench_case(rng, spin, spec: tuple, iters: int, warmup: int) -> dict:
             f"  {name:20s} {pname:4s} {p['median_us']:8.2f} us (min {p['min_us']:.2f}, "
             f"grid {p['grid'][0]}, {p['regs']} regs, {p['local_bytes']} B local) "
             f"rel err {p['rel_err']:.1e}{'' if same else '  NOT BIT-IDENTICAL'}",
+            flush=True,
+        )
+    if phases and iters > 0 and "error" not in out["paths"].get("new", {"error": 1}):
+        out["phases"] = _time_phases(case, spin, iters, warmup)
+        print(
+            f"  {name:20s} phases "
+            + ", ".join(f"{k} {v['median_us']:.2f}" for k, v in out["phases"].items()),
             flush=True,
         )
     out["new_equals_old"] = (
@@ -243,6 +276,25 @@ def render(meta: dict, rows: list[dict]) -> str:
             f"{err['new']} | {grid} | {regs} | {'yes' if same else 'NO'} | "
             f"{'yes' if r['new_equals_old'] else 'NO'} |"
         )
+    ph = [r for r in rows if "phases" in r]
+    if ph:
+        md += [
+            "",
+            "moe_tc_f by phase (median us): its gate+up tiles alone (a), its down tiles alone "
+            "(b), beside a plain streaming read of the same bytes:",
+            "",
+            "| shape | whole | a | b | read all | read a | read b |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in ph:
+            q = r["phases"]
+            md.append(
+                f"| {r['name']} | {gpu_timing.us(r['paths']['new'])} | "
+                + " | ".join(
+                    gpu_timing.us(q[k]) for k in ("new a", "new b", "read", "read a", "read b")
+                )  # fmt: skip
+                + " |"
+            )
     return "\n".join(md) + "\n"
 
 
@@ -254,6 +306,9 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated substrings of shape names")
     ap.add_argument("--seed", type=int, default=14)
     ap.add_argument("--profile", action="store_true", help="2 launches per path, no timing")
+    ap.add_argument("--phases", action="store_true",
+                    help="also time moe_tc_f's gate+up tiles alone and its down tiles alone, "
+                    "beside plain reads of the same bytes")  # fmt: skip
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL=OLD=>NEW[;...]",
                     help="also build and time every shape with gemv_tc.cu's text OLD replaced "
                     "by NEW, labelled LABEL (bench/variants.py): a knob of moe_tc_f "
@@ -292,7 +347,7 @@ def main() -> int:
         if label:
             variants.build_with(subs, "gemv_tc.cu")
         for sh in shapes:
-            row = bench_case(rng, spin, sh, a.iters, a.warmup)
+            row = bench_case(rng, spin, sh, a.iters, a.warmup, a.phases)
             if label:
                 row["name"] += f" {label}"
                 row["variant"] = [f"{o} => {n}" for o, n in subs]
