@@ -3,7 +3,9 @@
 "LABEL=OLD=>NEW[;OLD=>NEW...]"; ``build_with`` makes later launches use kernels built from the
 file's text (its headers inlined) with each OLD replaced by NEW: the text the compiler is
 handed is patched (CuPy's compile cache is keyed by it) and the modules and launches already
-made are dropped.
+made are dropped. A pair "@MODULE.NAME=>VALUE" sets ``coliworker.kernels.MODULE.NAME`` to the
+integer VALUE instead (a host constant that must agree with the kernel's, such as
+matmul.TC_RG beside gemv_tc.cu's TC_RG).
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ def build_with(subs: list[tuple[str, str]], file: str) -> None:
             text = text.replace(old, new)
         return text
 
+    import importlib
+
+    for old, new in subs:
+        if old.startswith("@"):
+            mod, _, name = old[1:].rpartition(".")
+            m = importlib.import_module(f"coliworker.kernels.{mod}")
+            if not hasattr(m, name):
+                raise SystemExit(f"--variant: coliworker.kernels.{mod} has no {name}")
+            setattr(m, name, int(new))
+    subs = [(o, n) for o, n in subs if not o.startswith("@")]
     _module.source = patched
     _module._modules.clear()
     _module._functions.clear()
