@@ -286,11 +286,11 @@ def flash_splits(s: int, heads: int, t_max: int, n_sm: int, k: int, r: int) -> i
     """nsplit of ``flash_launch``: one wave of one-block-per-SM blocks, >= FL_MIN_ROWS rows per
     slice; with clusters (``FL_CLUSTER`` != 1) the nsplit of ``cluster_choice`` (None), or
     rounded down to a multiple of the forced C. Scratch as ``attend_splits``'s."""
-    per = s * -(-heads // FL_HB)
-    n = max(1, min(max(1, n_sm // per), -(-t_max // FL_MIN_ROWS), 1024))
-    key = (per, n, k, r, n_sm, FL_CLUSTER, t_max, FL_F16, FL_KP)
+    key = (s, heads, t_max, n_sm, k, r, FL_CLUSTER, FL_F16, FL_KP)
     got = _splits.get(key)
     if got is None:
+        per = s * -(-heads // FL_HB)
+        n = max(1, min(max(1, n_sm // per), -(-t_max // FL_MIN_ROWS), 1024))
         have = _cluster_sizes(k, r)
         if FL_CLUSTER is None:
             got = cluster_choice(per, n, have, functools.partial(_max_clusters, k, r),
@@ -305,10 +305,11 @@ def flash_splits(s: int, heads: int, t_max: int, n_sm: int, k: int, r: int) -> i
     return got
 
 
-# flash_splits' answers by (blocks per slice, one-wave nsplit, K, R, SMs, FL_CLUSTER, T): asked
-# on every call (a decode token's layers share T: one miss per token). Keyed by SM count, not
-# device: devices of one SM count are taken to hold as many clusters (a wrong guess costs a
-# second wave of clusters, never a wrong result).
+# flash_splits' answers by its arguments and the switches it reads (S, H, T, SMs, K, R,
+# FL_CLUSTER, FL_F16, FL_KP): asked on every call, looked up before any arithmetic (a decode
+# token's layers share T: one miss per token). Keyed by SM count, not device: devices of one SM
+# count are taken to hold as many clusters (a wrong guess costs a second wave of clusters,
+# never a wrong result).
 _splits: dict[tuple, int] = {}
 
 

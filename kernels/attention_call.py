@@ -78,7 +78,7 @@ def run(
         nsplit = att.flash_splits(S, H, t_max, n_sm, K, R)
     else:
         nsplit = att.attend_splits(S, H, K, R, t_max, n_sm)
-    n_up = sum(len(x) for x in latents)
+    n_up = sum(map(len, latents))
     a = call.take()
     key = ("attention", id(kv_b), id(o_proj), S, H, q_dim, R, V, scale, n_up, nsplit,
            caches is None, flash, mm.settings(), att.ABSORB_W, att.FL_CLUSTER, att.FL_F16,
@@ -100,7 +100,8 @@ def run(
         stack_into(rv, ropes)
     if caches is not None:
         p, src = d_off, 0
-        for c, n in zip(caches, fresh, strict=True):
+        for i, c in enumerate(caches):  # (fresh has as many: the backend checks)
+            n = fresh[i]
             if c.latent is not None:
                 KV_DESC.pack_into(host, p, c.latent.data.ptr, c.rope.data.ptr, c.length + n,
                                   src)  # fmt: skip

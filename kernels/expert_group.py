@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -278,7 +279,7 @@ def issue(
 #: compare to the bit.
 ROUTE_ORDER = True
 _ONES = {k: [1] * k for k in range(1, 257)}  # a one-token group's rows, made once per K
-_ZEROS_L = {k: [0] * k for k in range(1, 257)}  # ... and the token row its experts read
+_ZEROS_T = {k: (0,) * k for k in range(1, 257)}  # ... and the token row its experts read
 _ARANGE = {k: np.arange(k, dtype=np.int32) for k in range(1, 257)}  # ... and its pos
 for _a in _ARANGE.values():
     _a.flags.writeable = False
@@ -293,7 +294,7 @@ def _one_token(routes: np.ndarray) -> list[int] | None:
     ``route_plan`` (a repeated expert, K past the prepared lists, or ROUTE_ORDER off)."""
     if not ROUTE_ORDER:
         return None
-    flat = routes[0].tolist()
+    flat = routes.tolist()[0]
     if len(set(flat)) != len(flat) or len(flat) not in _ONES:
         return None
     return flat
@@ -306,35 +307,36 @@ def routed(
     """A routed group: the used experts as a packed group, then each token's weighted sum of
     its experts' rows (route_combine), reading x in place where every expert's tokens are
     consecutive, else through a packed copy (route_gather)."""
-    route = _module("route")
     T, K = routes.shape
     D = x.shape[1]
     n = T * K
     one = _one_token(routes) if T == 1 else None
     if one is not None:  # one token, K other experts: each slot a packed row, in route order
-        sel = [experts[e] for e in one]
-        rows, x_rows, pos, src = _ONES[K], _ZEROS_L[K], _ARANGE[K], None
+        sel = itemgetter(*one)(experts) if K > 1 else (experts[one[0]],)  # experts[e] for e
+        rows, x_rows, pos, src = _ONES[K], _ZEROS_T[K], _ARANGE[K], None
     else:
         rp = route_plan(routes, len(experts))
         sel = [experts[e] for e in rp.used]
         rows, x_rows, pos, src = rp.rows, rp.x_rows, rp.pos, rp.src
     d_out = experts[0][2].out_features
-    extra = align(4 * n) * 2 + (0 if x_rows is not None else 4 * n)  # pos, w (, src)
+    an = align(4 * n)  # pos, w (, src)
+    extra = an * 2 + (0 if x_rows is not None else 4 * n)
     a, calls, off, rep = prepare(call, sel, rows, x, n_sm, extra, x_rows, 4 * T * d_out)
-    base, o0 = a.dptr, off["extra"]
-    o1, o2 = o0 + align(4 * n), o0 + 2 * align(4 * n)
+    o0 = off["extra"]
     views = off.get("routes")
     if views is None:  # pos, w and src in the arena (kept with the plan's layout)
         h = a.host
-        views = off["routes"] = (at(h, o0, (n,), np.int32), at(h, o1, (T, K)),
-                                 at(h, o2, (n,), np.int32))  # fmt: skip
+        views = off["routes"] = (at(h, o0, (n,), np.int32), at(h, o0 + an, (T, K)),
+                                 at(h, o0 + 2 * an, (n,), np.int32))  # fmt: skip
     views[0][...] = pos
     views[1][...] = weights
     if x_rows is None:
         views[2][...] = src
     if rep is not None and call.replay(rep):  # the same plan: the same work, as its graph
         return call.finish()
+    route = _module("route")
     combine = route.combine_launch(T, K, d_out)
+    base, o1, o2 = a.dptr, o0 + an, o0 + 2 * an
     u64 = np.uint64
     call.send(off["in_end"])
     if x_rows is None:

@@ -93,6 +93,18 @@ class CupyBackend:
         self._local.arenas[device] = pool
         return pool
 
+    def _thread(self, device: int) -> tuple[cupy.cuda.Stream, list[Arena]]:
+        """This thread's stream and free arenas of ``device`` (``_stream``, ``_arenas``) in one
+        look-up: what a ``Call`` takes."""
+        try:
+            return self._local.calls[device]
+        except (AttributeError, KeyError):
+            pass
+        if not hasattr(self._local, "calls"):
+            self._local.calls = {}
+        got = self._local.calls[device] = (self._stream(device), self._arenas(device))
+        return got
+
     def devices(self) -> list[DeviceInfo]:
         out = []
         for d in self._devices:
@@ -226,19 +238,28 @@ class CupyBackend:
         caches before the attention kernels read them, and the lengths advance once the call
         has succeeded."""
         self._check_kr(kv_b.in_features, rope_dim)
-        fresh = [len(lat) for lat, _ in rows] if rows is not None else [0] * len(caches)
+        lats: list[np.ndarray] = []
+        ropes: list[np.ndarray] = []
+        if rows is None:
+            fresh = [0] * len(caches)
+        else:  # one pass over the rows (a decode call's host time: no comprehensions)
+            fresh = []
+            for lat, rop in rows:
+                fresh.append(len(lat))
+                lats.append(lat)
+                ropes.append(rop)
+        t_max = 1
         for c, n in zip(caches, fresh, strict=True):
             if n:
                 c.reserve(n)
-        t_max = max((c.length + n for c, n in zip(caches, fresh, strict=True)), default=0)
-        lats = [lat for lat, _ in rows] if rows is not None else []
-        ropes = [rop for _, rop in rows] if rows is not None else []
+            if c.length + n > t_max:
+                t_max = c.length + n
         with Call(self, kv_b.device, "attention_ragged") as call:
-            res = attention_call.run(call, kv_b, o_proj, q, caches, fresh, max(t_max, 1), q_dim,
+            res = attention_call.run(call, kv_b, o_proj, q, caches, fresh, t_max, q_dim,
                                      rope_dim, v_dim, scale, lats, ropes,
                                      self._sms[call.device])  # fmt: skip
-        for c, n in zip(caches, fresh, strict=True):
-            c.length += n
+        for i, c in enumerate(caches):  # (as many as fresh: the zip above checked)
+            c.length += fresh[i]
         return res
 
     def close(self) -> None:

@@ -100,14 +100,15 @@ class Arena:
     the host, so an issued call owns its buffers until ``result()``; calls beyond the pool's
     size (several in flight) get fresh arenas."""
 
-    __slots__ = ("dev", "dptr", "host", "hptr", "events", "eptr", "home", "graphs", "plans",
-                 "last", "side", "pipe", "pptr", "stamp_dev", "stamps", "h2d_stamp",
+    __slots__ = ("dev", "dptr", "host", "hptr", "big", "events", "eptr", "home", "graphs",
+                 "plans", "last", "side", "pipe", "pptr", "stamp_dev", "stamps", "h2d_stamp",
                  "d2h_stamp")  # fmt: skip
 
     def __init__(self, home: list[Arena]) -> None:
         self.dev: Any = None  # cupy.ndarray uint8, set by reserve()
         self.host: Any = None  # pinned np.ndarray uint8, set by reserve()
         self.dptr = self.hptr = 0
+        self.big = False  # a half past ARENA_KEEP_BYTES (``sized``): freed when given back
         self.events = [cupy.cuda.Event() for _ in range(4)]
         self.eptr = [e.ptr for e in self.events]  # raw handles: the runtime calls cost less
         self.home = home
@@ -174,13 +175,19 @@ class Arena:
                     raise
                 self.host = pinned(align(host_bytes), "call buffer")  # no room to grow ahead
             self.hptr = self.host.ctypes.data
+        self.sized()
 
-    def give_back(self) -> None:
-        big = (self.dev is not None and self.dev.nbytes > ARENA_KEEP_BYTES) or (
+    def sized(self) -> None:
+        """Note whether a half is past ARENA_KEEP_BYTES (``big``; called where ``dev`` or
+        ``host`` change), so that ``give_back`` need not look."""
+        self.big = (self.dev is not None and self.dev.nbytes > ARENA_KEEP_BYTES) or (
             self.host is not None and self.host.nbytes > ARENA_KEEP_BYTES
         )
-        if big:
+
+    def give_back(self) -> None:
+        if self.big:
             self.dev = self.host = None
+            self.big = False
             self.forget()
         if len(self.home) < ARENAS_PER_THREAD:
             self.home.append(self)
@@ -230,17 +237,17 @@ class Call:
     frame the phases instead (each event record costs a graph node, about 1 us of launch and
     of GPU time)."""
 
-    __slots__ = ("backend", "device", "what", "stream", "arena", "_prev", "out", "direct",
-                 "work", "graphable", "spans", "done", "stamped", "_h2d", "rep", "last",
-                 "view")  # fmt: skip
+    __slots__ = ("backend", "device", "what", "stream", "pool", "arena", "_prev", "out",
+                 "direct", "work", "graphable", "spans", "done", "stamped", "_h2d", "rep",
+                 "last", "view")  # fmt: skip
 
     def __init__(self, backend: Any, device: int, what: str) -> None:
-        """``backend``: the CuPy backend (its per-thread ``_stream`` and ``_arenas``, and
-        ``_registered`` for inputs in shared-memory segments)."""
+        """``backend``: the CuPy backend (``_thread``: the thread's stream and free arenas of
+        the device, and ``_registered`` for inputs in shared-memory segments)."""
         self.backend = backend
         self.device = device
         self.what = what
-        self.stream = backend._stream(device)
+        self.stream, self.pool = backend._thread(device)
         self.arena: Any = None  # Arena while the call owns one
         self.direct: list[tuple[int, int, int]] = []  # (arena offset, host address, bytes)
         self.work: list[tuple] = []  # the device work not yet issued (kernels/graphs.py)
@@ -282,7 +289,7 @@ class Call:
         """The call's arena (taken from the thread's pool on first use), not yet sized."""
         a = self.arena
         if a is None:
-            pool = self.backend._arenas(self.device)
+            pool = self.pool
             a = self.arena = pool.pop() if pool else Arena(pool)
             self.last, a.last = a.last, None  # this call's writes may change any byte
         return a
@@ -391,7 +398,8 @@ class Call:
         True, the call's work is issued (``finish`` waits for it). Else False: the op lists its
         work as usual, and ``issue`` keeps the graph in ``rep`` once there is one."""
         ex = rep.exec
-        if ex is None or self.direct or not cupy_graphs.ENABLED or rep.copies != _copy_switches():
+        copies = (copy.ENABLED, copy.KERNEL_BYTES)  # _copy_switches(), without the call
+        if ex is None or self.direct or not cupy_graphs.ENABLED or rep.copies != copies:
             self.rep = rep
             return False
         cupy.cuda.runtime.graphLaunch(ex.ptr, self.stream.ptr)
@@ -424,6 +432,7 @@ class Call:
             # dropped): no copy into fresh pages, whose first touch costs more than the copy.
             out = at(a.host, off, shape)
             a.host, a.hptr = None, 0
+            a.sized()
             a.forget()
         else:
             view = at(a.host, off, shape)
@@ -433,7 +442,8 @@ class Call:
                 rep.view = view  # the plan's (it lives no longer than the arena's host half)
         if self.stamped:
             h0, h1, d0, d1 = a.stamps.tolist()
-            phases = Phases(h1 - h0, max(0, d0 - h1), d1 - d0)
+            k = d0 - h1
+            phases = Phases(h1 - h0, k if k > 0 else 0, d1 - d0)
         elif spans is None:
             phases = Phases(*(int(rt.eventElapsedTime(ev[i], ev[i + 1]) * 1e6) for i in range(3)))
         else:
