@@ -14,7 +14,7 @@ repeated calls, and moe_tc_f for the same bits as moe_tc.
 
 ``--variant LABEL=OLD=>NEW[;OLD=>NEW]`` (repeatable) also times every shape with kernels built
 from gemv_tc.cu's text so patched (``bench/variants.py``): a knob such as TC_PFD, the blocks
-per SM or TC_DB tried without editing the tree; its rows carry LABEL.
+per SM (OCC) tried without editing the tree; its rows carry LABEL.
 
 Writes ``moe-tc-<date>.json`` and ``.md`` into ``--out``: GPU, date, commit
 (COLIWORKER_COMMIT, else git), the command, per shape the bytes read (row padding and scales
@@ -312,7 +312,7 @@ def main() -> int:
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL=OLD=>NEW[;...]",
                     help="also build and time every shape with gemv_tc.cu's text OLD replaced "
                     "by NEW, labelled LABEL (bench/variants.py): a knob of moe_tc_f "
-                    "(TC_PFD, OCC, TC_DB) tried without editing the tree; repeatable")  # fmt: skip
+                    "(TC_PFD, OCC) tried without editing the tree; repeatable")  # fmt: skip
     a = ap.parse_args()
     if a.profile:
         a.iters = 0

@@ -18,11 +18,6 @@
 // same bits as gemv_tc, whose sum runs in another order). No float atomics, no scratch memory.
 #include "cluster.cuh"
 
-// 1: each warp loads its next batch into registers before computing the one it holds (two
-// batches live: more registers); 0: a batch is loaded where it is used. The same steps in the
-// same order either way, so the same bits.
-#define TC_SK_DB 0
-
 // Global steps [gst0, gst0 + nst) of x rows [srow0, srow0 + SB) -> xb as tc_stage lays out a
 // tile (bf16 hi, mid, lo columns cstride values apart), from step gst0: the staged index of
 // float4 slot i = (step i / 32, quad (i / 4) % 8, lane t = i % 4) is 4 * i.
@@ -147,16 +142,9 @@ __device__ __forceinline__ void tc_sk_block(const GemvJob &job, const WGeom &g, 
         __syncthreads();
         const unsigned char *qa[1] = {pa[0] + (size_t)(ts - s0) * 64};
         const unsigned char *qb[1] = {pb[0] + (size_t)(ts - s0) * 64};
-        if (TC_SK_DB && ts != s0) tc_load<FMT, 1, false>(b, qa, qb, sa, sbr, g, ts, ks, n);
         for (int st0 = ks; st0 < n; st0 += TC_KS * U) {
-            TcBatch<FMT, 1> bn;
-            const int sn = st0 + TC_KS * U;
-            if (TC_SK_DB && sn < n)
-                tc_load<FMT, 1, false>(bn, qa, qb, sa, sbr, g, ts, sn, n);
-            else if (!TC_SK_DB && (ts != s0 || st0 != ks))
-                tc_load<FMT, 1, false>(b, qa, qb, sa, sbr, g, ts, st0, n);
+            if (ts != s0 || st0 != ks) tc_load<FMT, 1, false>(b, qa, qb, sa, sbr, g, ts, st0, n);
             tc_compute<FMT, SB, 1>(acc, b, xcol, st0, n);
-            if (TC_SK_DB && sn < n) b = bn;
         }
     }
     // k-slice partials [ks][rg][16 rows][NCOL columns], as tc_block.

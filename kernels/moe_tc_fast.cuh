@@ -22,10 +22,6 @@
 //   8 scalar loads per row, matrix and step (tc_stage_scales);
 // - 3 blocks per SM at one row where the register cap costs no spills (MoeTcF).
 #define TC_PFD 3
-// 1: each warp loads its next batch into registers before computing the one it holds (two
-// batches live: more registers); 0: a batch is loaded where it is used, the L2 window alone
-// ahead of it. The same steps in the same order either way, so the same bits.
-#define TC_DB 0
 
 // Per variant: blocks per SM (__launch_bounds__), steps per warp batch of the gate+up (UA) and
 // down (UB) tiles, float4 loads in flight per thread in the staging (NL). U and NL group the
@@ -216,11 +212,7 @@ __device__ __forceinline__ void tc_block_f(float *red, unsigned short *xb, int k
             qb[m] = pb[m] + (size_t)(k0 >> 5) * 16;
         }
         for (int st0 = ks; st0 < nsteps; st0 += TC_KS * U) {
-            TcBatch<FMT, M, U> bn;
-            const int sn = st0 + TC_KS * U;
-            if (TC_DB && sn < nsteps)
-                tc_load<FMT, M, true, FMT == 4>(bn, qa, qb, sa, sbr, g, k0, sn, nsteps);
-            else if (!TC_DB && st0 != ks)
+            if (st0 != ks)
                 tc_load<FMT, M, true, FMT == 4>(b, qa, qb, sa, sbr, g, k0, st0, nsteps);
             // This round starts at byte (k0 / 128 + st0 - ks) * 64 of the row.
             tc_prefetch_round<M, U>(w0, w1, g.ld, row0 + rg * 16, out_rows,
@@ -230,7 +222,6 @@ __device__ __forceinline__ void tc_block_f(float *red, unsigned short *xb, int k
                 tc_compute_ss<FMT, SB, M>(acc, b, xcol, st0, nsteps, ssa, ssb, mstride, g, k0);
             else
                 tc_compute<FMT, SB, M>(acc, b, xcol, st0, nsteps);
-            if (TC_DB && sn < nsteps) b = bn;
         }
         const int kn = k0 + kt;
         if (kn < g.in_padded) {  // the next K tile's first batch, before its staging
