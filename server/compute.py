@@ -9,6 +9,8 @@ methods, so a request is checked and answered the same way on every path.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import threading
 import time
 from collections.abc import Callable
@@ -56,21 +58,17 @@ _PREBUILT = 64
 _SEQUENCE_FIELDS = tuple(_sequence_fields(i) for i in range(_PREBUILT))
 
 
-def _bounds(a: np.ndarray) -> tuple[int, int]:
-    """(min, max) of a small integer array (one pass for decode sizes)."""
-    if a.size <= 64:
-        flat = a.ravel().tolist()
-        return min(flat), max(flat)
-    return int(a.min()), int(a.max())
+#: An expert's (gate, up, down) handle ids, read in C (``_experts``' key, one per expert).
+_HANDLES = operator.attrgetter("gate", "up", "down")
 
 
 class Experts(list):
     """The resident (gate, up, down) triples of a checked expert list, and their handle
-    ids (``ids``: what the usage counts are kept by)."""
+    ids (``ids``: what the usage counts are kept by). Made as ``Experts()`` and ``ids`` set
+    after: no Python ``__init__`` on the hot path (a third of its cost)."""
 
-    def __init__(self, ids: tuple) -> None:
-        super().__init__()
-        self.ids = ids
+    __slots__ = ("ids",)
+    ids: tuple
 
 
 class ComputeOps:
@@ -85,9 +83,11 @@ class ComputeOps:
     _lock: threading.Lock
     _compute_calls: int
     _expert_cache: dict[tuple, tuple[int, Experts, int, int]]
-    # (owner, (gate, up, down) handle ids) -> (store generation, resident triple, device, D)
+    # (owner, (gate, up, down) handle ids) -> (store generation, resident triple, device, D,
+    # the handle ids: the key's own tuple)
     _triple_cache: dict[
-        tuple[str, tuple[int, int, int]], tuple[int, tuple[Any, Any, Any], int, int]
+        tuple[str, tuple[int, int, int]],
+        tuple[int, tuple[Any, Any, Any], int, int, tuple[int, int, int]],
     ]
     _attention_cache: dict[tuple[str, int, int], tuple[int, Handle, Handle | None, Any]]
 
@@ -171,16 +171,17 @@ class ComputeOps:
             raise (InvalidArgument if n == 0 else ResourceExhausted)(
                 f"{op}.experts: expected 1..{self.config.max_experts} experts, got {n}"
             )
-        key = (owner, *[(e.gate, e.up, e.down) for e in experts[:]])  # [:]: one list, no
-        # iteration of the repeated field to its IndexError
+        gud = list(map(_HANDLES, experts[:]))  # [:]: one list, no iteration of the repeated
+        # field to its IndexError; the list's key is flat (owner, g0, u0, d0, g1, ...): one
+        # tuple to hash and keep, not one per expert
+        key = (owner, *itertools.chain.from_iterable(gud))
         gen = self.store.generation
         hit = self._expert_cache.get(key)
         if hit is not None and hit[0] == gen:
             return hit[1], hit[2], hit[3]
-        ids: tuple = key[1:]  # the (gate, up, down) handle ids, in request order
         cache = self._triple_cache
-        triples, dim, device = Experts(ids), 0, 0
-        for c, t in enumerate(ids):
+        triples, dim, device, ids = Experts(), 0, 0, []
+        for c, t in enumerate(gud):
             tk = (owner, t)
             th = cache.get(tk)
             if th is None or th[0] != gen:
@@ -195,6 +196,11 @@ class ComputeOps:
             elif th[3] != dim or th[2] != device:
                 return self._experts_checked(experts, key, gen, op, owner)
             triples.append(th[1])
+            ids.append(th[4])
+        # the handle ids, in request order, as the triples' cache entries hold them: the
+        # same tuple objects call after call (the usage fold finds them by identity), and
+        # none made by this call kept
+        triples.ids = tuple(ids)
         if len(self._expert_cache) >= _EXPERT_CACHE:
             self._expert_cache.clear()
         self._expert_cache[key] = (gen, triples, device, dim)
@@ -202,10 +208,10 @@ class ComputeOps:
 
     def _triple(
         self, ids: tuple[int, int, int], c: int, op: str, owner: str, gen: int
-    ) -> tuple[int, tuple[Any, Any, Any], int, int] | None:
+    ) -> tuple[int, tuple[Any, Any, Any], int, int, tuple[int, int, int]] | None:
         """``experts[c]`` (handle ids ``ids``) resolved and checked as ``_experts_checked``
         does it (the same errors): its per-triple cache entry (``gen``, resident triple,
-        device, D), or None where its three tensors are not on one device."""
+        device, D, ``ids``), or None where its three tensors are not on one device."""
         f = f"{op}.experts[{c}]"
         g = self._tensor(ids[0], f"{f}.gate", owner)
         u = self._tensor(ids[1], f"{f}.up", owner)
@@ -214,19 +220,22 @@ class ComputeOps:
         device = g.spec.device
         if u.spec.device != device or d.spec.device != device:
             return None
-        return gen, (g.data.resident, u.data.resident, d.data.resident), device, dim
+        return gen, (g.data.resident, u.data.resident, d.data.resident), device, dim, ids
 
     def _experts_checked(
         self, experts, key: tuple, gen: int, op: str, owner: str
     ) -> tuple[Experts, int, int]:
         """``_experts`` without the per-triple cache: every handle looked up and every check
-        made in turn, so an error is the first the list has, in its words."""
-        triples, named, dim = Experts(key[1:]), [], None
+        made in turn, so an error is the first the list has, in its words (``key``: the
+        list's cache key)."""
+        triples, named, dim, ids = Experts(), [], None, []
         for c, e in enumerate(experts):
             f = f"{op}.experts[{c}]"
-            g = self._tensor(e.gate, f"{f}.gate", owner)
-            u = self._tensor(e.up, f"{f}.up", owner)
-            d = self._tensor(e.down, f"{f}.down", owner)
+            t = _HANDLES(e)
+            ids.append(t)
+            g = self._tensor(t[0], f"{f}.gate", owner)
+            u = self._tensor(t[1], f"{f}.up", owner)
+            d = self._tensor(t[2], f"{f}.down", owner)
             dc, _ = validate.mlp(g, u, d, f)
             if dim is None:
                 dim = dc
@@ -238,6 +247,7 @@ class ComputeOps:
             triples.append((g.data.resident, u.data.resident, d.data.resident))
         device = validate.same_device(named, op)
         assert dim is not None
+        triples.ids = tuple(ids)
         if len(self._expert_cache) >= _EXPERT_CACHE:
             self._expert_cache.clear()
         self._expert_cache[key] = (gen, triples, device, dim)
@@ -266,9 +276,9 @@ class ComputeOps:
     def _group_response(
         self, r: Result, device: int, experts: int, rows: int, out_dtype: int, io: ArrayIO
     ) -> pb.ExpertGroupResponse:
-        self.store.record_group(device, experts, rows, r.phases)
-        self.hooks.record_group(device, experts, rows, r.phases)
         p = r.phases
+        self.store.record_group(device, experts, rows, p)
+        self.hooks.record_group(device, experts, rows, p)
         resp = pb.ExpertGroupResponse()  # field by field: no message argument to copy
         io.encode_into(resp.y, r.out, output_dtype(out_dtype))
         resp.backend_ns = r.backend_ns
@@ -293,46 +303,49 @@ class ComputeOps:
     def expert_group_routed(
         self, request: pb.ExpertGroupRoutedRequest, owner: str, io: ArrayIO = INLINE
     ) -> pb.ExpertGroupResponse:
+        # A decode step's host path: the field names are literals (no f-string per call) and
+        # each shape is read once.
         op = "expert_group_routed"
         triples, device, dim = self._experts(request.experts, op, owner)
-        x = validate.array(request.x, f"{op}.x", 2, io)
-        validate.columns(x, dim, f"{op}.x", "experts' in_features")
+        x = validate.array(request.x, "expert_group_routed.x", 2, io)
+        rows = x.shape[0]
+        if x.shape[1] != dim:
+            validate.columns(x, dim, "expert_group_routed.x", "experts' in_features")
         try:
-            routes = io.decode(request.routes, f"{op}.routes", ndim=2, float_only=False)
+            routes = io.decode(request.routes, "expert_group_routed.routes", ndim=2,
+                               float_only=False)  # fmt: skip
         except codec.CodecError as exc:
             raise InvalidArgument(str(exc)) from None
         if routes.dtype != np.int32:
             raise InvalidArgument(f"{op}.routes.dtype: expected int32, got {routes.dtype}")
-        weights = validate.array(request.weights, f"{op}.weights", 2, io)
-        if routes.shape[0] != x.shape[0]:
+        weights = validate.array(request.weights, "expert_group_routed.weights", 2, io)
+        shape = routes.shape
+        if shape[0] != rows:
             raise InvalidArgument(
-                f"{op}.routes: expected {x.shape[0]} rows (one per token of x), "
-                f"got {routes.shape[0]}"
+                f"{op}.routes: expected {rows} rows (one per token of x), got {shape[0]}"
             )
-        if weights.shape != routes.shape:
+        if weights.shape != shape:
             raise InvalidArgument(
-                f"{op}.weights: expected shape {list(routes.shape)} (routes), "
-                f"got {list(weights.shape)}"
+                f"{op}.weights: expected shape {list(shape)} (routes), got {list(weights.shape)}"
             )
-        lo, hi = _bounds(routes)
-        if lo < 0 or hi >= len(triples):
-            bad = np.argwhere((routes < 0) | (routes >= len(triples)))
+        n = len(triples)
+        size = shape[0] * shape[1]
+        if size <= 64:  # (min, max) in one pass for decode sizes
+            flat = routes.ravel().tolist()
+            lo, hi = min(flat), max(flat)
+        else:
+            lo, hi = int(routes.min()), int(routes.max())
+        if lo < 0 or hi >= n:
+            bad = np.argwhere((routes < 0) | (routes >= n))
             t, j = (int(v) for v in bad[0])
             raise InvalidArgument(
-                f"{op}.routes[{t}, {j}]: expected 0..{len(triples) - 1} "
+                f"{op}.routes[{t}, {j}]: expected 0..{n - 1} "
                 f"(an index into experts), got {int(routes[t, j])}"
             )
         self._begin_compute(op)
         r = self._timed(self.backend.expert_group_routed, triples, x, routes, weights)
         self.tensor_counts.routed(device, triples.ids, routes)
-        return self._group_response(
-            r,
-            device,
-            len(triples),
-            int(routes.size),
-            request.output_dtype or request.x.dtype,
-            io,
-        )
+        return self._group_response(r, device, n, size, request.output_dtype or request.x.dtype, io)
 
     @held
     def attention(

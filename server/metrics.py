@@ -43,6 +43,8 @@ from prometheus_client.registry import Collector
 from coliworker.server.backend import DeviceInfo, Phases
 from coliworker.server.tally import Tally
 
+_OK = grpc.StatusCode.OK
+
 log = logging.getLogger(__name__)
 
 # One expert-group phase on an H200 takes ~10 us (a small H2D copy) to ~1 s (a cold prefill
@@ -357,7 +359,11 @@ class Metrics:
         """One hot-path call: ``call`` is its kind ("expert_group"), ``transport`` grpc
         (Session stream), socket (data plane) or shm (doorbell). A non-OK code also counts
         as a compute error."""
-        key = ("session", call, code, transport)
+        if code is _OK:  # the common case, keyed without the code: hashing a StatusCode
+            # (an Enum) is a Python-level __hash__ call
+            key: tuple = ("session ok", call, transport)
+        else:
+            key = ("session", call, code, transport)
         hit = self._children.get(key)
         if hit is None:  # once per (call, status, transport): its two series and its name
             name = _code_name(code)

@@ -140,13 +140,16 @@ class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
         self._ticket_ids = itertools.count(1)
         self._lock = threading.Lock()
         self._compute_calls = 0
-        # (owner, (gate, up, down) handles...) -> (store generation, triples, device, D):
-        # a decode step resolves and checks the same experts' 3N handles on every call.
+        # (owner, gate, up, down handles of each expert...) -> (store generation, triples,
+        # device, D): a decode step resolves and checks the same experts' 3N handles on every
+        # call.
         self._expert_cache: dict[tuple, tuple[int, Experts, int, int]] = {}
-        # (owner, (gate, up, down) handles) -> (store generation, resident triple, device, D):
-        # a router's new list of known experts is answered triple by triple.
+        # (owner, (gate, up, down) handles) -> (store generation, resident triple, device, D,
+        # the (gate, up, down) tuple of the key): a router's new list of known experts is
+        # answered triple by triple.
         self._triple_cache: dict[
-            tuple[str, tuple[int, int, int]], tuple[int, tuple[Any, Any, Any], int, int]
+            tuple[str, tuple[int, int, int]],
+            tuple[int, tuple[Any, Any, Any], int, int, tuple[int, int, int]],
         ] = {}
         # (owner, kv_b, o_proj handles) -> (store generation, kv_b, o_proj, o_proj's resident):
         # a decode step's ragged attention resolves the same two handles on every call.

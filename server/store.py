@@ -471,14 +471,19 @@ class TensorStore:
     # -- statistics ---------------------------------------------------------------------
 
     def record_group(self, device: int, experts: int, rows: int, phases: Phases) -> None:
-        with self._lock:
+        h2d, kernel, d2h = phases.h2d_ns, phases.kernel_ns, phases.d2h_ns  # (outside the lock)
+        lock = self._lock  # acquire / release in try: about half the instructions of a with
+        lock.acquire()
+        try:
             g = self.group[device]
             g.calls += 1
             g.experts += experts
             g.rows += rows
-            g.h2d_ns += phases.h2d_ns
-            g.kernel_ns += phases.kernel_ns
-            g.d2h_ns += phases.d2h_ns
+            g.h2d_ns += h2d
+            g.kernel_ns += kernel
+            g.d2h_ns += d2h
+        finally:
+            lock.release()
 
     def tensor_usage(self, owner: str | None = None) -> dict[int, tuple[int, int, int]]:
         """device -> (distinct tensors, their bytes, live handles): the worker's, or with

@@ -123,10 +123,15 @@ def source(
     view = memoryview(staged) if staged is not None else None
 
     def get(a: pb.Array) -> Any:
-        if a.HasField("staged") and view is not None:
+        if view is not None:
+            # staged present is what HasField("staged") asks; a slice of nonzero length
+            # says so without the call (an absent one reads as 0), so HasField only asks
+            # about an empty or absent slice
             staged = a.staged  # (each read of a message field makes its wrapper: read once)
-            off = staged.offset
-            return view[off : off + staged.length]
+            n = staged.length
+            if n or a.HasField("staged"):
+                off = staged.offset
+                return view[off : off + n]
         if a.HasField("shm"):
             if shm_view is not None and a.dtype == pb.DTYPE_FLOAT32:
                 return shm_view(a.shm.offset, a.shm.length, field)
