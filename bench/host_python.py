@@ -179,11 +179,17 @@ def make_rows() -> dict:
     lat = rng.standard_normal((1, g["K"])).astype(np.float32)
     rope = rng.standard_normal((1, g["R"])).astype(np.float32)
     ring = itertools.cycle(range(8))
+    ring2 = itertools.cycle(range(8))
     rows = {
         "expert_group 8x1": lambda: b.expert_group(pool[:8], [1] * 8, x8),
         "routed 1 token, 8 of 8": lambda: b.expert_group_routed(pool[:8], x1, routes, wts),
         "routed 1 token, new 8 of 64": lambda: b.expert_group_routed(
             pool[8 * next(ring) :][:8], x1, routes, wts
+        ),
+        # a decode step as a seed-ABI engine sends it: its router's 8 experts as a group,
+        # the token's row once per expert
+        "expert_group 8x1, new 8 of 64": lambda: b.expert_group(
+            pool[8 * next(ring2) :][:8], [1] * 8, x8
         ),
         "matmul S=1 6144^2": lambda: b.matmul(dense, x1),
         "attention_ragged 1 seq": lambda: attend(),

@@ -90,18 +90,30 @@ def _release(backend, sets) -> None:
                 backend.release(t)
 
 
-def bench_group(backend, rng, name, count, rows, fmt=2, gs=0, n=50):
+def bench_group(backend, rng, name, count, rows, fmt=2, gs=0, n=50, pool=0):
+    """An expert group of ``count`` experts x ``rows`` rows each. ``pool``: each call sends
+    ``count`` experts drawn afresh from a pool of that many, and one token's row repeated
+    for each (a decode step as a seed-ABI engine sends it: its router's experts, no two
+    calls naming the same ones)."""
     from coliworker.kernels import reference as ref
 
     d, i = GLM["D"], GLM["I"]
-    hosts, res, set_bytes = _expert_sets(backend, rng, count, fmt, gs)
+    hosts, res, set_bytes = _expert_sets(backend, rng, pool or count, fmt, gs)
     nsets = len(res)
     rl = [rows] * count
-    x = rng.standard_normal((rows * count, d)).astype(np.float32)
-    y = backend.expert_group(res[0], rl, x).out
-    err = rel_err(y, ref.expert_group(hosts[0], rl, x))
-    call_ms, kern_ms = timed(lambda k: backend.expert_group(res[k % nsets], rl, x), n)
-    wbytes = set_bytes + sum(t.scales.nbytes for e in hosts[0] for t in e)
+    if pool:
+        x = np.repeat(rng.standard_normal((rows, d)).astype(np.float32), count, axis=0)
+        picks = [rng.permutation(pool)[:count] for _ in range(n + 8)]
+        sets = [[res[k % nsets][j] for j in p] for k, p in enumerate(picks)]
+        first = [hosts[0][j] for j in picks[0]]
+        set_bytes = set_bytes * count // pool
+    else:
+        x = rng.standard_normal((rows * count, d)).astype(np.float32)
+        sets, first = res, hosts[0]
+    y = backend.expert_group(sets[0], rl, x).out
+    err = rel_err(y, ref.expert_group(first, rl, x))
+    call_ms, kern_ms = timed(lambda k: backend.expert_group(sets[k % len(sets)], rl, x), n)
+    wbytes = set_bytes + sum(t.scales.nbytes for e in first for t in e)
     _release(backend, res)
     flops = 2 * 3 * d * i * rows * count
     return dict(
@@ -242,11 +254,14 @@ ROWS = [
     ("expert group routed 1 token top-8 of 8", "", None, None),
     ("expert group routed 8 tokens top-8 of 64", "", None, None),
     ("expert group routed 1 token, 8 of a pool of 64, new each call", "", None, None),
+    ("expert group decode 8x1 int4, 8 of a pool of 64, new each call", "", None, None),
 ]
 LAYERS = 78  # GLM-5.2: one ragged attention and one routed group per layer and token
 TOKEN_ROWS = ("MLA ragged+o_proj 1 seq T=4096", "expert group routed 1 token top-8 of 8")
 # The same token with the routed experts a router picks: other experts every call.
 TOKEN_ROWS_ROUTED = (TOKEN_ROWS[0], "expert group routed 1 token, 8 of a pool of 64, new each call")
+# ... and as a seed-ABI engine sends its experts: an expert group of the 8, the row 8 times.
+TOKEN_ROWS_GROUP = (TOKEN_ROWS[0], "expert group decode 8x1 int4, 8 of a pool of 64, new each call")
 
 
 def run_seed(seed_dir: Path, out: Path) -> dict[str, dict]:
@@ -334,7 +349,7 @@ def render(meta: dict, rows: list[dict]) -> str:
             f"{r['rel_err']:.1e} |"
         )
     by = {r["name"]: r for r in rows if "error" not in r}
-    for names in (TOKEN_ROWS, TOKEN_ROWS_ROUTED):
+    for names in (TOKEN_ROWS, TOKEN_ROWS_ROUTED, TOKEN_ROWS_GROUP):
         if not all(n in by for n in names):
             continue
         call = LAYERS * sum(by[n]["call_ms"] for n in names)
@@ -386,6 +401,7 @@ def main() -> int:
         lambda: bench_routed(backend, rng, ROWS[8][0], 8, 1, 8),
         lambda: bench_routed(backend, rng, ROWS[9][0], 64, 8, 8, n=30),
         lambda: bench_routed(backend, rng, ROWS[10][0], 8, 1, 8, pool=64),
+        lambda: bench_group(backend, rng, ROWS[11][0], 8, 1, pool=64),
     ]
     from coliworker.kernels import graphs as cupy_graphs
 
