@@ -10,6 +10,8 @@ matmul.TC_RG beside gemv_tc.cu's TC_RG).
 
 from __future__ import annotations
 
+import importlib
+
 
 def parse(text: str) -> tuple[str, list[tuple[str, str]]]:
     """``--variant``'s "LABEL=OLD=>NEW[;OLD=>NEW...]" as (label, [(old, new), ...])."""
@@ -34,8 +36,6 @@ def build_with(subs: list[tuple[str, str]], file: str) -> None:
                 raise SystemExit(f"--variant: {old!r} is not in {name}'s source")
             text = text.replace(old, new)
         return text
-
-    import importlib
 
     for old, new in subs:
         if old.startswith("@"):

@@ -71,39 +71,28 @@ class CupyBackend:
 
     # -- devices and streams ---------------------------------------------------------------
 
-    def _stream(self, device: int) -> cupy.cuda.Stream:
-        streams = getattr(self._local, "streams", None)
-        if streams is None:
-            streams = self._local.streams = {}
-        s = streams.get(device)
-        if s is None:
-            with cupy.cuda.Device(device):
-                s = streams[device] = cupy.cuda.Stream(non_blocking=True)
-        return s
-
-    def _arenas(self, device: int) -> list[Arena]:
-        """This thread's free arenas of ``device``."""
+    def _thread(self, device: int) -> tuple[cupy.cuda.Stream, list[Arena]]:
+        """This thread's stream and free arenas of ``device``, made on first use: what a
+        ``Call`` takes, in one look-up."""
         try:
-            return self._local.arenas[device]
+            return self._local.calls[device]
         except AttributeError:
-            self._local.arenas = {}
+            self._local.calls = {}
         except KeyError:
             pass
         pool: list[Arena] = []
-        self._local.arenas[device] = pool
-        return pool
-
-    def _thread(self, device: int) -> tuple[cupy.cuda.Stream, list[Arena]]:
-        """This thread's stream and free arenas of ``device`` (``_stream``, ``_arenas``) in one
-        look-up: what a ``Call`` takes."""
-        try:
-            return self._local.calls[device]
-        except (AttributeError, KeyError):
-            pass
-        if not hasattr(self._local, "calls"):
-            self._local.calls = {}
-        got = self._local.calls[device] = (self._stream(device), self._arenas(device))
+        with cupy.cuda.Device(device):
+            got = (cupy.cuda.Stream(non_blocking=True), pool)
+        self._local.calls[device] = got
         return got
+
+    def _stream(self, device: int) -> cupy.cuda.Stream:
+        """This thread's stream on ``device``."""
+        return self._thread(device)[0]
+
+    def _arenas(self, device: int) -> list[Arena]:
+        """This thread's free arenas of ``device``."""
+        return self._thread(device)[1]
 
     def devices(self) -> list[DeviceInfo]:
         out = []

@@ -100,15 +100,14 @@ class Arena:
     the host, so an issued call owns its buffers until ``result()``; calls beyond the pool's
     size (several in flight) get fresh arenas."""
 
-    __slots__ = ("dev", "dptr", "host", "hptr", "big", "events", "eptr", "home", "graphs",
-                 "plans", "last", "side", "pipe", "pptr", "stamp_dev", "stamps", "h2d_stamp",
+    __slots__ = ("dev", "dptr", "host", "hptr", "events", "eptr", "home", "graphs", "plans",
+                 "last", "side", "pipe", "pptr", "stamp_dev", "stamps", "h2d_stamp",
                  "d2h_stamp")  # fmt: skip
 
     def __init__(self, home: list[Arena]) -> None:
         self.dev: Any = None  # cupy.ndarray uint8, set by reserve()
         self.host: Any = None  # pinned np.ndarray uint8, set by reserve()
         self.dptr = self.hptr = 0
-        self.big = False  # a half past ARENA_KEEP_BYTES (``sized``): freed when given back
         self.events = [cupy.cuda.Event() for _ in range(4)]
         self.eptr = [e.ptr for e in self.events]  # raw handles: the runtime calls cost less
         self.home = home
@@ -175,19 +174,13 @@ class Arena:
                     raise
                 self.host = pinned(align(host_bytes), "call buffer")  # no room to grow ahead
             self.hptr = self.host.ctypes.data
-        self.sized()
-
-    def sized(self) -> None:
-        """Note whether a half is past ARENA_KEEP_BYTES (``big``; called where ``dev`` or
-        ``host`` change), so that ``give_back`` need not look."""
-        self.big = (self.dev is not None and self.dev.nbytes > ARENA_KEEP_BYTES) or (
-            self.host is not None and self.host.nbytes > ARENA_KEEP_BYTES
-        )
 
     def give_back(self) -> None:
-        if self.big:
+        big = (self.dev is not None and self.dev.nbytes > ARENA_KEEP_BYTES) or (
+            self.host is not None and self.host.nbytes > ARENA_KEEP_BYTES
+        )
+        if big:
             self.dev = self.host = None
-            self.big = False
             self.forget()
         if len(self.home) < ARENAS_PER_THREAD:
             self.home.append(self)
@@ -398,8 +391,7 @@ class Call:
         True, the call's work is issued (``finish`` waits for it). Else False: the op lists its
         work as usual, and ``issue`` keeps the graph in ``rep`` once there is one."""
         ex = rep.exec
-        copies = (copy.ENABLED, copy.KERNEL_BYTES)  # _copy_switches(), without the call
-        if ex is None or self.direct or not cupy_graphs.ENABLED or rep.copies != copies:
+        if ex is None or self.direct or not cupy_graphs.ENABLED or rep.copies != _copy_switches():
             self.rep = rep
             return False
         cupy.cuda.runtime.graphLaunch(ex.ptr, self.stream.ptr)
@@ -432,7 +424,6 @@ class Call:
             # dropped): no copy into fresh pages, whose first touch costs more than the copy.
             out = at(a.host, off, shape)
             a.host, a.hptr = None, 0
-            a.sized()
             a.forget()
         else:
             view = at(a.host, off, shape)
