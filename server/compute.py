@@ -58,6 +58,14 @@ _PREBUILT = 64
 _SEQUENCE_FIELDS = tuple(_sequence_fields(i) for i in range(_PREBUILT))
 
 
+def _bounds(a: np.ndarray) -> tuple[int, int]:
+    """(min, max) of a small integer array (one pass for decode sizes)."""
+    if a.size <= 64:
+        flat = a.ravel().tolist()
+        return min(flat), max(flat)
+    return int(a.min()), int(a.max())
+
+
 #: An expert's (gate, up, down) handle ids, read in C (``_experts``' key, one per expert).
 _HANDLES = operator.attrgetter("gate", "up", "down")
 
@@ -329,12 +337,7 @@ class ComputeOps:
                 f"{op}.weights: expected shape {list(shape)} (routes), got {list(weights.shape)}"
             )
         n = len(triples)
-        size = shape[0] * shape[1]
-        if size <= 64:  # (min, max) in one pass for decode sizes
-            flat = routes.ravel().tolist()
-            lo, hi = min(flat), max(flat)
-        else:
-            lo, hi = int(routes.min()), int(routes.max())
+        lo, hi = _bounds(routes)
         if lo < 0 or hi >= n:
             bad = np.argwhere((routes < 0) | (routes >= n))
             t, j = (int(v) for v in bad[0])
@@ -345,7 +348,9 @@ class ComputeOps:
         self._begin_compute(op)
         r = self._timed(self.backend.expert_group_routed, triples, x, routes, weights)
         self.tensor_counts.routed(device, triples.ids, routes)
-        return self._group_response(r, device, n, size, request.output_dtype or request.x.dtype, io)
+        return self._group_response(
+            r, device, n, int(routes.size), request.output_dtype or request.x.dtype, io
+        )
 
     @held
     def attention(
