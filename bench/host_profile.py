@@ -2,6 +2,7 @@
 
     PYTHONPATH=.dev python bench/host_profile.py [--calls 300] [--gaps 0,1000] [--profile]
     PYTHONPATH=.dev python bench/host_profile.py --prefill [--stages] [--calls 20]
+    PYTHONPATH=.dev python bench/host_profile.py --parts [--calls 300]
 
 Prints, per operation, the median wall time per call and the backend's own kernel phase, for
 back-to-back calls and for calls spaced by idle gaps (a worker between requests: the host
@@ -18,6 +19,12 @@ checked to the bit against the one-launch result, and pipelined with x in a regi
 shared-memory segment (a session's: x goes up from where it lies, no copy into pinned
 memory), swept over PIPE_EDGE too (the first and the last run's share of a middle run's rows:
 1.0, 0.5, 0.25); with --stages, the steps of the one-launch and the pipelined call.
+
+``--parts`` takes a decode call apart where it runs as its kept graph: the whole call, the
+graph alone (its launch and the wait for its last event, with no Python around them), and on
+the GPU the span from the inputs' copy starting to the outputs' copy ending (the copy kernels'
+stamps) with its three phases. Python is the call less the graph alone; launch and wake is
+the graph alone less the GPU span.
 """
 
 from __future__ import annotations
@@ -88,6 +95,57 @@ def _stage_timers() -> dict[str, int]:
     for name in ("combine_launch", "gather_launch"):
         wrap(route, name, f"route.{name}")
     return acc
+
+
+def parts(ops: dict, calls: int) -> None:
+    """``--parts`` (module docstring), medians of ``calls`` of each."""
+    from coliworker.server import cupy_calls
+
+    rt = cupy_calls.cupy.cuda.runtime
+    seen: dict[str, object] = {}
+    replay = cupy_calls.Call.replay
+
+    def spy(call, rep):  # the replayed plan's graph, arena and stream, as the call ran them
+        seen["rep"], seen["arena"], seen["stream"] = rep, call.arena, call.stream
+        return replay(call, rep)
+
+    cupy_calls.Call.replay = spy
+    print(
+        "| operation | call us | graph alone | GPU span | H2D | kernels | D2H | Python "
+        "| launch + wake |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    try:
+        for name, fn in ops.items():
+            for _ in range(20):
+                fn()
+            walls, ph = [], []
+            for _ in range(calls):
+                t0 = time.perf_counter_ns()
+                r = fn()
+                walls.append(time.perf_counter_ns() - t0)
+                ph.append((r.phases.h2d_ns, r.phases.kernel_ns, r.phases.d2h_ns))
+            rep, arena, stream = seen["rep"], seen["arena"], seen["stream"]
+            if rep.exec is None or not rep.stamped:  # type: ignore[attr-defined]
+                print(f"| {name} | not a stamped kept graph: skipped |")
+                continue
+            ex, sp, ev = rep.exec.ptr, stream.ptr, arena.eptr[3]  # type: ignore[attr-defined]
+            alone, span = [], []
+            for _ in range(calls):
+                t0 = time.perf_counter_ns()
+                rt.graphLaunch(ex, sp)
+                rt.eventSynchronize(ev)
+                alone.append(time.perf_counter_ns() - t0)
+                h0, _, _, d1 = arena.stamps.tolist()  # type: ignore[attr-defined]
+                span.append(d1 - h0)
+            call, g, gs = (float(np.median(v)) / 1e3 for v in (walls, alone, span))
+            h2d, k, d2h = (float(np.median([p[i] for p in ph])) / 1e3 for i in range(3))
+            print(
+                f"| {name} | {call:.1f} | {g:.1f} | {gs:.1f} | {h2d:.1f} | {k:.1f} | "
+                f"{d2h:.1f} | {call - g:.1f} | {g - gs:.1f} |"
+            )
+    finally:
+        cupy_calls.Call.replay = replay
 
 
 def _median_ms(fn, n: int) -> float:
@@ -259,6 +317,7 @@ def main() -> None:
         help="also time the steps of each call (wrapped backend functions, us per call)",
     )
     p.add_argument("--prefill", action="store_true", help="the prefill group only (docstring)")
+    p.add_argument("--parts", action="store_true", help="decode calls taken apart (docstring)")
     a = p.parse_args()
     from coliworker.server.backends import create_backend
 
@@ -299,6 +358,18 @@ def main() -> None:
             kv_b, o_proj, qs, [cache], q, rd, v, 1 / np.sqrt(q + rd)
         ),
     }
+    if a.parts:
+        pool64 = [
+            tuple(b.place(make_tensor(rng, 2, *s), 0) for s in ((d, i), (d, i), (i, d)))
+            for _ in range(56)
+        ] + experts
+        ring = iter(range(1 << 30))
+        ops["expert_group_routed 1 token, new 8 of 64"] = lambda: b.expert_group_routed(
+            pool64[8 * (next(ring) % 8) :][:8], x1, routes, rw
+        )
+        parts(ops, a.calls)
+        b.close()
+        return
     stages = _stage_timers() if a.stages else None
     pool = ThreadPoolExecutor(1)
     gaps = a.gaps.split(",")

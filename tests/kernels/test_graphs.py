@@ -235,3 +235,73 @@ def test_a_kept_plan_replays_its_graph(backend, rng, graphs, monkeypatch):
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     # Two ops, each direct, captured, then replayed from its plan for every later call.
     assert sum(replayed) == 2 * (2 * CALLS - 2)
+
+
+@pytest.fixture
+def pdl(monkeypatch):
+    """Set programmatic dependent launch (kernels/launch.py) on or off for the next calls."""
+    from coliworker.kernels import launch
+
+    def switch(on: bool) -> None:
+        monkeypatch.setattr(launch, "PDL", on)
+
+    return switch
+
+
+def _pdl_graphs(backend) -> int:
+    """Graphs captured with PDL on in this thread's arenas of device 0 (kernels/graphs.py keys
+    a list by the setting first)."""
+    return sum(
+        sum(e is not None and k[0] is True for k, e in a.graphs.execs.items())
+        for a in backend._arenas(0)
+    )
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_pdl_gives_the_same_bits(backend, rng, graphs, pdl, direct):
+    """Every decode op with programmatic dependent launch on, against the same calls with it
+    off, to the bit: captured into graphs and replayed (and, ``direct``, with graphs off, the
+    dependent launches made straight into the stream). GLM-shaped enough to take the decode
+    kernels (moe_tc_f, route_combine, the split-K GEMV, the flash attention with its merge)."""
+    d, i, pool = 1024, 512, 12
+    experts = [
+        tuple(backend.place(make_tensor(rng, 2, *io), 0) for io in ((i, d), (i, d), (d, i)))
+        for _ in range(pool)
+    ]
+    w = backend.place(make_tensor(rng, 4, 2048, 4096, 64), 0)
+    h, q, r, v, k, t0 = 16, 64, 32, 64, 256, 700
+    kv_b = backend.place(make_tensor(rng, 2, h * (q + v), k), 0)
+    o_proj = backend.place(make_tensor(rng, 2, d, h * v), 0)
+    twins = [backend.new_kv(0, k, r) for _ in range(2)]
+    la = rng.standard_normal((t0, k)).astype(np.float32)
+    ro = rng.standard_normal((t0, r)).astype(np.float32)
+    for c in twins:
+        c.append(la, ro)
+    graphs(not direct)
+    for n in range(CALLS + 1):
+        sel = [experts[(5 * n + j) % pool] for j in range(8)]  # other experts every call
+        routes = rng.permutation(8).astype(np.int32).reshape(1, 8)
+        x = rng.standard_normal((1, d)).astype(np.float32)
+        wt = rng.random((1, 8)).astype(np.float32)
+        xm = rng.standard_normal((1, 4096)).astype(np.float32)
+        x4 = rng.standard_normal((4, d)).astype(np.float32)
+        qs = rng.standard_normal((1, h, q + r)).astype(np.float32)
+        row = [(rng.standard_normal((1, k)).astype(np.float32),
+                rng.standard_normal((1, r)).astype(np.float32))]  # fmt: skip
+        outs = []
+        for on, cache in zip((False, True), twins, strict=True):
+            pdl(on)
+            cache.reserve(1)
+            outs.append((
+                backend.expert_group_routed(sel, x, routes, wt).out,
+                backend.matmul(w, xm).out,
+                backend.expert_group(sel[:4], [1] * 4, x4).out,
+                backend.attention_ragged(kv_b, o_proj, qs, [cache], q, r, v, 1 / 16, rows=row).out,
+            ))  # fmt: skip
+        for got, want in zip(outs[1], outs[0], strict=True):
+            assert got.shape == want.shape
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    if not direct:
+        assert _pdl_graphs(backend) > 0, "no call shape was captured with PDL"
+    for c in twins:
+        c.release()
