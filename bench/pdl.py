@@ -92,6 +92,11 @@ VARIANTS = {  # (pdl attribute, trigger, early loads)
 }
 
 
+class _Attr(ctypes.Structure):  # CUlaunchAttribute: id, pad to 8, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("rest", ctypes.c_char * 60)]  # fmt: skip
+
+
 _U64, _I64, _I32 = ctypes.c_uint64, ctypes.c_int64, ctypes.c_int32
 
 
@@ -101,10 +106,7 @@ class Bench:
     def __init__(self, calls: int) -> None:
         import cupy
 
-        from coliworker.kernels.launch import (  # CUlaunchConfig, CUlaunchAttribute (CuPy)
-            LaunchAttribute,
-            LaunchConfig,
-        )
+        from coliworker.kernels.launch import LaunchConfig  # CUlaunchConfig (imports CuPy)
 
         self.config = LaunchConfig
         self.cupy, self.calls = cupy, calls
@@ -116,7 +118,7 @@ class Bench:
         self.kcopy, self.kread = mod.get_function("pdl_copy"), mod.get_function("pdl_read")
         self.sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
         self.stream = cupy.cuda.Stream(non_blocking=True)
-        self.attr = LaunchAttribute(6, b"", 1, b"")  # ..._PROGRAMMATIC_STREAM_SERIALIZATION
+        self.attr = _Attr(6, b"", 1, b"")  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         self.keep: list = []
         self.spin = spin_kernel()
         self.ev = (cupy.cuda.Event(), cupy.cuda.Event())

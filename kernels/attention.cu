@@ -10,7 +10,6 @@
 // memory serves HEADS heads; mla_merge combines the slices with their log-sum-exp weights.
 // Every reduction is a warp shuffle or follows a __syncthreads: no shared slot is read while
 // another thread may still write it.
-#include "pdl.cuh"
 #include "common.cuh"
 
 struct KvDesc {
@@ -86,7 +85,6 @@ mla_absorb(float *__restrict__ qfull, unsigned short *__restrict__, int *__restr
            const float *__restrict__ sc, const KvDesc *__restrict__ kv,
            const float *__restrict__ nlat, const float *__restrict__ nrope, int n_new, int S,
            int H, int Q, int R, int V, int K, int ld, int ngp, int gs, int gs_shift) {
-    COLI_PDL_WAIT();
     extern __shared__ float qs[];  // [8][Q]: q_nope of 8 tokens of this head; then red
     float *red = qs + 8 * Q;       // [ABS_P - 1][8][128] partial sums of parts 1..
     const int h = blockIdx.x, x = threadIdx.x & 127, part = threadIdx.x >> 7;
@@ -203,7 +201,6 @@ mla_absorb_w(float *__restrict__ qfull, unsigned short *__restrict__ qs, int *__
              const float *__restrict__ sc, const KvDesc *__restrict__ kv,
              const float *__restrict__ nlat, const float *__restrict__ nrope, int n_new, int S,
              int H, int Q, int R, int V, int K, int ld, int ngp, int gs, int gs_shift) {
-    COLI_PDL_WAIT();
     constexpr int QU = Fmt<FMT>::QUADS, BLK = QU * 128, U = AbwU<SB>::value;
     extern __shared__ float4 abw_sm4[];
     float *qn = reinterpret_cast<float *>(abw_sm4);  // [Q][SB] q_nope, token fastest
@@ -330,7 +327,6 @@ __global__ void __launch_bounds__(ATT_WARPS * 32)
 mla_attend(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc,
            const float *__restrict__ qfull, const KvDesc *__restrict__ kv, int S, int H, int K,
            int R, float scale, int nsplit) {
-    COLI_PDL_WAIT();
     constexpr int W = NPL * 32;
     extern __shared__ float4 smem4[];
     float *tile = reinterpret_cast<float *>(smem4);  // [ATT_TT][W]
@@ -452,7 +448,6 @@ template <int ZG>
 __global__ void __launch_bounds__(128)
 mla_merge(float *__restrict__ cl, const float *__restrict__ pm, const float *__restrict__ pl,
           const float *__restrict__ pacc, int S, int H, int K, int nsplit) {
-    COLI_PDL_WAIT();
     constexpr int NC = 128 / ZG;  // columns per block
     extern __shared__ float wz[];  // [nsplit] e^(m_z - M), then the partial column sums
     __shared__ float red[2][4];    // per-warp max, then per-warp sum

@@ -4,7 +4,6 @@
 // and softmax's steps, the tail. attention.cu includes this after KvDesc and mla_merge, which
 // it uses (host side: kernels/attention.py).
 #pragma once
-#include "pdl.cuh"
 #include "cluster.cuh"
 // ---- mla_flash: all heads of a block share each KV tile, scores and context on tensor cores --
 //
@@ -442,7 +441,6 @@ __global__ void __launch_bounds__(128 * KP, 1)
 mla_flash(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ pacc,
           const float *__restrict__ qfull, const KvDesc *__restrict__ kv, float *__restrict__ cl,
           int S, int H, int K, int R, float scale, int nsplit, int QST, int KST) {
-    COLI_PDL_WAIT();
     fl_body<NTC, 1, KP>(pm, pl, pacc, qfull, kv, cl, S, H, K, R, scale, nsplit, QST, KST);
 }
 
@@ -455,6 +453,5 @@ mla_flash_c(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ 
             const float *__restrict__ qfull, const KvDesc *__restrict__ kv,
             float *__restrict__ cl, int S, int H, int K, int R, float scale, int nsplit, int QST,
             int KST) {
-    COLI_PDL_WAIT();
     fl_body<NTC, C, KP>(pm, pl, pacc, qfull, kv, cl, S, H, K, R, scale, nsplit, QST, KST);
 }

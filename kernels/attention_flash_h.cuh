@@ -36,8 +36,6 @@
 // tiles are read by ldmatrix.x4 (four 8x8 blocks), the latent as B of the context by
 // ldmatrix.x4.trans (its rows are k). A lane's softmax rows are the tile rows 2t, 2t+1, 2t+8,
 // 2t+9: those of its A fragment of P.
-#include "pdl.cuh"
-
 #define FH_MQ 5  // value quads per lane of a staged row: rows up to 128 * FH_MQ values
 
 // e with max |x| 2^e in [2^14, 2^15) for m = max |x|, at most 100 (m = 0 or subnormal: 100;
@@ -414,7 +412,6 @@ __device__ __forceinline__ void fh_qrow(unsigned short *__restrict__ qs, int *__
 __global__ void __launch_bounds__(FL_WARPS * 32)
 mla_qsplit(unsigned short *__restrict__ qs, int *__restrict__ qe,
            const float *__restrict__ qfull, int rows, int K, int R, int KRP) {
-    COLI_PDL_WAIT();
     const int r = blockIdx.x * FL_WARPS + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (r >= rows) return;
     fh_qrow<true>(qs, qe, qfull, r, K, R, KRP, lane);
@@ -428,7 +425,6 @@ mla_flash_h(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__ 
             const unsigned short *__restrict__ qs, const KvDesc *__restrict__ kv,
             float *__restrict__ cl, const int *__restrict__ qe, int S, int H, int K, int R,
             float scale, int nsplit, int QSTH, int KSTH) {
-    COLI_PDL_WAIT();
     fh_body<NTC, 1>(pm, pl, pacc, qs, kv, cl, qe, S, H, K, R, scale, nsplit, QSTH, KSTH);
 }
 
@@ -439,6 +435,5 @@ mla_flash_hc(float *__restrict__ pm, float *__restrict__ pl, float *__restrict__
              const unsigned short *__restrict__ qs, const KvDesc *__restrict__ kv,
              float *__restrict__ cl, const int *__restrict__ qe, int S, int H, int K, int R,
              float scale, int nsplit, int QSTH, int KSTH) {
-    COLI_PDL_WAIT();
     fh_body<NTC, C>(pm, pl, pacc, qs, kv, cl, qe, S, H, K, R, scale, nsplit, QSTH, KSTH);
 }

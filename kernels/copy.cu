@@ -15,8 +15,6 @@
 // and once every thread of the block has copied (atomicMax into last); the block that counts
 // last writes (first, last) to out, fenced system-wide, and resets the CopyStamp for the next
 // launch, so a launch that runs at all leaves it as it found it.
-#include "pdl.cuh"
-
 struct CopyStamp {
     unsigned long long first, last, done;
 };
@@ -29,7 +27,6 @@ __device__ __forceinline__ unsigned long long copy_now() {
 
 __global__ void coli_copy(uint4 *__restrict__ dst, const uint4 *__restrict__ src,
                           CopyStamp *stamp, unsigned long long *out, long long n) {
-    COLI_PDL_WAIT();
     if (stamp != nullptr && threadIdx.x == 0) atomicMin(&stamp->first, copy_now());
     const long long n16 = n >> 4;
     const long long stride = (long long)gridDim.x * blockDim.x;

@@ -10,7 +10,6 @@
 //
 // Accumulation is fp32, and the order of every sum depends only on the shapes (no atomics in
 // any sum): the same call gives the same bits every time, which the async issue path relies on.
-#include "pdl.cuh"
 #include "common.cuh"
 #include "jobs.cuh"
 #ifndef COLI_LOADS
@@ -208,7 +207,6 @@ template <int FMT, int R, int SB>
 __global__ void __launch_bounds__(GEMV_WARPS * 32, SB == 1 ? 2 : 1)
 gemv(const GemvJob *__restrict__ jobs, int in_features, int in_padded, int ld, int ngp, int gs,
      int gs_shift, int kt) {
-    COLI_PDL_WAIT();
     const WGeom g{in_features, in_padded, ld, ngp, gs, gs_shift};
     const GemvJob job = jobs[blockIdx.y];
     const int row0 = blockIdx.x * (GEMV_WARPS * R);
@@ -244,7 +242,6 @@ __global__ void __launch_bounds__(GEMV_WARPS * 32, SB == 1 ? 2 : 1)
 moe(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ntiles_a_row, int ntiles_b_row,
     int nz, int a_in, int a_in_padded, int a_ld, int a_ngp, int a_gs, int a_gs_shift, int b_in,
     int b_in_padded, int b_ld, int b_ngp, int b_gs, int b_gs_shift, int kt) {
-    COLI_PDL_WAIT();
     constexpr int RB = MoeRB<FMT, SB>::value;
     const WGeom ga{a_in, a_in_padded, a_ld, a_ngp, a_gs, a_gs_shift};
     const WGeom gb{b_in, b_in_padded, b_ld, b_ngp, b_gs, b_gs_shift};

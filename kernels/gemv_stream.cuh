@@ -35,8 +35,6 @@
 // tensor-core path as its math (st_stage_q8 below): a quarter (fmt 4: about half) of the bf16
 // path's instructions per weight byte, other bits (within the same bound of the float64
 // result).
-#include "pdl.cuh"
-
 #define ST_ROWS 16
 // MW (a template argument, 8 or 16): the math warps, each a k slice; the block has MW + 1
 // warps, the last the producer.
@@ -385,7 +383,6 @@ template <int FMT, int SB, bool DUAL, int MW, bool Q8 = false>
 __global__ void __launch_bounds__((MW + 1) * 32, 1)
 gemv_st(const GemvJob *__restrict__ jobs, int n_jobs, int ntr, int nz, int in_features,
         int in_padded, int ld, int ngp, int gs, int gs_shift, int ns, int pc) {
-    COLI_PDL_WAIT();
     using T = typename StAcc<Q8 && FMT == 2>::T;
     constexpr int NT = Q8 ? (4 * SB + 7) / 8 : TcNT<SB>::value, NCOL = 8 * NT, M = DUAL ? 2 : 1;
     const int rs = pc + 64;  // a stage's weight row stride

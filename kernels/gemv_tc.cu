@@ -32,7 +32,6 @@
 // row tile's K split over the blocks of a thread block cluster; gemv_st (gemv_stream.cuh) them
 // too (fmt 4: power of two group sizes) with the weights streamed by the bulk-copy engine to
 // one resident block per SM.
-#include "pdl.cuh"
 #include "common.cuh"
 #include "jobs.cuh"
 #include "tc.cuh"
@@ -329,7 +328,6 @@ template <int FMT, int SB>
 __global__ void __launch_bounds__(GEMV_WARPS * 32, 2)
 gemv_tc(const GemvJob *__restrict__ jobs, int in_features, int in_padded, int ld, int ngp,
         int gs, int gs_shift, int kt) {
-    COLI_PDL_WAIT();
     const WGeom g{in_features, in_padded, ld, ngp, gs, gs_shift};
     const GemvJob job = jobs[blockIdx.y];
     const int row0 = blockIdx.x * (TC_RG * 16);
@@ -353,7 +351,6 @@ moe_tc(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ntiles_a_row,
        int ntiles_b_row, int nz, int a_in, int a_in_padded, int a_ld, int a_ngp, int a_gs,
        int a_gs_shift, int b_in, int b_in_padded, int b_ld, int b_ngp, int b_gs,
        int b_gs_shift, int kt) {
-    COLI_PDL_WAIT();
     const WGeom ga{a_in, a_in_padded, a_ld, a_ngp, a_gs, a_gs_shift};
     const WGeom gb{b_in, b_in_padded, b_ld, b_ngp, b_gs, b_gs_shift};
     extern __shared__ float4 smem4[];

@@ -16,7 +16,6 @@
 // cluster barrier, and rank r reads the C partials of outputs o = r, r + C, ... in rank order
 // 0, 1, ..., C - 1 and writes y. Fixed order everywhere: the same bits on every call (not the
 // same bits as gemv_tc, whose sum runs in another order). No float atomics, no scratch memory.
-#include "pdl.cuh"
 #include "cluster.cuh"
 
 // Global steps [gst0, gst0 + nst) of x rows [srow0, srow0 + SB) -> xb as tc_stage lays out a
@@ -190,7 +189,6 @@ template <int FMT, int SB>
 __global__ void __launch_bounds__(GEMV_WARPS * 32, TcSkOcc<FMT, SB>::value)
 gemv_tc_k(const GemvJob *__restrict__ jobs, int in_features, int in_padded, int ld, int ngp,
           int gs, int gs_shift, int kts) {
-    COLI_PDL_WAIT();
     const WGeom g{in_features, in_padded, ld, ngp, gs, gs_shift};
     const GemvJob job = jobs[blockIdx.y];
     const int row0 = blockIdx.x * (TC_RG * 16), srow0 = blockIdx.z * SB;
@@ -202,7 +200,6 @@ template <int FMT, int SB, int C>
 __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(GEMV_WARPS * 32, TcSkOcc<FMT, SB>::value)
 gemv_tc_sk(const GemvJob *__restrict__ jobs, int in_features, int in_padded, int ld, int ngp,
            int gs, int gs_shift, int kts) {
-    COLI_PDL_WAIT();
     const WGeom g{in_features, in_padded, ld, ngp, gs, gs_shift};
     const GemvJob job = jobs[blockIdx.y];
     const int row0 = (blockIdx.x / C) * (TC_RG * 16), srow0 = blockIdx.z * SB;

@@ -36,8 +36,6 @@ from typing import Any
 
 import cupy
 
-from coliworker.kernels import launch
-
 log = logging.getLogger(__name__)
 
 #: Off: every call issues its work directly (the reference for the graph tests).
@@ -75,14 +73,9 @@ def _external_record() -> Any:
 
 
 def play(work: list[tuple], events: list[int], stream: int, capturing: bool = False) -> None:
-    """Issue a work list on ``stream``; while capturing, marks become event-record nodes.
-    With ``launch.PDL`` on, a prepared launch that follows a launch is a programmatic dependent
-    one (``Launch.dependent``: a programmatic edge in a captured graph); one after a copy or
-    an event, or first, is plain."""
+    """Issue a work list on ``stream``; while capturing, marks become event-record nodes."""
     rt = cupy.cuda.runtime
     record = _external_record() if capturing else None
-    pdl = launch.PDL
-    after_kernel = False
     for item in work:
         kind = item[0]
         if kind == MARK:
@@ -92,18 +85,11 @@ def play(work: list[tuple], events: list[int], stream: int, capturing: bool = Fa
                     raise RuntimeError(f"cuEventRecordWithFlags failed: CUDA error {err}")
             else:
                 rt.eventRecord(events[item[1]], stream)
-            after_kernel = False
         elif kind == COPY:
             _, dst, src, n, direction = item
             rt.memcpyAsync(dst, src, n, direction, stream)
-            after_kernel = False
         else:
-            go = item[1]
-            if pdl and after_kernel and isinstance(go, launch.Launch):
-                go.dependent(*item[2])
-            else:
-                go(*item[2])
-            after_kernel = True
+            item[1](*item[2])
 
 
 class _Exec:
@@ -143,7 +129,7 @@ class Graphs:
         if not (ENABLED and graphable):
             play(work, events, stream)
             return None
-        key = (launch.PDL, *work)  # (a list issued with and without PDL: two graphs)
+        key = tuple(work)
         try:
             ex = self.execs[key]
         except KeyError:

@@ -6,19 +6,11 @@ constant arguments are packed once, and a call writes only the leading device po
 block and launches on the current stream. Where the driver entry point is missing, it falls
 back to the CuPy call. ``max_active_clusters`` asks the driver how many thread-block clusters
 of a kernel are resident at once (attention's cluster choice keeps a launch to one wave).
-
-With ``PDL`` on, a kernel that follows another kernel in a call's work is launched as a
-programmatic dependent launch (``Launch.dependent``: ``cuLaunchKernelEx`` with programmatic
-stream serialization; ``kernels/graphs.py`` decides which): its blocks may be scheduled while
-the kernel before it finishes, and wait in ``COLI_PDL_WAIT`` (``kernels/pdl.cuh``, the first
-statement of every kernel) until it has completed, so the kernel boundary's launch latency
-overlaps the kernel before. The same kernels on the same bytes: the same bits.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -35,9 +27,6 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the CuPy 
 
 #: Off: every launch goes through CuPy's RawKernel call (the reference for tests).
 RAW = True
-#: Programmatic dependent launch between a call's consecutive kernels (module docstring);
-#: COLIWORKER_PDL=1 turns it on.
-PDL = os.environ.get("COLIWORKER_PDL", "0") == "1"
 
 _CTYPE = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.float32): ctypes.c_float,
           np.dtype(np.int64): ctypes.c_int64, np.dtype(np.uint64): ctypes.c_uint64}  # fmt: skip
@@ -103,24 +92,6 @@ class Launch:
             return
         self.fn(self.grid, self.block, ptrs + self.tail, shared_mem=self.smem)
 
-    def dependent(self, *ptrs: object) -> None:
-        """``self(*ptrs)`` as a programmatic dependent launch of the kernel before it in the
-        stream (module docstring); a plain launch where the driver has no cuLaunchKernelEx or
-        the launch has no prepared parameter block."""
-        lx = _launch_ex()
-        if lx is None or not (RAW and (self._raw is not None or self._build(ptrs))):
-            self(*ptrs)
-            return
-        f, gx, gy, gz, bx, by, bz, smem, params = self._raw  # type: ignore[misc]
-        stream = cupy.cuda.get_current_stream().ptr
-        cfg = LaunchConfig((gx, gy, gz), (bx, by, bz), smem, stream, ctypes.addressof(_PDL_ATTR), 1)
-        with self._lock:
-            for slot, p in zip(self._slots, ptrs, strict=True):
-                slot.value = _ptr(p)
-            err = lx(ctypes.byref(cfg), f, params, None)
-        if err:
-            raise RuntimeError(f"cuLaunchKernelEx (a dependent launch): CUDA error {err}")
-
 
 # Prepared launches by (device, kind, spec ids, sizes): the specs are interned, so their ids
 # are stable; a plain dict, cleared when it grows past a bound (shapes repeat in practice).
@@ -150,33 +121,6 @@ class LaunchConfig(ctypes.Structure):  # CUlaunchConfig (cuda.h)
         ("attrs", ctypes.c_void_p),
         ("n_attrs", ctypes.c_uint),
     ]
-
-
-class LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, pad to 8, a 64-byte union
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
-                ("rest", ctypes.c_char * 60)]  # fmt: skip
-
-
-#: CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, allowed.
-_PDL_ATTR = LaunchAttribute(6, b"", 1, b"")
-_ex_lock = threading.Lock()
-_ex_fn: Any = None  # cuLaunchKernelEx, once looked up (False: unavailable)
-
-
-def _launch_ex() -> Any:
-    """The driver's ``cuLaunchKernelEx``, or None where it is missing."""
-    global _ex_fn
-    if _ex_fn is None:
-        with _ex_lock:
-            if _ex_fn is None:
-                try:
-                    fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-                    fn.argtypes = (ctypes.c_void_p,) * 4
-                    fn.restype = ctypes.c_int
-                    _ex_fn = fn
-                except (OSError, AttributeError):
-                    _ex_fn = False
-    return _ex_fn or None
 
 
 def max_active_clusters(fn: cupy.RawKernel, cluster: int, block: int, smem: int) -> int:

@@ -21,8 +21,6 @@
 // - fmt 4: the tile's grouped scales are staged in shared memory once per tile instead of
 //   8 scalar loads per row, matrix and step (tc_stage_scales);
 // - 3 blocks per SM at one row where the register cap costs no spills (MoeTcF).
-#include "pdl.cuh"
-
 #define TC_PFD 3
 
 // Per variant: blocks per SM (__launch_bounds__), steps per warp batch of the gate+up (UA) and
@@ -276,7 +274,6 @@ moe_tc_f(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ntiles_a_row
          int ntiles_b_row, int nz, int a_in, int a_in_padded, int a_ld, int a_ngp, int a_gs,
          int a_gs_shift, int b_in, int b_in_padded, int b_ld, int b_ngp, int b_gs,
          int b_gs_shift, int kt) {
-    COLI_PDL_WAIT();
     const WGeom ga{a_in, a_in_padded, a_ld, a_ngp, a_gs, a_gs_shift};
     const WGeom gb{b_in, b_in_padded, b_ld, b_ngp, b_gs, b_gs_shift};
     extern __shared__ float4 smem4[];

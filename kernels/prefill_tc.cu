@@ -30,7 +30,6 @@
 // over all of K and stores from registers; KS > 1 (few rows in all: more, shorter blocks) meets
 // in shared memory in a fixed order. Either way the same bits on every call. Two blocks share
 // an SM: one stages while the other runs mmas.
-#include "pdl.cuh"
 #include "cluster.cuh"
 #include "common.cuh"
 #include "jobs.cuh"
@@ -311,7 +310,6 @@ template <int FMT, int KS>
 __global__ void __launch_bounds__(GEMV_WARPS * 32, FMT == 4 ? 1 : 2)
 gemv_pf(const GemvJob *__restrict__ jobs, int in_features, int in_padded, int ld, int ngp,
         int gs, int gs_shift) {
-    COLI_PDL_WAIT();
     const WGeom g{in_features, in_padded, ld, ngp, gs, gs_shift};
     const GemvJob job = jobs[blockIdx.z];
     const int row0 = blockIdx.y * PfTile<PF_MR, KS>::ROWS;
@@ -335,7 +333,6 @@ template <int FMT, int KS, int C>
 __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(GEMV_WARPS * 32, FMT == 4 ? 1 : 2)
 gemv_pf_sk(const GemvJob *__restrict__ jobs, int in_features, int in_padded, int ld, int ngp,
            int gs, int gs_shift) {
-    COLI_PDL_WAIT();
     const WGeom g{in_features, in_padded, ld, ngp, gs, gs_shift};
     const GemvJob job = jobs[blockIdx.z];
     const int row0 = blockIdx.y * PfTile<PF_MR, KS>::ROWS;
@@ -362,7 +359,6 @@ moe_pf(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ntiles_a_row,
        int ntiles_b_row, int nz, int a_in, int a_in_padded, int a_ld, int a_ngp, int a_gs,
        int a_gs_shift, int b_in, int b_in_padded, int b_ld, int b_ngp, int b_gs,
        int b_gs_shift) {
-    COLI_PDL_WAIT();
     const WGeom ga{a_in, a_in_padded, a_ld, a_ngp, a_gs, a_gs_shift};
     const WGeom gb{b_in, b_in_padded, b_ld, b_ngp, b_gs, b_gs_shift};
     extern __shared__ float4 smem4[];

@@ -2,12 +2,9 @@
 // reads, and the per-token weighted sum of the experts' outputs. Both are pure data movement
 // next to the expert kernels, one launch each.
 
-#include "pdl.cuh"
-
 // xp[p, :] = x[src[p], :] for packed rows p < n. grid (ceil(d / (4 * 256)), n), block 256.
 __global__ void route_gather(float *__restrict__ xp, const float *__restrict__ x,
                              const int *__restrict__ src, int d) {
-    COLI_PDL_WAIT();
     const int p = blockIdx.y;
     const float *xr = x + (size_t)src[p] * d;
     float *o = xp + (size_t)p * d;
@@ -24,7 +21,6 @@ __global__ void route_gather(float *__restrict__ xp, const float *__restrict__ x
 __global__ void route_combine(float *__restrict__ y, const float *__restrict__ yp,
                               const int *__restrict__ pos, const float *__restrict__ w, int k,
                               int d) {
-    COLI_PDL_WAIT();
     const int t = blockIdx.y;
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= d) return;

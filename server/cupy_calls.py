@@ -30,7 +30,7 @@ import cupy
 import cupyx
 import numpy as np
 
-from coliworker.kernels import copy, launch
+from coliworker.kernels import copy
 from coliworker.kernels import graphs as cupy_graphs
 from coliworker.kernels.copy import copy_launch
 from coliworker.kernels.graphs import COPY, LAUNCH, MARK, Graphs
@@ -197,22 +197,21 @@ class Replay:
     work its calls list, so the list is a function of the plan: once the list has been
     captured (``kernels/graphs.py``), a later call of the plan writes its inputs and launches
     the kept graph (``Call.replay``) without listing its work again or looking the list up.
-    Only the switches (``_switches``: the copy kernels', ``kernels/copy.py``, and programmatic
-    dependent launch, ``kernels/launch.py``) change the work or its graph for one plan; the
-    graph is kept with the switches it was captured under and is not replayed under others."""
+    Only the copy switches (``kernels/copy.py``) change the list for one plan; the graph is
+    kept with the switches it was captured under and is not replayed under others."""
 
-    __slots__ = ("exec", "out", "stamped", "switches", "view")
+    __slots__ = ("exec", "out", "stamped", "copies", "view")
 
     def __init__(self) -> None:
         self.exec: Any = None  # graphs._Exec once captured (held: it lives as long as this)
         self.out: tuple[int, int, tuple[int, ...]] = (0, 0, ())
         self.view: Any = None  # the output in the arena's host half, float32 of its shape
         self.stamped = False
-        self.switches: tuple = ()  # _switches() as it was captured
+        self.copies: tuple = ()
 
 
-def _switches() -> tuple:
-    return (copy.ENABLED, copy.KERNEL_BYTES, launch.PDL)
+def _copy_switches() -> tuple:
+    return (copy.ENABLED, copy.KERNEL_BYTES)
 
 
 class Call:
@@ -387,12 +386,12 @@ class Call:
         return Replay()
 
     def replay(self, rep: Replay) -> bool:
-        """Launch the plan's kept graph (``Replay``) when it has one, graphs are on, the
+        """Launch the plan's kept graph (``Replay``) when it has one, graphs are on, the copy
         switches are those it was captured under and no input is read from a client's segment:
         True, the call's work is issued (``finish`` waits for it). Else False: the op lists its
         work as usual, and ``issue`` keeps the graph in ``rep`` once there is one."""
         ex = rep.exec
-        if ex is None or self.direct or not cupy_graphs.ENABLED or rep.switches != _switches():
+        if ex is None or self.direct or not cupy_graphs.ENABLED or rep.copies != _copy_switches():
             self.rep = rep
             return False
         cupy.cuda.runtime.graphLaunch(ex.ptr, self.stream.ptr)
@@ -406,7 +405,7 @@ class Call:
         rep = self.rep
         if rep is not None and ex is not None:
             rep.exec, rep.out, rep.stamped = ex, self.out, self.stamped
-            rep.switches = _switches()
+            rep.copies = _copy_switches()
 
     def finish(self) -> Result:
         if self.work:
