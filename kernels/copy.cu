@@ -5,9 +5,10 @@
 // a CUDA graph, whose copy engine takes several microseconds to start.
 //
 // dst[0, n) = src[0, n). Both 16-byte aligned (arena offsets are 256-aligned). grid: enough
-// blocks of 256 threads for n / 16 lanes of 16 bytes, at most COPY_BLOCKS; the tail below 16
-// bytes by the first threads. A copy into host memory is fenced system-wide before the
-// kernel ends, so the event after it sees every byte.
+// blocks of 256 threads for n / 16 lanes of 16 bytes, four per thread, at most COPY_BLOCKS;
+// every thread has up to four loads in flight; the tail below 16 bytes by the first threads.
+// A copy into host memory is fenced system-wide before the kernel ends, so the event after it
+// sees every byte.
 //
 // Phase stamps (a call's H2D and D2H copies, in place of timing events; null: none): stamp is
 // a CopyStamp in device memory, {~0, 0, 0} between launches, and out two u64 in mapped host
@@ -39,7 +40,19 @@ __global__ void coli_copy(uint4 *__restrict__ dst, const uint4 *__restrict__ src
         dst[i + 2 * stride] = c;
         dst[i + 3 * stride] = d;
     }
-    for (; i < n16; i += stride) dst[i] = src[i];
+    // At most three lanes of this thread are left. Their loads go out together: from pinned
+    // host memory each load is a round trip over the link, and one after another three of
+    // them (a call's 24 KB of x over 2 blocks) cost three.
+    if (i < n16) {
+        const bool h1 = i + stride < n16, h2 = i + 2 * stride < n16;
+        const uint4 a = src[i];
+        uint4 b, c;
+        if (h1) b = src[i + stride];
+        if (h2) c = src[i + 2 * stride];
+        dst[i] = a;
+        if (h1) dst[i + stride] = b;
+        if (h2) dst[i + 2 * stride] = c;
+    }
     const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (t < (n & 15)) {
         reinterpret_cast<unsigned char *>(dst)[n16 * 16 + t] =
