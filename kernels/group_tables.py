@@ -333,14 +333,13 @@ def _keep_triple(t: tuple[Any, Any, Any]) -> tuple[Any, tuple, bytes]:
 def triples_of(experts: Sequence[tuple[Any, Any, Any]]) -> list[tuple[Any, tuple, bytes]]:
     """Each of ``experts``' entry: (the triple, its part of ``group_shape``, its six addresses
     packed), made once per triple (the worker resolves an expert list to the same triple
-    objects every call; the entry holds the triple, so its id stays its own while the entry
-    lives), looked up in one pass."""
-    get = _triples.get
-    out = [get(id(t)) for t in experts]
-    for i, t in enumerate(experts):
-        e = out[i]
-        if e is None or e[0] is not t:
-            out[i] = _keep_triple(t)
+    objects every call), looked up in one pass. An entry holds its triple, so while it is kept
+    no other object has the id it is kept under: a hit is the triple's own entry."""
+    out = list(map(_triples.get, map(id, experts)))
+    if None in out:
+        for i, e in enumerate(out):
+            if e is None:
+                out[i] = _keep_triple(experts[i])
     return out  # type: ignore[return-value]
 
 
