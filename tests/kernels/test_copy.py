@@ -10,7 +10,7 @@ from _kern import make_tensor
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("n", [1, 15, 16, 17, 4096, 24577, 196608, 1 << 20])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 4096, 6000, 24577, 40000, 196608, 1 << 20])
 def test_copy_kernel_moves_every_byte_both_ways(rng, n):
     import cupy
     import cupyx
