@@ -24,7 +24,8 @@ memory), swept over PIPE_EDGE too (the first and the last run's share of a middl
 graph alone (its launch and the wait for its last event, with no Python around them), and on
 the GPU the span from the inputs' copy starting to the outputs' copy ending (the copy kernels'
 stamps) with its three phases. Python is the call less the graph alone; launch and wake is
-the graph alone less the GPU span.
+the graph alone less the GPU span. First, the same for a graph of one empty kernel and its
+event: the launch and wake that any call's graph pays.
 """
 
 from __future__ import annotations
@@ -97,11 +98,49 @@ def _stage_timers() -> dict[str, int]:
     return acc
 
 
+def _floor(calls: int) -> float:
+    """Median us of launching a graph of one empty kernel and one event record (a call's
+    graph at its smallest) and waiting for the event, as a call does: the part of launch and
+    wake that no node of a call's own adds to."""
+    import cupy
+
+    from coliworker.kernels import graphs
+
+    rt = cupy.cuda.runtime
+    record = graphs._external_record()
+    nop = cupy.RawKernel(r'extern "C" __global__ void coli_nop() {}', "coli_nop")
+    stream, ev = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Event()
+    with stream:
+        nop((1,), (32,), ())
+        rt.streamBeginCapture(stream.ptr, 2)  # relaxed, as kernels/graphs.py captures
+        nop((1,), (32,), ())
+        if record is not None:
+            record(ev.ptr, stream.ptr, 1)  # an event-record node, as a call's last
+        graph = rt.streamEndCapture(stream.ptr)
+        ex = rt.graphInstantiate(graph)
+        rt.graphDestroy(graph)
+    ts = []
+    for _ in range(calls):
+        t0 = time.perf_counter_ns()
+        rt.graphLaunch(ex, stream.ptr)
+        if record is not None:
+            rt.eventSynchronize(ev.ptr)
+        else:
+            stream.synchronize()
+        ts.append(time.perf_counter_ns() - t0)
+    rt.graphExecDestroy(ex)
+    return float(np.median(ts)) / 1e3
+
+
 def parts(ops: dict, calls: int) -> None:
     """``--parts`` (module docstring), medians of ``calls`` of each."""
     from coliworker.server import cupy_calls
 
     rt = cupy_calls.cupy.cuda.runtime
+    print(
+        f"A graph of one empty kernel and its event, launched and waited for: "
+        f"{_floor(calls):.1f} us"
+    )
     seen: dict[str, object] = {}
     replay = cupy_calls.Call.replay
 
