@@ -123,6 +123,38 @@ def _module(name: str) -> Any:
     return mod
 
 
+def _kept_plan(
+    a: Any, experts: Sequence[tuple[Any, Any, Any]], rows: Sequence[int], T: int, D: int,
+    extra_in: int, extra_out: int, xr: tuple[int, ...] | None,
+) -> tuple[Any, Any, tuple, tuple | None]:  # fmt: skip
+    """The plan arena ``a`` keeps for this group (``prepare``'s docstring): by the experts
+    themselves, else by the group's shape. Returns (the plan or None, the experts' triples_of
+    entries where the shape was looked up or None, the experts' key, the shape's key or None)."""
+    settings = _module("matmul").settings()
+    key = ("group", settings, *map(id, experts), *rows, T, D, extra_in, extra_out, xr)
+    hit = a.plans.get(key)
+    if hit is not None:
+        return hit, None, key, None
+    triples = triples_of(experts)
+    skey = ("group shape", settings, group_shape(triples), *rows, T, D, extra_in, extra_out, xr)
+    return a.plans.get(skey), triples, key, skey
+
+
+def _kept_tables(a: Any, last: Any, hit: tuple, triples: Any) -> None:
+    """Kept plan ``hit``'s tables in arena ``a``'s host half, ``last`` being the plan whose
+    constant bytes the arena held when its call took it (``Arena.keep``): the plan's own (its
+    experts') tables stay where its last call left them; a shape's are copied in where another
+    plan's bytes lie, and these experts' addresses (``triples``) patched into them."""
+    _, _, _, t_off, table, where, _, off, _ = hit
+    if where is None:  # the tables as made: in place where this plan's call left them
+        if not a.keep(last, hit):
+            off["tv"][...] = table
+    else:  # other experts: their addresses patched into the shape's tables
+        if not a.keep(last, table):
+            off["tv"][...] = table
+        patch(a.host, t_off, where, triples)
+
+
 def prepare(
     call: Any, experts: Sequence[tuple[Any, Any, Any]], rows: Sequence[int], x: np.ndarray,
     n_sm: int, extra_in: int = 0, x_rows: Sequence[int] | None = None, extra_out: int = 0,
@@ -142,31 +174,16 @@ def prepare(
     a decode call's routed experts change from token to token: the tables are copied in and
     ``patch`` writes these experts' addresses into them). The launches and the layout are the
     shape's either way."""
-    mm = _module("matmul")
     T, D = x.shape
     a = call.take()
     xr = None if x_rows is None else tuple(x_rows)
-    settings = mm.settings()
-    key = ("group", settings, *map(id, experts), *rows, T, D, extra_in, extra_out, xr)
-    hit = a.plans.get(key)
-    triples = None  # the experts' triples_of entries, looked up once where a plan is not theirs
-    if hit is None:
-        triples = triples_of(experts)
-        skey = ("group shape", settings, group_shape(triples), *rows, T, D, extra_in,
-                extra_out, xr)  # fmt: skip
-        hit = a.plans.get(skey)
-    if hit is not None:  # where: None for the same experts, else the address slots to patch
+    hit, triples, key, skey = _kept_plan(a, experts, rows, T, D, extra_in, extra_out, xr)
+    if hit is not None:
         # (a kept plan's arena is the size it was made for: it forgets its plans when it grows)
-        _, _, _, t_off, table, where, calls, off, rep = hit
+        off = hit[7]
         call.put(0, x, 4 * T * D, off["xv"])
-        if where is None:  # the tables as made: in place where this plan's call left them
-            if not call.kept(hit):
-                off["tv"][...] = table
-        else:  # other experts: their addresses patched into the shape's tables
-            if not call.kept(table):
-                off["tv"][...] = table
-            patch(a.host, t_off, where, triples)  # type: ignore[arg-type]
-        return a, calls, off, rep
+        _kept_tables(a, call.last, hit, triples)
+        return a, hit[6], off, hit[8]
     plan = plan_group(experts, rows)
     N, dout = max(plan.n_rows, 1), experts[0][2].out_features
     t_off = align(4 * T * D)
@@ -298,6 +315,43 @@ def _one_token(routes: np.ndarray) -> list[int] | None:
     if len(set(flat)) != len(flat) or len(flat) not in _ONES:
         return None
     return flat
+
+
+def routed_kept(
+    pool: list, experts: Sequence[tuple[Any, Any, Any]], x: np.ndarray, routes: np.ndarray,
+    weights: np.ndarray, ready: Any,
+) -> tuple[Any, Any] | None:  # fmt: skip
+    """A one-token routed call (``_one_token``: K other experts) whose plan the thread's free
+    arena on top of ``pool`` keeps with its graph ready to launch (``ready(rep)``,
+    ``cupy_calls.replayable``) and its output's view made: that arena taken from the pool with
+    the call's inputs written as ``routed`` writes them (x, the tables, pos, w: the same bytes),
+    and the plan's ``Replay``, which the backend launches without a ``Call``
+    (``cupy_calls.rerun``). None where there is no such plan, nothing taken or written: the call
+    goes through ``routed``."""
+    if routes.shape[0] != 1:
+        return None
+    one = _one_token(routes)
+    if one is None:
+        return None
+    K = len(one)
+    sel = itemgetter(*one)(experts) if K > 1 else (experts[one[0]],)
+    a = pool[-1]
+    an = align(4 * K)
+    hit, triples, _, _ = _kept_plan(a, sel, _ONES[K], 1, x.shape[1], 2 * an,
+                                    4 * experts[0][2].out_features, _ZEROS_T[K])  # fmt: skip
+    if hit is None:
+        return None
+    off, rep = hit[7], hit[8]
+    views = off.get("routes")
+    if rep is None or views is None or rep.view is None or not ready(rep):
+        return None
+    pool.pop()
+    last, a.last = a.last, None  # (as Call.take)
+    off["xv"][...] = x
+    _kept_tables(a, last, hit, triples)
+    views[0][...] = _ARANGE[K]
+    views[1][...] = weights
+    return a, rep
 
 
 def routed(

@@ -32,7 +32,16 @@ from coliworker.kernels import attention_call, expert_group, layout
 from coliworker.kernels import matmul as mm
 from coliworker.kernels.qtensor import QTensor
 from coliworker.server.backend import DeviceInfo, ExpertTriple, Result
-from coliworker.server.cupy_calls import Arena, Call, CupyPending, oom_guard, pinned
+from coliworker.server.cupy_calls import (
+    DIRECT_BYTES,
+    Arena,
+    Call,
+    CupyPending,
+    oom_guard,
+    pinned,
+    replayable,
+    rerun,
+)
 from coliworker.server.cupy_residents import CupyKVCache, CupyPlacement, CupyResident
 from coliworker.server.cupy_segments import HostSegments
 from coliworker.server.errors import InvalidArgument
@@ -178,8 +187,17 @@ class CupyBackend:
         routes: np.ndarray,
         weights: np.ndarray,
     ) -> Result:
-        with Call(self, experts[0][0].device, "expert_group_routed") as call:
-            return expert_group.routed(call, experts, x, routes, weights, self._sms[call.device])
+        device = experts[0][0].device
+        stream, pool = self._thread(device)
+        # A decode step's call of a kept plan: no Call (expert_group.routed_kept, the same bytes
+        # written and the same graph launched), where x goes through the arena and the device is
+        # current.
+        if pool and x.nbytes < DIRECT_BYTES and cupy.cuda.runtime.getDevice() == device:
+            kept = expert_group.routed_kept(pool, experts, x, routes, weights, replayable)
+            if kept is not None:
+                return rerun(*kept, stream, device, "expert_group_routed")
+        with Call(self, device, "expert_group_routed") as call:
+            return expert_group.routed(call, experts, x, routes, weights, self._sms[device])
 
     # -- MLA attention (host side: kernels/attention_call.py) --------------------------------
 

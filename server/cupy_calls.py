@@ -144,6 +144,13 @@ class Arena:
             self.pptr.append(e.ptr)
         return self.pptr
 
+    def keep(self, last: Any, plan: Any) -> bool:
+        """``plan`` is from here on the plan whose constant bytes this arena's host half holds;
+        whether it held them already, ``last`` being the one it held when the call took it
+        (``Call.kept``; ``expert_group._kept_tables`` for a call with or without a ``Call``)."""
+        self.last = plan
+        return last is plan
+
     def forget(self) -> None:
         """Drop what holds this arena's addresses: its graphs and plans."""
         self.graphs.clear()
@@ -212,6 +219,49 @@ class Replay:
 
 def _copy_switches() -> tuple:
     return (copy.ENABLED, copy.KERNEL_BYTES)
+
+
+def replayable(rep: Replay) -> bool:
+    """Whether a plan's kept graph may be launched for its next call: captured, graphs on, and
+    the copy switches those it was captured under."""
+    return rep.exec is not None and cupy_graphs.ENABLED and rep.copies == _copy_switches()
+
+
+def rerun(a: Arena, rep: Replay, stream: Any, device: int, what: str) -> Result:
+    """A kept plan's call without a ``Call`` (``CupyBackend.expert_group_routed``, through
+    ``expert_group.routed_kept``, on the current device): its inputs written into arena ``a``,
+    which it took from the thread's pool, its graph (``replayable``) launched on the thread's
+    ``stream`` and waited for, its output copied from the plan's view, ``a`` given back; what
+    ``Call.replay`` and ``Call.finish`` do for such a call. On an error the GPU is let finish
+    and the arena dropped, as ``Call.__exit__`` does."""
+    rt = cupy.cuda.runtime
+    try:
+        rt.graphLaunch(rep.exec.ptr, stream.ptr)
+        rt.eventSynchronize(a.eptr[3])
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            stream.synchronize()
+        err = oom_error(exc, device, what)
+        if err is not None:
+            raise err from None
+        raise
+    out = rep.view.copy()
+    phases = _stamp_phases(a) if rep.stamped else _event_phases(a)
+    a.give_back()
+    return Result(out, phases)
+
+
+def _stamp_phases(a: Arena) -> Phases:
+    """A finished call's phases from its copy kernels' stamps (``Call``'s docstring)."""
+    h0, h1, d0, d1 = a.stamps.tolist()
+    k = d0 - h1
+    return Phases(h1 - h0, k if k > 0 else 0, d1 - d0)
+
+
+def _event_phases(a: Arena) -> Phases:
+    """A finished call's phases from its arena's four events."""
+    ms, ev = cupy.cuda.runtime.eventElapsedTime, a.eptr
+    return Phases(*(int(ms(ev[i], ev[i + 1]) * 1e6) for i in range(3)))
 
 
 class Call:
@@ -292,8 +342,7 @@ class Call:
         by its last call, and nothing of another call's written over them since): the op
         skips writing them. Call it right where the op writes them (or skips): from here on
         ``plan`` is the arena's last plan."""
-        self.arena.last = plan
-        return self.last is plan
+        return self.arena.keep(self.last, plan)
 
     def reserve(self, dev_bytes: int, host_bytes: int) -> Arena:
         a = self.take()
@@ -390,11 +439,10 @@ class Call:
         switches are those it was captured under and no input is read from a client's segment:
         True, the call's work is issued (``finish`` waits for it). Else False: the op lists its
         work as usual, and ``issue`` keeps the graph in ``rep`` once there is one."""
-        ex = rep.exec
-        if ex is None or self.direct or not cupy_graphs.ENABLED or rep.copies != _copy_switches():
+        if self.direct or not replayable(rep):
             self.rep = rep
             return False
-        cupy.cuda.runtime.graphLaunch(ex.ptr, self.stream.ptr)
+        cupy.cuda.runtime.graphLaunch(rep.exec.ptr, self.stream.ptr)
         self.out, self.stamped, self.view = rep.out, rep.stamped, rep.view
         return True
 
@@ -432,11 +480,9 @@ class Call:
             if rep is not None and rep.exec is not None:
                 rep.view = view  # the plan's (it lives no longer than the arena's host half)
         if self.stamped:
-            h0, h1, d0, d1 = a.stamps.tolist()
-            k = d0 - h1
-            phases = Phases(h1 - h0, k if k > 0 else 0, d1 - d0)
+            phases = _stamp_phases(a)
         elif spans is None:
-            phases = Phases(*(int(rt.eventElapsedTime(ev[i], ev[i + 1]) * 1e6) for i in range(3)))
+            phases = _event_phases(a)
         else:
             ms = rt.eventElapsedTime
             phases = Phases(*(int(sum(ms(s, e) for s, e in ph) * 1e6) for ph in spans))

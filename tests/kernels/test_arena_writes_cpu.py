@@ -4,7 +4,9 @@ job tables, KV descriptors), on any machine: the CuPy backend's host path over
 modules of the process it runs in).
 
 A kept plan skips rewriting its constant bytes (job tables, a routed shape's tables before
-the new experts' addresses are patched in) where its own last call left them (``Call.kept``).
+the new experts' addresses are patched in) where its own last call left them (``Arena.keep``,
+through ``Call.kept`` or, for a routed call of a kept plan made without a ``Call``,
+``expert_group.routed_kept``).
 Interleaved calls of every decode op (matmul of two weights, routed groups whose experts
 change, the same experts again, an expert group, ragged attention) must leave the arena byte
 for byte as the same calls do with every plan's constant bytes written on every call.
@@ -30,7 +32,18 @@ SCRIPT = textwrap.dedent(
     cupyx.empty_pinned = lambda shape, dtype: np.zeros(shape, dtype)  # no stale bytes
     from coliworker.kernels import graphs
     from coliworker.server.backend_cupy import CupyBackend
-    from coliworker.server.cupy_calls import Call
+    from coliworker.kernels import expert_group
+    from coliworker.server.cupy_calls import Arena
+
+    n_fast = [0]  # routed calls made without a Call
+    _fast = expert_group.routed_kept
+
+    def counted(*a, **k):
+        got = _fast(*a, **k)
+        n_fast[0] += got is not None
+        return got
+
+    expert_group.routed_kept = counted
 
     graphs._record_fn = lambda *a: 0
     g = hp.GLM
@@ -92,12 +105,21 @@ SCRIPT = textwrap.dedent(
     for fn in calls(200, seed):  # the arena grows to its largest
         fn()
     kept = run(seed)
-    Call.kept = lambda self, plan: setattr(self.arena, "last", plan)  # (None: write them)
+    # every call through a Call: no routed call of a kept plan made without one
+    fast = expert_group.routed_kept
+    expert_group.routed_kept = lambda *a, **k: None
+    calls_only = run(seed)
+    expert_group.routed_kept = fast
+    Arena.keep = lambda self, last, plan: setattr(self, "last", plan)  # (None: write them)
     anew = run(seed)
-    bad = [i for i, (x, y) in enumerate(zip(kept, anew)) if x.shape != y.shape
-           or not np.array_equal(x, y)]
-    print("calls", len(kept), "differ", bad[:10])
-    sys.exit(1 if bad else 0)
+
+    def differ(one, other):
+        return [i for i, (x, y) in enumerate(zip(one, other)) if x.shape != y.shape
+                or not np.array_equal(x, y)]
+
+    bad = differ(kept, anew) + differ(kept, calls_only)
+    print("calls", len(kept), "fast", n_fast[0], "differ", bad[:10])
+    sys.exit(1 if bad or not n_fast[0] else 0)
     """
 )
 

@@ -200,20 +200,29 @@ def test_a_call_shape_whose_capture_fails_stays_direct(backend, rng, graphs, mon
 
 
 def test_a_kept_plan_replays_its_graph(backend, rng, graphs, monkeypatch):
-    """Calls of a kept plan launch the plan's graph (``Call.replay``) once it is captured, with
-    no work listed: routed groups naming other experts of one shape each call (the shape's
-    plan, its tables patched) and dense matmuls, to the bit of the same calls with graphs off."""
+    """Calls of a kept plan launch the plan's graph once it is captured, with no work listed:
+    routed groups naming other experts of one shape each call (the shape's plan, its tables
+    patched; made without a ``Call``: ``expert_group.routed_kept``) and dense matmuls
+    (``Call.replay``), to the bit of the same calls with graphs off."""
+    from coliworker.kernels import expert_group
     from coliworker.server.cupy_calls import Call
 
     replayed = []
     real = Call.replay
+    real_kept = expert_group.routed_kept
 
     def counting(self, rep):
         done = real(self, rep)
         replayed.append(done)
         return done
 
+    def counting_kept(*args):
+        got = real_kept(*args)
+        replayed.append(got is not None)
+        return got
+
     monkeypatch.setattr(Call, "replay", counting)
+    monkeypatch.setattr(expert_group, "routed_kept", counting_kept)
     d, i, pool = 256, 128, 12
     experts = [
         tuple(backend.place(make_tensor(rng, 2, *io), 0) for io in ((i, d), (i, d), (d, i)))
