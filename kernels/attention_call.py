@@ -48,6 +48,59 @@ def head_jobs(kv_b: Any, q_dim: int, v_dim: int, s: int, heads: int,
     return b
 
 
+def _key(
+    kv_b: Any, o_proj: Any | None, q: np.ndarray, batch: bool, t_max: int, q_dim: int,
+    rope_dim: int, v_dim: int, scale: float, latents: Sequence[np.ndarray], n_sm: int,
+) -> tuple[tuple, int, int, bool]:  # fmt: skip
+    """A call's plan key in its arena, with what the plan is made from: (key, nsplit, the rows
+    uploaded, flash)."""
+    S, H = q.shape[0], q.shape[1]
+    K, R = kv_b.in_features, rope_dim
+    flash = att.flash_ok(K, R)
+    if flash:
+        nsplit = att.flash_splits(S, H, t_max, n_sm, K, R)
+    else:
+        nsplit = att.attend_splits(S, H, K, R, t_max, n_sm)
+    n_up = sum(map(len, latents))
+    key = ("attention", id(kv_b), id(o_proj), S, H, q_dim, R, v_dim, scale, n_up, nsplit,
+           batch, flash, mm.settings(), att.ABSORB_W, att.FL_CLUSTER, att.FL_F16,
+           att.FL_KP, att.QSPLIT_FUSED, att.MERGE_ZG)  # fmt: skip
+    return key, nsplit, n_up, flash
+
+
+def _inputs(
+    a: Any, last: Any, plan: tuple, S: int, caches: Sequence[Any] | None, fresh: Sequence[int],
+    latents: Sequence[np.ndarray], ropes: Sequence[np.ndarray], n_up: int,
+) -> None:  # fmt: skip
+    """A call's inputs but q into arena ``a``'s host half, by its kept ``plan``: the new cache
+    rows, the KvDescs, and the gemv jobs where the arena does not hold them already (``last``:
+    the plan whose constant bytes it held when the call took it, ``Arena.keep``; ``S``: the
+    call's sequences)."""
+    d_off, l_off, r_off, jobs, (_, jv, lv, rv) = plan[3], plan[5], plan[6], plan[11], plan[14]
+    host = a.host
+    if n_up:
+        stack_into(lv, latents)
+        stack_into(rv, ropes)
+    if caches is not None:
+        p, src = d_off, 0
+        for i, c in enumerate(caches):  # (fresh has as many: the backend checks)
+            n = fresh[i]
+            if c.latent is not None:
+                KV_DESC.pack_into(host, p, c.latent.data.ptr, c.rope.data.ptr, c.length + n,
+                                  src)  # fmt: skip
+            else:
+                KV_DESC.pack_into(host, p, 0, 0, 0, src)
+            p += KV_DESC.size
+            src += n
+    else:  # batch attention: the kernels read its cache rows in the upload
+        base = a.dptr
+        for s in range(S):
+            KV_DESC.pack_into(host, d_off + KV_DESC.size * s, base + l_off, base + r_off,
+                              n_up - S + 1 + s, 0)  # fmt: skip
+    if not a.keep(last, plan):
+        jv[...] = jobs
+
+
 def run(
     call: Any,
     kv_b: Any,
@@ -72,55 +125,53 @@ def run(
     pacc, and the split q rows qs, qe (with mla_flash_h). The plan (launches, layout, gemv jobs)
     is kept per arena and call shape."""
     S, H = q.shape[0], q.shape[1]
-    K, R, V = kv_b.in_features, rope_dim, v_dim
-    flash = att.flash_ok(K, R)
-    if flash:
-        nsplit = att.flash_splits(S, H, t_max, n_sm, K, R)
-    else:
-        nsplit = att.attend_splits(S, H, K, R, t_max, n_sm)
-    n_up = sum(map(len, latents))
+    key, nsplit, n_up, flash = _key(kv_b, o_proj, q, caches is None, t_max, q_dim, rope_dim,
+                                    v_dim, scale, latents, n_sm)  # fmt: skip
     a = call.take()
-    key = ("attention", id(kv_b), id(o_proj), S, H, q_dim, R, V, scale, n_up, nsplit,
-           caches is None, flash, mm.settings(), att.ABSORB_W, att.FL_CLUSTER, att.FL_F16,
-           att.FL_KP, att.QSPLIT_FUSED, att.MERGE_ZG)  # fmt: skip
     plan = a.plans.get(key)
     if plan is None:  # _plan sizes the arena first: a reallocated arena forgets its plans
-        plan = _plan(call, kv_b, o_proj, S, H, q_dim, R, V, scale, n_up, nsplit, flash,
-                     caches is None)  # fmt: skip
+        plan = _plan(call, kv_b, o_proj, S, H, q_dim, rope_dim, v_dim, scale, n_up, nsplit,
+                     flash, caches is None)  # fmt: skip
         if len(a.plans) >= PLANS_PER_ARENA:
             a.plans.clear()
         a.plans[key] = plan
     # (a kept plan's arena is the size it was made for: it forgets its plans when it grows)
-    (_, _, _, d_off, _, l_off, r_off, in_end, out_off, dout, _, jobs, launches, rep,
-     (qv, jv, lv, rv)) = plan  # fmt: skip
-    base, host = a.dptr, a.host
-    call.put(0, q, 4 * q.size, qv)
-    if n_up:
-        stack_into(lv, latents)
-        stack_into(rv, ropes)
-    if caches is not None:
-        p, src = d_off, 0
-        for i, c in enumerate(caches):  # (fresh has as many: the backend checks)
-            n = fresh[i]
-            if c.latent is not None:
-                KV_DESC.pack_into(host, p, c.latent.data.ptr, c.rope.data.ptr, c.length + n,
-                                  src)  # fmt: skip
-            else:
-                KV_DESC.pack_into(host, p, 0, 0, 0, src)
-            p += KV_DESC.size
-            src += n
-    else:  # batch attention: the kernels read its cache rows in the upload
-        for s in range(S):
-            KV_DESC.pack_into(host, d_off + KV_DESC.size * s, base + l_off, base + r_off,
-                              n_up - S + 1 + s, 0)  # fmt: skip
-    if not call.kept(plan):
-        jv[...] = jobs
+    in_end, out_off, dout, launches, rep = plan[7], plan[8], plan[9], plan[12], plan[13]
+    call.put(0, q, 4 * q.size, plan[14][0])
+    _inputs(a, call.last, plan, S, caches, fresh, latents, ropes, n_up)
     if call.replay(rep):  # the same plan: the same work, as its graph
         return call.finish()
     call.send(in_end)
     call.launch_all(launches)
-    call.receive(out_off, (S, dout) if o_proj is not None else (S, H, V))
+    call.receive(out_off, (S, dout) if o_proj is not None else (S, H, v_dim))
     return call.finish()
+
+
+def run_kept(
+    pool: list, kv_b: Any, o_proj: Any | None, q: np.ndarray, caches: Sequence[Any],
+    fresh: Sequence[int], t_max: int, q_dim: int, rope_dim: int, v_dim: int, scale: float,
+    latents: Sequence[np.ndarray], ropes: Sequence[np.ndarray], n_sm: int, ready: Any,
+) -> tuple[Any, Any] | None:  # fmt: skip
+    """A ragged call whose plan the thread's free arena on top of ``pool`` keeps with its graph
+    ready to launch (``ready(rep)``, ``cupy_calls.replayable``) and its output's view made: that
+    arena taken from the pool with the call's inputs written as ``run`` writes them (the same
+    bytes), and the plan's ``Replay``, which the backend launches without a ``Call``
+    (``cupy_calls.rerun``). None where there is no such plan, nothing taken or written: the
+    call goes through ``run``."""
+    key, _, n_up, _ = _key(kv_b, o_proj, q, False, t_max, q_dim, rope_dim, v_dim, scale,
+                           latents, n_sm)  # fmt: skip
+    a = pool[-1]
+    plan = a.plans.get(key)
+    if plan is None:
+        return None
+    rep = plan[13]
+    if rep.view is None or not ready(rep):
+        return None
+    pool.pop()
+    last, a.last = a.last, None  # (as Call.take)
+    plan[14][0][...] = q
+    _inputs(a, last, plan, q.shape[0], caches, fresh, latents, ropes, n_up)
+    return a, rep
 
 
 def _launch_args(kv_b: Any, base: int, scratch: Sequence[int], d_off: int, j_off: int,

@@ -261,10 +261,23 @@ class CupyBackend:
                 c.reserve(n)
             if c.length + n > t_max:
                 t_max = c.length + n
-        with Call(self, kv_b.device, "attention_ragged") as call:
-            res = attention_call.run(call, kv_b, o_proj, q, caches, fresh, t_max, q_dim,
-                                     rope_dim, v_dim, scale, lats, ropes,
-                                     self._sms[call.device])  # fmt: skip
+        device = kv_b.device
+        stream, pool = self._thread(device)
+        n_sm = self._sms[device]
+        res = None
+        # A decode step's call of a kept plan: no Call (attention_call.run_kept, the same bytes
+        # written and the same graph launched), where q goes through the arena and the device
+        # is current.
+        if pool and q.nbytes < DIRECT_BYTES and cupy.cuda.runtime.getDevice() == device:
+            kept = attention_call.run_kept(pool, kv_b, o_proj, q, caches, fresh, t_max, q_dim,
+                                           rope_dim, v_dim, scale, lats, ropes, n_sm,
+                                           replayable)  # fmt: skip
+            if kept is not None:
+                res = rerun(*kept, stream, device, "attention_ragged")
+        if res is None:
+            with Call(self, device, "attention_ragged") as call:
+                res = attention_call.run(call, kv_b, o_proj, q, caches, fresh, t_max, q_dim,
+                                         rope_dim, v_dim, scale, lats, ropes, n_sm)  # fmt: skip
         for i, c in enumerate(caches):  # (as many as fresh: the zip above checked)
             c.length += fresh[i]
         return res

@@ -5,8 +5,9 @@ modules of the process it runs in).
 
 A kept plan skips rewriting its constant bytes (job tables, a routed shape's tables before
 the new experts' addresses are patched in) where its own last call left them (``Arena.keep``,
-through ``Call.kept`` or, for a routed call of a kept plan made without a ``Call``,
-``expert_group.routed_kept``).
+through ``Call.kept`` or, for a routed or ragged attention call of a kept plan made without a
+``Call``, ``expert_group.routed_kept`` and ``attention_call.run_kept``), and those calls must
+leave it as the same calls made through a ``Call`` do.
 Interleaved calls of every decode op (matmul of two weights, routed groups whose experts
 change, the same experts again, an expert group, ragged attention) must leave the arena byte
 for byte as the same calls do with every plan's constant bytes written on every call.
@@ -32,18 +33,21 @@ SCRIPT = textwrap.dedent(
     cupyx.empty_pinned = lambda shape, dtype: np.zeros(shape, dtype)  # no stale bytes
     from coliworker.kernels import graphs
     from coliworker.server.backend_cupy import CupyBackend
-    from coliworker.kernels import expert_group
+    from coliworker.kernels import attention_call, expert_group
     from coliworker.server.cupy_calls import Arena
 
-    n_fast = [0]  # routed calls made without a Call
-    _fast = expert_group.routed_kept
+    n_fast = [0, 0]  # routed and ragged attention calls made without a Call
+    FAST = [(expert_group, "routed_kept"), (attention_call, "run_kept")]
 
-    def counted(*a, **k):
-        got = _fast(*a, **k)
-        n_fast[0] += got is not None
-        return got
+    def counted(i, fn):
+        def kept(*a, **k):
+            got = fn(*a, **k)
+            n_fast[i] += got is not None
+            return got
+        return kept
 
-    expert_group.routed_kept = counted
+    for i, (mod, name) in enumerate(FAST):
+        setattr(mod, name, counted(i, getattr(mod, name)))
 
     graphs._record_fn = lambda *a: 0
     g = hp.GLM
@@ -105,11 +109,13 @@ SCRIPT = textwrap.dedent(
     for fn in calls(200, seed):  # the arena grows to its largest
         fn()
     kept = run(seed)
-    # every call through a Call: no routed call of a kept plan made without one
-    fast = expert_group.routed_kept
-    expert_group.routed_kept = lambda *a, **k: None
+    # every call through a Call: no call of a kept plan made without one
+    fast = [getattr(mod, name) for mod, name in FAST]
+    for mod, name in FAST:
+        setattr(mod, name, lambda *a, **k: None)
     calls_only = run(seed)
-    expert_group.routed_kept = fast
+    for (mod, name), fn in zip(FAST, fast):
+        setattr(mod, name, fn)
     Arena.keep = lambda self, last, plan: setattr(self, "last", plan)  # (None: write them)
     anew = run(seed)
 
@@ -118,8 +124,8 @@ SCRIPT = textwrap.dedent(
                 or not np.array_equal(x, y)]
 
     bad = differ(kept, anew) + differ(kept, calls_only)
-    print("calls", len(kept), "fast", n_fast[0], "differ", bad[:10])
-    sys.exit(1 if bad or not n_fast[0] else 0)
+    print("calls", len(kept), "fast", n_fast, "differ", bad[:10])
+    sys.exit(1 if bad or not all(n_fast) else 0)
     """
 )
 
