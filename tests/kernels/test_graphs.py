@@ -244,3 +244,36 @@ def test_a_kept_plan_replays_its_graph(backend, rng, graphs, monkeypatch):
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     # Two ops, each direct, captured, then replayed from its plan for every later call.
     assert sum(replayed) == 2 * (2 * CALLS - 2)
+
+
+def test_a_kept_ragged_attention_plan_runs_without_a_call(backend, rng, graphs, monkeypatch):
+    """Ragged attention calls of a kept plan (one shape, the cache's length the same on every
+    call) are made without a ``Call`` once the plan's graph is captured
+    (``attention_call.run_kept``), to the bit of the same calls with graphs off."""
+    from coliworker.kernels import attention_call
+
+    hits = []
+    real = attention_call.run_kept
+
+    def counting(*args):
+        got = real(*args)
+        hits.append(got is not None)
+        return got
+
+    monkeypatch.setattr(attention_call, "run_kept", counting)
+    h, q, r, v, k, dout, t0 = 8, 32, 16, 32, 128, 96, 300
+    kv_b = backend.place(make_tensor(rng, 2, h * (q + v), k), 0)
+    o_proj = backend.place(make_tensor(rng, 2, dout, h * v), 0)
+    cache = backend.new_kv(0, k, r)
+    cache.append(rng.standard_normal((t0, k)).astype(np.float32),
+                 rng.standard_normal((t0, r)).astype(np.float32))  # fmt: skip
+    for _ in range(2 * CALLS):
+        qs = rng.standard_normal((1, h, q + r)).astype(np.float32)
+        outs = []
+        for on in (True, False):
+            graphs(on)
+            outs.append(backend.attention_ragged(kv_b, o_proj, qs, [cache], q, r, v, 0.1).out)
+        assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32))
+    # direct, captured, then made without a Call for every later call with graphs on
+    assert sum(hits) == 2 * CALLS - 2
+    cache.release()
