@@ -147,7 +147,8 @@ class Arena:
     def keep(self, last: Any, plan: Any) -> bool:
         """``plan`` is from here on the plan whose constant bytes this arena's host half holds;
         whether it held them already, ``last`` being the one it held when the call took it
-        (``Call.kept``; ``expert_group._kept_tables`` for a call with or without a ``Call``)."""
+        (``Call.kept``; the kept input writers ``expert_group._kept_tables`` and
+        ``attention_call._inputs``, for a call with or without a ``Call``)."""
         self.last = plan
         return last is plan
 
