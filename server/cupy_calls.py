@@ -8,9 +8,12 @@ thread's stream and an arena, lists its device work (the inputs up in one copy, 
 the outputs back in one copy, the phases stamped by the copy kernels or framed by events:
 ``Call``) and issues it at the end, as a CUDA graph once the arena has seen it before
 (``kernels/graphs.py``); a call of a kept plan whose graph is captured launches that graph
-without listing its work again (``Replay``). Large inputs are copied into pinned memory on
-several threads (``kernels/pinned.py``), or read by the device straight from a session's
-shared-memory segment once CUDA has it registered (``server/cupy_segments.py``).
+without listing its work again (``Replay``), and the decode token's two calls of such a plan (a
+one-token routed group, a ragged attention call) are made without a ``Call`` at all
+(``rerun``, after ``expert_group.routed_kept`` / ``attention_call.run_kept``). Large inputs are
+copied into pinned memory on several threads (``kernels/pinned.py``), or read by the device
+straight from a session's shared-memory segment once CUDA has it registered
+(``server/cupy_segments.py``).
 
 A pipelined call (the prefill-sized expert group, ``kernels/expert_group.py``) issues its work
 itself, on three streams: the arena's two copy streams (``Arena.streams``: inputs up, outputs
