@@ -291,6 +291,34 @@ def issue(
     call.issue()
 
 
+def group_kept(
+    pool: list, experts: Sequence[tuple[Any, Any, Any]], rows: Sequence[int], x: np.ndarray,
+    ready: Any,
+) -> tuple[Any, Any] | None:  # fmt: skip
+    """An expert group below the pipelined size (a decode step's, as a seed-ABI engine sends its
+    router's experts) whose plan the thread's free arena on top of ``pool`` keeps with its graph
+    ready to launch (``ready(rep)``, ``cupy_calls.replayable``) and its output's view made: that
+    arena taken from the pool with the call's inputs written as ``issue`` writes them (x, the
+    tables: the same bytes), and the plan's ``Replay``, which the backend launches without a
+    ``Call`` (``cupy_calls.rerun``). None where there is no such plan, nothing taken or written:
+    the call goes through ``issue``."""
+    if PIPELINE and 4 * x.size >= PIPE_BYTES:
+        return None
+    T, D = x.shape
+    a = pool[-1]
+    hit, triples, _, _ = _kept_plan(a, experts, rows, T, D, 0, 0, None)
+    if hit is None:
+        return None
+    rep = hit[8]
+    if rep is None or rep.view is None or not ready(rep):
+        return None
+    pool.pop()
+    last, a.last = a.last, None  # (as Call.take)
+    hit[7]["xv"][...] = x
+    _kept_tables(a, last, hit, triples)
+    return a, rep
+
+
 #: One-token routed groups (decode) run their experts in route order (``_one_token``); off:
 #: every routed group goes through ``route_plan`` (experts ascending), the reference the tests
 #: compare to the bit.

@@ -178,6 +178,14 @@ class CupyBackend:
     def expert_group(
         self, experts: Sequence[ExpertTriple], rows: Sequence[int], x: np.ndarray
     ) -> Result:
+        device = experts[0][0].device
+        stream, pool = self._thread(device)
+        # A decode step's call of a kept plan: no Call (expert_group.group_kept), as for routed
+        # groups below.
+        if pool and x.nbytes < DIRECT_BYTES and cupy.cuda.runtime.getDevice() == device:
+            kept = expert_group.group_kept(pool, experts, rows, x, replayable)
+            if kept is not None:
+                return rerun(*kept, stream, device, "expert_group")
         return self.expert_group_issue(experts, rows, x).result()
 
     def expert_group_routed(

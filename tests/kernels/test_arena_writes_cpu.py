@@ -5,9 +5,10 @@ modules of the process it runs in).
 
 A kept plan skips rewriting its constant bytes (job tables, a routed shape's tables before
 the new experts' addresses are patched in) where its own last call left them (``Arena.keep``,
-through ``Call.kept`` or, for a routed or ragged attention call of a kept plan made without a
-``Call``, ``expert_group.routed_kept`` and ``attention_call.run_kept``), and those calls must
-leave it as the same calls made through a ``Call`` do.
+through ``Call.kept`` or, for a routed group, ragged attention or expert group call of a kept
+plan made without a ``Call``, ``expert_group.routed_kept``, ``attention_call.run_kept`` and
+``expert_group.group_kept``), and those calls must leave it as the same calls made through a
+``Call`` do.
 Interleaved calls of every decode op (matmul of two weights, routed groups whose experts
 change, the same experts again, an expert group, ragged attention) must leave the arena byte
 for byte as the same calls do with every plan's constant bytes written on every call.
@@ -36,8 +37,9 @@ SCRIPT = textwrap.dedent(
     from coliworker.kernels import attention_call, expert_group
     from coliworker.server.cupy_calls import Arena
 
-    n_fast = [0, 0]  # routed and ragged attention calls made without a Call
-    FAST = [(expert_group, "routed_kept"), (attention_call, "run_kept")]
+    n_fast = [0, 0, 0]  # routed, ragged attention and group calls made without a Call
+    FAST = [(expert_group, "routed_kept"), (attention_call, "run_kept"),
+            (expert_group, "group_kept")]
 
     def counted(i, fn):
         def kept(*a, **k):

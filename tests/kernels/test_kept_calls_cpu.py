@@ -1,11 +1,12 @@
 """The decode calls of kept plans made without a ``Call`` (``expert_group.routed_kept``,
-``attention_call.run_kept``, ``cupy_calls.rerun``), on any machine: the CuPy backend's host path
-over ``bench/host_python.py``'s stand-in CuPy, in a subprocess (the stand-in replaces the
-``cupy`` modules of the process it runs in). Which calls take that path (a plan's third call on,
-with graphs on, on the current device) and which do not (graphs off, another device current, a
-repeated expert, several tokens); a launch that fails: the error reaches the caller, the stream
-is waited for, the arena is not given back, and the next call is made afresh. The bytes such calls
-write are ``test_arena_writes_cpu.py``'s; the GPU side is ``test_graphs.py``'s."""
+``attention_call.run_kept``, ``expert_group.group_kept``, ``cupy_calls.rerun``), on any
+machine: the CuPy backend's host path over ``bench/host_python.py``'s stand-in CuPy, in a
+subprocess (the stand-in replaces the ``cupy`` modules of the process it runs in). Which calls
+take that path (a plan's third call on, with graphs on, on the current device) and which do not
+(graphs off, another device current, a repeated expert, several tokens); a launch that fails:
+the error reaches the caller, the stream is waited for, the arena is not given back, and the
+next call is made afresh. The bytes such calls write are ``test_arena_writes_cpu.py``'s; the
+GPU side is ``test_graphs.py``'s."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ SCRIPT = textwrap.dedent(
     cache = hp.KV(g["K"], g["R"], 4096)
     r = np.random.default_rng()
     fast = []
-    for mod, name in ((expert_group, "routed_kept"), (attention_call, "run_kept")):
+    for mod, name in ((expert_group, "routed_kept"), (attention_call, "run_kept"),
+                      (expert_group, "group_kept")):
         def counted(*a, _fn=getattr(mod, name), _name=name, **k):
             got = _fn(*a, **k)
             fast.append((_name, got is not None))
@@ -62,9 +64,14 @@ SCRIPT = textwrap.dedent(
             fn()
         return [ok for _, ok in fast]
 
+    def group():  # a seed-ABI engine's decode step: its router's 8 experts, the row for each
+        x = np.repeat(r.standard_normal((1, g["D"])).astype(np.float32), 8, axis=0)
+        return b.expert_group(pool[8 * int(r.integers(0, 2)):][:8], [1] * 8, x)
+
     out = {}
     out["routed"] = taken(routed, 5)
     out["attention"] = taken(attend, 5)
+    out["group"] = taken(group, 5)
     graphs.ENABLED = False
     out["graphs off"] = taken(routed, 2) + taken(attend, 2)
     graphs.ENABLED = True
@@ -113,6 +120,7 @@ def test_which_calls_are_made_without_a_call_and_a_failed_launch():
     # direct (the first call may find no arena at all), captured, then without a Call
     assert out["routed"][-3:] == [True, True, True] and not any(out["routed"][:-3])
     assert out["attention"][-3:] == [True, True, True] and not any(out["attention"][:-3])
+    assert out["group"][-3:] == [True, True, True] and not any(out["group"][:-3])
     assert not any(out["graphs off"])
     assert out["other device"] == []  # not even looked for
     assert not any(out["repeated expert"]) and not any(out["two tokens"])
