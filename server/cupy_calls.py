@@ -8,9 +8,10 @@ thread's stream and an arena, lists its device work (the inputs up in one copy, 
 the outputs back in one copy, the phases stamped by the copy kernels or framed by events:
 ``Call``) and issues it at the end, as a CUDA graph once the arena has seen it before
 (``kernels/graphs.py``); a call of a kept plan whose graph is captured launches that graph
-without listing its work again (``Replay``), and the decode token's two calls of such a plan (a
-one-token routed group, a ragged attention call) are made without a ``Call`` at all
-(``rerun``, after ``expert_group.routed_kept`` / ``attention_call.run_kept``). Large inputs are
+without listing its work again (``Replay``), and the decode calls of such a plan (a one-token
+routed group, a ragged attention call, an expert group below the pipelined size) are made
+without a ``Call`` at all (``rerun``, after ``expert_group.routed_kept`` /
+``attention_call.run_kept`` / ``expert_group.group_kept``). Large inputs are
 copied into pinned memory on several threads (``kernels/pinned.py``), or read by the device
 straight from a session's shared-memory segment once CUDA has it registered
 (``server/cupy_segments.py``).
@@ -232,10 +233,10 @@ def replayable(rep: Replay) -> bool:
 
 
 def rerun(a: Arena, rep: Replay, stream: Any, device: int, what: str) -> Result:
-    """A kept plan's call without a ``Call`` (``CupyBackend.expert_group_routed``, through
-    ``expert_group.routed_kept``, on the current device): its inputs written into arena ``a``,
-    which it took from the thread's pool, its graph (``replayable``) launched on the thread's
-    ``stream`` and waited for, its output copied from the plan's view, ``a`` given back; what
+    """A kept plan's call without a ``Call`` (``CupyBackend``'s decode calls, through
+    ``expert_group.routed_kept``, ``attention_call.run_kept`` or ``expert_group.group_kept``, on
+    the current device): its inputs written into arena ``a``, which it took from the thread's
+    pool, its graph (``replayable``) launched on the thread's ``stream`` and waited for, its output copied from the plan's view, ``a`` given back; what
     ``Call.replay`` and ``Call.finish`` do for such a call. On an error the GPU is let finish
     and the arena dropped, as ``Call.__exit__`` does."""
     rt = cupy.cuda.runtime
