@@ -236,9 +236,10 @@ def rerun(a: Arena, rep: Replay, stream: Any, device: int, what: str) -> Result:
     """A kept plan's call without a ``Call`` (``CupyBackend``'s decode calls, through
     ``expert_group.routed_kept``, ``attention_call.run_kept`` or ``expert_group.group_kept``, on
     the current device): its inputs written into arena ``a``, which it took from the thread's
-    pool, its graph (``replayable``) launched on the thread's ``stream`` and waited for, its output copied from the plan's view, ``a`` given back; what
-    ``Call.replay`` and ``Call.finish`` do for such a call. On an error the GPU is let finish
-    and the arena dropped, as ``Call.__exit__`` does."""
+    pool, its graph (``replayable``) launched on the thread's ``stream`` and waited for, its
+    output copied from the plan's view, ``a`` given back; what ``Call.replay`` and
+    ``Call.finish`` do for such a call. On an error the GPU is let finish and the arena dropped,
+    as ``Call.__exit__`` does."""
     rt = cupy.cuda.runtime
     try:
         rt.graphLaunch(rep.exec.ptr, stream.ptr)
