@@ -153,11 +153,11 @@ def run_kept(
     latents: Sequence[np.ndarray], ropes: Sequence[np.ndarray], n_sm: int, ready: Any,
 ) -> tuple[Any, Any] | None:  # fmt: skip
     """A ragged call whose plan the thread's free arena on top of ``pool`` keeps with its graph
-    ready to launch (``ready(rep)``, ``cupy_calls.replayable``) and its output's view made: that
-    arena taken from the pool with the call's inputs written as ``run`` writes them (the same
-    bytes), and the plan's ``Replay``, which the backend launches without a ``Call``
-    (``cupy_calls.rerun``). None where there is no such plan, nothing taken or written: the
-    call goes through ``run``."""
+    ready to launch and its output's view made (``ready(rep)``, ``cupy_calls.rerunnable``): that
+    arena taken from the pool (``Arena.take``) with the call's inputs written as ``run`` writes
+    them (the same bytes), and the plan's ``Replay``, which the backend launches without a
+    ``Call`` (``cupy_calls.rerun``). None where there is no such plan, nothing taken or
+    written: the call goes through ``run``."""
     key, _, n_up, _ = _key(kv_b, o_proj, q, False, t_max, q_dim, rope_dim, v_dim, scale,
                            latents, n_sm)  # fmt: skip
     a = pool[-1]
@@ -165,10 +165,9 @@ def run_kept(
     if plan is None:
         return None
     rep = plan[13]
-    if rep.view is None or not ready(rep):
+    if not ready(rep):
         return None
-    pool.pop()
-    last, a.last = a.last, None  # (as Call.take)
+    last = a.take()
     plan[14][0][...] = q
     _inputs(a, last, plan, q.shape[0], caches, fresh, latents, ropes, n_up)
     return a, rep

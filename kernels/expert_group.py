@@ -297,11 +297,11 @@ def group_kept(
 ) -> tuple[Any, Any] | None:  # fmt: skip
     """An expert group below the pipelined size (a decode step's, as a seed-ABI engine sends its
     router's experts) whose plan the thread's free arena on top of ``pool`` keeps with its graph
-    ready to launch (``ready(rep)``, ``cupy_calls.replayable``) and its output's view made: that
-    arena taken from the pool with the call's inputs written as ``issue`` writes them (x, the
-    tables: the same bytes), and the plan's ``Replay``, which the backend launches without a
-    ``Call`` (``cupy_calls.rerun``). None where there is no such plan, nothing taken or written:
-    the call goes through ``issue``."""
+    ready to launch and its output's view made (``ready(rep)``, ``cupy_calls.rerunnable``): that
+    arena taken from the pool (``Arena.take``) with the call's inputs written as ``issue``
+    writes them (x, the tables: the same bytes), and the plan's ``Replay``, which the backend
+    launches without a ``Call`` (``cupy_calls.rerun``). None where there is no such plan,
+    nothing taken or written: the call goes through ``issue``."""
     if PIPELINE and 4 * x.size >= PIPE_BYTES:
         return None
     T, D = x.shape
@@ -310,10 +310,9 @@ def group_kept(
     if hit is None:
         return None
     rep = hit[8]
-    if rep is None or rep.view is None or not ready(rep):
+    if rep is None or not ready(rep):
         return None
-    pool.pop()
-    last, a.last = a.last, None  # (as Call.take)
+    last = a.take()
     hit[7]["xv"][...] = x
     _kept_tables(a, last, hit, triples)
     return a, rep
@@ -350,10 +349,10 @@ def routed_kept(
     weights: np.ndarray, ready: Any,
 ) -> tuple[Any, Any] | None:  # fmt: skip
     """A one-token routed call (``_one_token``: K other experts) whose plan the thread's free
-    arena on top of ``pool`` keeps with its graph ready to launch (``ready(rep)``,
-    ``cupy_calls.replayable``) and its output's view made: that arena taken from the pool with
-    the call's inputs written as ``routed`` writes them (x, the tables, pos, w: the same bytes),
-    and the plan's ``Replay``, which the backend launches without a ``Call``
+    arena on top of ``pool`` keeps with its graph ready to launch and its output's view made
+    (``ready(rep)``, ``cupy_calls.rerunnable``): that arena taken from the pool (``Arena.take``)
+    with the call's inputs written as ``routed`` writes them (x, the tables, pos, w: the same
+    bytes), and the plan's ``Replay``, which the backend launches without a ``Call``
     (``cupy_calls.rerun``). None where there is no such plan, nothing taken or written: the call
     goes through ``routed``."""
     if routes.shape[0] != 1:
@@ -371,10 +370,9 @@ def routed_kept(
         return None
     off, rep = hit[7], hit[8]
     views = off.get("routes")
-    if rep is None or views is None or rep.view is None or not ready(rep):
+    if rep is None or views is None or not ready(rep):
         return None
-    pool.pop()
-    last, a.last = a.last, None  # (as Call.take)
+    last = a.take()
     off["xv"][...] = x
     _kept_tables(a, last, hit, triples)
     views[0][...] = _ARANGE[K]

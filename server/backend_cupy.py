@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import cupy
 import numpy as np
@@ -39,8 +39,8 @@ from coliworker.server.cupy_calls import (
     CupyPending,
     oom_guard,
     pinned,
-    replayable,
     rerun,
+    rerunnable,
 )
 from coliworker.server.cupy_residents import CupyKVCache, CupyPlacement, CupyResident
 from coliworker.server.cupy_segments import HostSegments
@@ -94,6 +94,19 @@ class CupyBackend:
             got = (cupy.cuda.Stream(non_blocking=True), pool)
         self._local.calls[device] = got
         return got
+
+    def _kept(self, device: int, nbytes: int, what: str, find: Any, *args: Any) -> Result | None:
+        """A decode call of a kept plan made without a ``Call``: ``find(pool, *args, ready)`` (the
+        op's ``expert_group.routed_kept``, ``group_kept`` or ``attention_call.run_kept``) takes
+        this thread's top arena and writes the call's inputs, the same bytes as through a
+        ``Call``, and ``cupy_calls.rerun`` launches the plan's graph. None (nothing done) where
+        the device is not current, the input (``nbytes``) would be read from a registered
+        segment, or ``find`` has no such plan: the caller makes the call through a ``Call``."""
+        stream, pool = self._thread(device)
+        if not pool or nbytes >= DIRECT_BYTES or cupy.cuda.runtime.getDevice() != device:
+            return None
+        kept = find(pool, *args, rerunnable)
+        return None if kept is None else rerun(*kept, stream, device, what)
 
     def _stream(self, device: int) -> cupy.cuda.Stream:
         """This thread's stream on ``device``."""
@@ -178,15 +191,9 @@ class CupyBackend:
     def expert_group(
         self, experts: Sequence[ExpertTriple], rows: Sequence[int], x: np.ndarray
     ) -> Result:
-        device = experts[0][0].device
-        stream, pool = self._thread(device)
-        # A decode step's call of a kept plan: no Call (expert_group.group_kept), as for routed
-        # groups below.
-        if pool and x.nbytes < DIRECT_BYTES and cupy.cuda.runtime.getDevice() == device:
-            kept = expert_group.group_kept(pool, experts, rows, x, replayable)
-            if kept is not None:
-                return rerun(*kept, stream, device, "expert_group")
-        return self.expert_group_issue(experts, rows, x).result()
+        res = self._kept(experts[0][0].device, x.nbytes, "expert_group",
+                         expert_group.group_kept, experts, rows, x)  # fmt: skip
+        return res if res is not None else self.expert_group_issue(experts, rows, x).result()
 
     def expert_group_routed(
         self,
@@ -196,14 +203,10 @@ class CupyBackend:
         weights: np.ndarray,
     ) -> Result:
         device = experts[0][0].device
-        stream, pool = self._thread(device)
-        # A decode step's call of a kept plan: no Call (expert_group.routed_kept, the same bytes
-        # written and the same graph launched), where x goes through the arena and the device is
-        # current.
-        if pool and x.nbytes < DIRECT_BYTES and cupy.cuda.runtime.getDevice() == device:
-            kept = expert_group.routed_kept(pool, experts, x, routes, weights, replayable)
-            if kept is not None:
-                return rerun(*kept, stream, device, "expert_group_routed")
+        res = self._kept(device, x.nbytes, "expert_group_routed", expert_group.routed_kept,
+                         experts, x, routes, weights)  # fmt: skip
+        if res is not None:
+            return res
         with Call(self, device, "expert_group_routed") as call:
             return expert_group.routed(call, experts, x, routes, weights, self._sms[device])
 
@@ -270,18 +273,10 @@ class CupyBackend:
             if c.length + n > t_max:
                 t_max = c.length + n
         device = kv_b.device
-        stream, pool = self._thread(device)
         n_sm = self._sms[device]
-        res = None
-        # A decode step's call of a kept plan: no Call (attention_call.run_kept, the same bytes
-        # written and the same graph launched), where q goes through the arena and the device
-        # is current.
-        if pool and q.nbytes < DIRECT_BYTES and cupy.cuda.runtime.getDevice() == device:
-            kept = attention_call.run_kept(pool, kv_b, o_proj, q, caches, fresh, t_max, q_dim,
-                                           rope_dim, v_dim, scale, lats, ropes, n_sm,
-                                           replayable)  # fmt: skip
-            if kept is not None:
-                res = rerun(*kept, stream, device, "attention_ragged")
+        res = self._kept(device, q.nbytes, "attention_ragged", attention_call.run_kept, kv_b,
+                         o_proj, q, caches, fresh, t_max, q_dim, rope_dim, v_dim, scale, lats,
+                         ropes, n_sm)  # fmt: skip
         if res is None:
             with Call(self, device, "attention_ragged") as call:
                 res = attention_call.run(call, kv_b, o_proj, q, caches, fresh, t_max, q_dim,

@@ -148,6 +148,14 @@ class Arena:
             self.pptr.append(e.ptr)
         return self.pptr
 
+    def take(self) -> Any:
+        """This free arena, the top of its thread's pool (``home``), taken for a call: out of the
+        pool, and the plan whose constant bytes it held returned and forgotten (the call's
+        writes may change any byte; ``keep`` records what it holds again)."""
+        self.home.pop()
+        last, self.last = self.last, None
+        return last
+
     def keep(self, last: Any, plan: Any) -> bool:
         """``plan`` is from here on the plan whose constant bytes this arena's host half holds;
         whether it held them already, ``last`` being the one it held when the call took it
@@ -232,11 +240,17 @@ def replayable(rep: Replay) -> bool:
     return rep.exec is not None and cupy_graphs.ENABLED and rep.copies == _copy_switches()
 
 
+def rerunnable(rep: Replay) -> bool:
+    """Whether a plan's next call can be made without a ``Call`` (``rerun``): its graph
+    ``replayable`` and its output's view made (by the call that captured the graph)."""
+    return rep.view is not None and replayable(rep)
+
+
 def rerun(a: Arena, rep: Replay, stream: Any, device: int, what: str) -> Result:
     """A kept plan's call without a ``Call`` (``CupyBackend``'s decode calls, through
     ``expert_group.routed_kept``, ``attention_call.run_kept`` or ``expert_group.group_kept``, on
     the current device): its inputs written into arena ``a``, which it took from the thread's
-    pool, its graph (``replayable``) launched on the thread's ``stream`` and waited for, its
+    pool, its graph (``rerunnable``) launched on the thread's ``stream`` and waited for, its
     output copied from the plan's view, ``a`` given back; what ``Call.replay`` and
     ``Call.finish`` do for such a call. On an error the GPU is let finish and the arena dropped,
     as ``Call.__exit__`` does."""
@@ -339,8 +353,13 @@ class Call:
         a = self.arena
         if a is None:
             pool = self.pool
-            a = self.arena = pool.pop() if pool else Arena(pool)
-            self.last, a.last = a.last, None  # this call's writes may change any byte
+            if pool:
+                a = pool[-1]
+                self.last = a.take()
+            else:
+                a = Arena(pool)
+                self.last = None
+            self.arena = a
         return a
 
     def kept(self, plan: Any) -> bool:
