@@ -291,11 +291,16 @@ def flash_splits(s: int, heads: int, t_max: int, n_sm: int, k: int, r: int) -> i
     if got is None:
         per = s * -(-heads // FL_HB)
         n = max(1, min(max(1, n_sm // per), -(-t_max // FL_MIN_ROWS), 1024))
-        have = _cluster_sizes(k, r)
         if FL_CLUSTER is None:
-            got = cluster_choice(per, n, have, functools.partial(_max_clusters, k, r),
-                                 functools.partial(slice_tiles, t_max))[1]  # fmt: skip
-        elif FL_CLUSTER in have and n >= FL_CLUSTER:
+            ckey = (per, n, n_sm, k, r, FL_F16, FL_KP)
+            cands = _candidates.get(ckey)
+            if cands is None:
+                if len(_candidates) > 1024:
+                    _candidates.clear()
+                cands = _candidates[ckey] = cluster_candidates(
+                    per, n, _cluster_sizes(k, r), functools.partial(_max_clusters, k, r))
+            got = fitting(cands, n, functools.partial(slice_tiles, t_max))[1]
+        elif FL_CLUSTER in _cluster_sizes(k, r) and n >= FL_CLUSTER:
             got = n // FL_CLUSTER * FL_CLUSTER
         else:
             got = n
@@ -309,8 +314,11 @@ def flash_splits(s: int, heads: int, t_max: int, n_sm: int, k: int, r: int) -> i
 # FL_CLUSTER, FL_F16, FL_KP): asked on every call, looked up before any arithmetic (a decode
 # token's layers share T: one miss per token). Keyed by SM count, not device: devices of one SM
 # count are taken to hold as many clusters (a wrong guess costs a second wave of clusters,
-# never a wrong result).
+# never a wrong result). A new T (one per token) costs the tile rule alone: the candidates
+# cluster_choice picks from do not depend on T and are kept by (blocks per slice, one-wave
+# nsplit, SMs, K, R, FL_F16, FL_KP) in _candidates.
 _splits: dict[tuple, int] = {}
+_candidates: dict[tuple, tuple[tuple[int, int], ...]] = {}
 
 
 def slice_tiles(t_max: int, nsplit: int) -> int:
@@ -337,12 +345,30 @@ def cluster_choice(per: int, nsplit: int, sizes: Sequence[int],
     at one sequence of T = 4096, 120 slices in clusters of 8 (3 tiles a slice, 15 partials)
     took 37.2 + 6.1 us (flash + merge), 128 in clusters of 2 (2 tiles, 64 partials) 39.8 us
     in all (bench/results/mla-launches-2026-12-02-b15a625.json)."""
-    most = tiles(nsplit) if tiles is not None else 0
+    return fitting(cluster_candidates(per, nsplit, sizes, max_clusters), nsplit, tiles)
+
+
+def cluster_candidates(per: int, nsplit: int, sizes: Sequence[int],
+                       max_clusters: Callable[[int], int]) -> tuple[tuple[int, int], ...]:  # fmt: skip
+    """``cluster_choice``'s candidates before its tile rule, largest C first: (C, nsplit') for
+    each C of ``sizes`` whose clusters fit at an nsplit' within ``FL_WAVE_LOSS`` of nsplit."""
+    out = []
     for c in sorted(sizes, reverse=True):
         # nsplit rounded to a multiple of C: up where the clusters still fit (an odd one-wave
         # nsplit would otherwise lose its clusters to the tile rule), else down
         n = min(-(-nsplit // c) * c, max_clusters(c) * c // per // c * c)
-        if n >= c and n >= (1 - FL_WAVE_LOSS) * nsplit and (tiles is None or tiles(n) <= most):
+        if n >= c and n >= (1 - FL_WAVE_LOSS) * nsplit:
+            out.append((c, n))
+    return tuple(out)
+
+
+def fitting(cands: Sequence[tuple[int, int]], nsplit: int,
+            tiles: Callable[[int], int] | None = None) -> tuple[int, int]:  # fmt: skip
+    """``cluster_choice``'s tile rule: the first candidate (``cluster_candidates``) with no more
+    tiles in its longest slice than at ``nsplit`` (``tiles``; None: any), else (1, nsplit)."""
+    most = tiles(nsplit) if tiles is not None else 0
+    for c, n in cands:
+        if tiles is None or tiles(n) <= most:
             return c, n
     return 1, nsplit
 

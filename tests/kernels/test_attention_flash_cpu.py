@@ -208,6 +208,40 @@ def test_cluster_choice_keeps_one_wave(attention_host, rng):
                 assert att.cluster_for(per, got[1], sizes, resident.get) == got[0]
 
 
+def test_flash_splits_is_cluster_choice(attention_host, monkeypatch, rng):
+    """flash_splits, which keeps cluster_choice's candidates (they do not depend on T) and
+    applies only the tile rule to a new T, gives cluster_choice's nsplit from scratch: every T
+    of a decode walk past 4096 and random shapes, on made-up resident counts and cluster
+    sizes, with the candidates kept across calls."""
+    att = attention_host
+    resident = {2: 66, 4: 30, 8: 15}
+    sizes = (2, 4, 8)
+    monkeypatch.setattr(att, "_cluster_sizes", lambda k, r: sizes)
+    monkeypatch.setattr(att, "_max_clusters", lambda k, r, c: resident[c])
+    monkeypatch.setattr(att, "FL_CLUSTER", None)
+    att._splits.clear()
+    att._candidates.clear()
+
+    def scratch(s, heads, t_max, n_sm):
+        per = s * -(-heads // att.FL_HB)
+        n = max(1, min(max(1, n_sm // per), -(-t_max // att.FL_MIN_ROWS), 1024))
+        return att.cluster_choice(per, n, sizes, resident.get,
+                                  functools.partial(att.slice_tiles, t_max))[1]  # fmt: skip
+
+    seen = set()
+    for t in range(4000, 4400):
+        got = att.flash_splits(1, 64, t, 132, 512, 64)
+        assert got == scratch(1, 64, t, 132), t
+        seen.add(got)
+    assert len(seen) > 1  # the walk crosses nsplit changes
+    for _ in range(400):
+        s, heads = int(rng.integers(1, 40)), int(rng.choice([16, 64, 128]))
+        t, n_sm = int(rng.integers(1, 9000)), int(rng.choice([78, 114, 132]))
+        assert att.flash_splits(s, heads, t, n_sm, 512, 64) == scratch(s, heads, t, n_sm)
+    att._splits.clear()
+    att._candidates.clear()
+
+
 def test_slice_tiles_is_the_kernels_chunk(attention_host, rng):
     """slice_tiles: the tiles of mla_flash's longest slice, chunk = ceil(ceil(T / nsplit) /
     FL_TT) * FL_TT rows (attention_flash.cuh), for random T and nsplit."""
