@@ -43,6 +43,44 @@ def _captured(rt, s, issue, warm: int) -> tuple[int, int]:
     return g, ex
 
 
+def _wait_rows(rt, s, capture, event: int, stamp_out, dev, host, calls: int) -> list[tuple]:
+    """A stamped call's graph (``capture(kernels)`` on stream ``s``: the inputs' stamped copy
+    kernel, ``kernels`` kernels adding 1 to dev[0], the outputs' stamped copy kernel, one
+    event) launched and waited for three ways, alternated call by call: the stream's
+    synchronize, the event's (``Call``'s wait), and a spin on the D2H copy's last stamp in
+    pinned memory (``stamp_out[3]``, reset before each launch). Each poll then checks that
+    host[0] holds this launch's value (every output byte is fenced before the stamp): stale
+    counts those that did not. Rows: (kernels, stream, event, poll us, stale)."""
+    sp = s.ptr
+    out = []
+    for kernels in (1, 5):
+        g, ex = _captured(rt, s, lambda k=kernels: capture(k), 20)
+        want = float(dev[0].get())
+        times: dict[str, list[int]] = {"stream": [], "event": [], "poll": []}
+        stale = 0
+        for i in range(3 * calls):
+            how = ("stream", "event", "poll")[i % 3]
+            stamp_out[3] = 0
+            t0 = time.perf_counter_ns()
+            rt.graphLaunch(ex, sp)
+            if how == "stream":
+                s.synchronize()
+            elif how == "event":
+                rt.eventSynchronize(event)
+            else:
+                while not stamp_out[3]:
+                    pass
+            times[how].append(time.perf_counter_ns() - t0)
+            want += kernels
+            if how == "poll" and host[0] != want:
+                stale += 1
+            s.synchronize()
+        rt.graphExecDestroy(ex)
+        rt.graphDestroy(g)
+        out.append((kernels, *(float(np.median(times[h])) / 1e3 for h in times), stale))
+    return out
+
+
 COPY_SIZES = (24 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20)
 COPY_BLOCKS = (8, 32, 64, 132, 264)
 
@@ -253,6 +291,8 @@ def main() -> None:
                     ),
                 )  # fmt: skip
             )
+        waits = _wait_rows(rt, s, lambda k_: work(1, "stamped", k_, True), ev[3].ptr, stamp_out,
+                           dev, host, a.calls)  # fmt: skip
     back = host.copy()
     host[:] = 0
     copy_k(hp, dp, *none)
@@ -264,6 +304,13 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for name, gl, gt, di, dt in rows:
         print(f"| {name} | {gl:.1f} | {gt:.1f} | {di:.1f} | {dt:.1f} |")
+    print()
+    print("A stamped call's graph (copy kernels stamping the phases, one event after all), waited")
+    print("for three ways: us, medians; stale = polls that saw the stamp before the output's bytes")
+    print("| kernels | launch + stream sync | launch + event sync | launch + stamp poll | stale |")
+    print("|---|---|---|---|---|")
+    for kernels, st, ev_, poll, stale in waits:
+        print(f"| {kernels} | {st:.1f} | {ev_:.1f} | {poll:.1f} | {stale} |")
 
 
 if __name__ == "__main__":

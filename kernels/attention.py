@@ -298,7 +298,8 @@ def flash_splits(s: int, heads: int, t_max: int, n_sm: int, k: int, r: int) -> i
                 if len(_candidates) > 1024:
                     _candidates.clear()
                 cands = _candidates[ckey] = cluster_candidates(
-                    per, n, _cluster_sizes(k, r), functools.partial(_max_clusters, k, r))
+                    per, n, _cluster_sizes(k, r), functools.partial(_max_clusters, k, r)
+                )
             got = fitting(cands, n, functools.partial(slice_tiles, t_max))[1]
         elif FL_CLUSTER in _cluster_sizes(k, r) and n >= FL_CLUSTER:
             got = n // FL_CLUSTER * FL_CLUSTER
@@ -348,8 +349,9 @@ def cluster_choice(per: int, nsplit: int, sizes: Sequence[int],
     return fitting(cluster_candidates(per, nsplit, sizes, max_clusters), nsplit, tiles)
 
 
-def cluster_candidates(per: int, nsplit: int, sizes: Sequence[int],
-                       max_clusters: Callable[[int], int]) -> tuple[tuple[int, int], ...]:  # fmt: skip
+def cluster_candidates(
+    per: int, nsplit: int, sizes: Sequence[int], max_clusters: Callable[[int], int]
+) -> tuple[tuple[int, int], ...]:
     """``cluster_choice``'s candidates before its tile rule, largest C first: (C, nsplit') for
     each C of ``sizes`` whose clusters fit at an nsplit' within ``FL_WAVE_LOSS`` of nsplit."""
     out = []
