@@ -21,7 +21,8 @@ memory), swept over PIPE_EDGE too (the first and the last run's share of a middl
 1.0, 0.5, 0.25); with --stages, the steps of the one-launch and the pipelined call.
 
 ``--parts`` takes a decode call apart where it runs as its kept graph: the whole call, the
-graph alone (its launch and the wait for its last event, with no Python around them), and on
+graph alone (its launch and the wait for its end as the call waits, ``cupy_calls.wait``: the
+D2H copy's stamp polled, with no Python around them), and on
 the GPU the span from the inputs' copy starting to the outputs' copy ending (the copy kernels'
 stamps) with its three phases. Python is the call less the graph alone; launch and wake is
 the graph alone less the GPU span. First, the same for a graph of one empty kernel and its
@@ -170,10 +171,11 @@ def parts(ops: dict, calls: int) -> None:
                 continue
             ex, sp, ev = rep.exec.ptr, stream.ptr, arena.eptr[3]  # type: ignore[attr-defined]
             alone, span = [], []
-            for _ in range(calls):
+            for _ in range(calls):  # launched and waited for as the call does (stamp poll)
+                arena.stamps[3] = 0  # type: ignore[attr-defined]
                 t0 = time.perf_counter_ns()
                 rt.graphLaunch(ex, sp)
-                rt.eventSynchronize(ev)
+                cupy_calls.wait(arena, True, ev)
                 alone.append(time.perf_counter_ns() - t0)
                 h0, _, _, d1 = arena.stamps.tolist()  # type: ignore[attr-defined]
                 span.append(d1 - h0)

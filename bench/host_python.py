@@ -39,7 +39,9 @@ CALLS: dict[str, int] = {}  # runtime calls made, by name
 
 
 def _stub_cupy() -> None:
-    """Install stand-ins for cupy, cupyx and cupy_backends in sys.modules."""
+    """Install stand-ins for cupy, cupyx and cupy_backends in sys.modules. Their GPU writes no
+    copy stamps, so calls wait by their event (COLIWORKER_POLL=0, ``cupy_calls.wait``)."""
+    os.environ["COLIWORKER_POLL"] = "0"
     addr = itertools.count(1 << 40, 1 << 24)
 
     def counted(name, ret=None):

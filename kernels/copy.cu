@@ -15,7 +15,9 @@
 // memory. Each block's thread 0 takes %globaltimer as the block starts (atomicMin into first)
 // and once every thread of the block has copied (atomicMax into last); the block that counts
 // last writes (first, last) to out, fenced system-wide, and resets the CopyStamp for the next
-// launch, so a launch that runs at all leaves it as it found it.
+// launch, so a launch that runs at all leaves it as it found it. The D2H copy's last (nonzero)
+// is what the host polls for the call's end (server/cupy_calls.py, ``wait``): every block has
+// fenced its output bytes before it counts, and first is fenced before last.
 struct CopyStamp {
     unsigned long long first, last, done;
 };
@@ -67,6 +69,7 @@ __global__ void coli_copy(uint4 *__restrict__ dst, const uint4 *__restrict__ src
     if (atomicAdd(&stamp->done, 1ull) != gridDim.x - 1) return;
     __threadfence();  // the last block: every block's first and last are in
     out[0] = atomicAdd(&stamp->first, 0ull);
+    __threadfence_system();  // first before last: the host may read both once last is in
     out[1] = atomicAdd(&stamp->last, 0ull);
     stamp->first = ~0ull;
     stamp->last = 0;

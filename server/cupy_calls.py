@@ -26,7 +26,10 @@ pipeline events (``Arena.pipe_events``); it sets ``Call.spans`` and ``Call.done`
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import math
+import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -97,6 +100,36 @@ DIRECT_BYTES = 8 << 20
 _NEVER = np.iinfo(np.uint64).max  # a CopyStamp's first between launches (kernels/copy.cu)
 _NO_STAMP = (np.uint64(0), np.uint64(0))  # a copy kernel's stamp arguments: none
 
+#: A stamped call (both copies copy kernels: every decode call) is waited for by polling the
+#: D2H copy's last stamp in pinned memory, which kernels/copy.cu writes once every output byte
+#: is fenced system-wide, rather than by its event, which reaches the host about 4.7 us later
+#: (bench/graph_launch.py on an H100: launch + wait 20.0 -> 15.3 us). A poll that finds nothing
+#: yields the CPU and the GIL (sched_yield through ctypes, which releases the GIL: other
+#: threads run as they would during the event's wait); past POLL_NS the event's wait takes
+#: over (a call that failed writes no stamp; its event reports the error).
+#: COLIWORKER_POLL=0: the event's wait only.
+POLL = os.environ.get("COLIWORKER_POLL", "1") != "0"
+POLL_NS = 2_000_000
+_yield = ctypes.CDLL(None).sched_yield
+_yield.argtypes, _yield.restype = (), ctypes.c_int
+
+
+def wait(a: Arena, stamped: bool, event: int) -> None:
+    """Wait for the call in arena ``a`` to finish: for a ``stamped`` call, by polling its D2H
+    stamp (``POLL``; ``Arena.take`` clears it), else, and past ``POLL_NS``, by ``event``."""
+    if stamped and POLL:
+        st = a.stamps
+        if st[3]:
+            return
+        end = time.perf_counter_ns() + POLL_NS
+        while True:
+            _yield()
+            if st[3]:
+                return
+            if time.perf_counter_ns() > end:
+                break
+    cupy.cuda.runtime.eventSynchronize(event)
+
 
 class Arena:
     """Reusable scratch of one call at a time: device bytes, a pinned host twin and four timing
@@ -129,6 +162,7 @@ class Arena:
         # arguments, H2D and D2H.
         self.stamp_dev = cupy.asarray(np.array([_NEVER, 0, 0] * 2, np.uint64))
         self.stamps = pinned(32, "call stamps").view(np.uint64)
+        self.stamps[:] = 0
         sd, sh = self.stamp_dev.data.ptr, self.stamps.ctypes.data
         self.h2d_stamp = (np.uint64(sd), np.uint64(sh))
         self.d2h_stamp = (np.uint64(sd + 24), np.uint64(sh + 16))
@@ -153,6 +187,7 @@ class Arena:
         pool, and the plan whose constant bytes it held returned and forgotten (the call's
         writes may change any byte; ``keep`` records what it holds again)."""
         self.home.pop()
+        self.stamps[3] = 0  # the D2H stamp ``wait`` polls for (the last call has finished)
         last, self.last = self.last, None
         return last
 
@@ -257,7 +292,7 @@ def rerun(a: Arena, rep: Replay, stream: Any, device: int, what: str) -> Result:
     rt = cupy.cuda.runtime
     try:
         rt.graphLaunch(rep.exec.ptr, stream.ptr)
-        rt.eventSynchronize(a.eptr[3])
+        wait(a, rep.stamped, a.eptr[3])
     except Exception as exc:
         with contextlib.suppress(Exception):
             stream.synchronize()
@@ -487,7 +522,10 @@ class Call:
         ev = a.eptr
         rt = cupy.cuda.runtime
         spans = self.spans
-        rt.eventSynchronize(ev[3] if spans is None else self.done)
+        if spans is None:
+            wait(a, self.stamped, ev[3])
+        else:
+            rt.eventSynchronize(self.done)
         off, n, shape = self.out
         view = self.view
         if view is not None:  # a replayed plan's output: below DETACH_BYTES
