@@ -16,12 +16,9 @@ for byte as the same calls do with every plan's constant bytes written on every 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _stand_in import run
 
 SCRIPT = textwrap.dedent(
     """
@@ -133,11 +130,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_kept_plans_leave_the_arena_as_fresh_plans_do():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, ".dev"), ROOT]))
-    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert "differ []" in r.stdout
+    assert "differ []" in run(SCRIPT)
 
 
 ROUTE_ORDER_SCRIPT = textwrap.dedent(
@@ -195,8 +188,4 @@ def test_one_token_routes_run_their_experts_in_route_order():
     holds the addresses of expert routes[j] and writes packed row j, every record reads the
     token's row in place, and pos is 0..K-1 (route_combine then sums the slots in route order,
     as it does for route_plan's ascending experts: the GPU tests compare the two to the bit)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, ".dev"), ROOT]))
-    r = subprocess.run([sys.executable, "-c", ROUTE_ORDER_SCRIPT], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert "route order ok" in r.stdout
+    assert "route order ok" in run(ROUTE_ORDER_SCRIPT)

@@ -10,12 +10,9 @@ GPU side is ``test_graphs.py``'s."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _stand_in import last_dict
 
 SCRIPT = textwrap.dedent(
     """
@@ -112,11 +109,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_which_calls_are_made_without_a_call_and_a_failed_launch():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, ".dev"), ROOT]))
-    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=300)  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    out = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307 - our subprocess's dict repr
+    out = last_dict(SCRIPT)
     # direct (the first call may find no arena at all), captured, then without a Call
     assert out["routed"][-3:] == [True, True, True] and not any(out["routed"][:-3])
     assert out["attention"][-3:] == [True, True, True] and not any(out["attention"][:-3])

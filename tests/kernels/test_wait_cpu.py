@@ -8,12 +8,9 @@ left. The GPU side (the copy kernel's stamp after every output byte) is
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _stand_in import last_dict
 
 SCRIPT = textwrap.dedent(
     """
@@ -62,11 +59,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_wait_polls_the_stamp_then_the_event():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, ".dev"), ROOT]))
-    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=120)  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    out = eval(r.stdout.strip().splitlines()[-1])  # noqa: S307 - our subprocess's dict repr
+    out = last_dict(SCRIPT, timeout=120)
     assert out["fresh"] == 0
     assert out["stamped waited ms"] >= 2 and out["stamped event"] == []
     assert out["taken"] == 0

@@ -1,0 +1,28 @@
+"""Scripts run over ``bench/host_python.py``'s stand-in CuPy, each in a subprocess of its own
+(the stand-in replaces the ``cupy`` modules of the process it runs in): the CPU tests of the
+CuPy backend's host path (``test_arena_writes_cpu.py``, ``test_kept_calls_cpu.py``,
+``test_wait_cpu.py``)."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run(script: str, timeout: int = 300) -> str:
+    """``script``'s standard output, run from the tree's root with the tree importable; the
+    test fails with its output where it exits nonzero."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, ".dev"), ROOT]))
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=timeout)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    return r.stdout
+
+
+def last_dict(script: str, timeout: int = 300) -> dict:
+    """The dict ``script`` printed last (its repr, read as a literal)."""
+    return ast.literal_eval(run(script, timeout).strip().splitlines()[-1])
