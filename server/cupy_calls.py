@@ -110,8 +110,11 @@ _NO_STAMP = (np.uint64(0), np.uint64(0))  # a copy kernel's stamp arguments: non
 #: COLIWORKER_POLL=0: the event's wait only.
 POLL = os.environ.get("COLIWORKER_POLL", "1") != "0"
 POLL_NS = 2_000_000
-_yield = ctypes.CDLL(None).sched_yield
-_yield.argtypes, _yield.restype = (), ctypes.c_int
+try:
+    _yield: Any = ctypes.CDLL(None).sched_yield
+    _yield.argtypes, _yield.restype = (), ctypes.c_int
+except (OSError, AttributeError):  # no C library to yield through: the event's wait only
+    POLL = False
 
 
 def wait(a: Arena, stamped: bool, event: int) -> None:
