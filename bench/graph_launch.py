@@ -44,22 +44,26 @@ def _captured(rt, s, issue, warm: int) -> tuple[int, int]:
 
 
 def _wait_rows(rt, s, capture, event: int, stamp_out, dev, host, calls: int) -> list[tuple]:
-    """A stamped call's graph (``capture(kernels)`` on stream ``s``: the inputs' stamped copy
-    kernel, ``kernels`` kernels adding 1 to dev[0], the outputs' stamped copy kernel, one
-    event) launched and waited for three ways, alternated call by call: the stream's
-    synchronize, the event's (``Call``'s wait), and a spin on the D2H copy's last stamp in
-    pinned memory (``stamp_out[3]``, reset before each launch). Each poll then checks that
-    host[0] holds this launch's value (every output byte is fenced before the stamp): stale
-    counts those that did not. Rows: (kernels, stream, event, poll us, stale)."""
+    """A stamped call's graph (``capture(kernels, events)`` on stream ``s``: the inputs' stamped
+    copy kernel, ``kernels`` kernels adding 1 to dev[0], the outputs' stamped copy kernel, then
+    one event or none) launched and waited for four ways, alternated call by call: the
+    stream's synchronize, the event's (``Call``'s wait before the stamp poll), and a spin on
+    the D2H copy's last stamp in pinned memory (``stamp_out[3]``, reset before each launch),
+    with the event still in the graph and without it (``cupy_calls.wait``). Each poll then
+    checks that host[0] holds this launch's value (every output byte is fenced before the
+    stamp): stale counts those that did not. Rows: (kernels, stream, event, poll, poll with no
+    event us, stale)."""
     sp = s.ptr
     out = []
+    hows = ("stream", "event", "poll", "poll, no event")
     for kernels in (1, 5):
-        g, ex = _captured(rt, s, lambda k=kernels: capture(k), 20)
+        graphs = [_captured(rt, s, lambda k=kernels, e=e: capture(k, e), 20) for e in (1, 0)]
         want = float(dev[0].get())
-        times: dict[str, list[int]] = {"stream": [], "event": [], "poll": []}
+        times: dict[str, list[int]] = {h: [] for h in hows}
         stale = 0
-        for i in range(3 * calls):
-            how = ("stream", "event", "poll")[i % 3]
+        for i in range(len(hows) * calls):
+            how = hows[i % len(hows)]
+            ex = graphs[how == "poll, no event"][1]
             stamp_out[3] = 0
             t0 = time.perf_counter_ns()
             rt.graphLaunch(ex, sp)
@@ -72,12 +76,13 @@ def _wait_rows(rt, s, capture, event: int, stamp_out, dev, host, calls: int) -> 
                     pass
             times[how].append(time.perf_counter_ns() - t0)
             want += kernels
-            if how == "poll" and host[0] != want:
+            if how.startswith("poll") and host[0] != want:
                 stale += 1
             s.synchronize()
-        rt.graphExecDestroy(ex)
-        rt.graphDestroy(g)
-        out.append((kernels, *(float(np.median(times[h])) / 1e3 for h in times), stale))
+        for g, ex in graphs:
+            rt.graphExecDestroy(ex)
+            rt.graphDestroy(g)
+        out.append((kernels, *(float(np.median(times[h])) / 1e3 for h in hows), stale))
     return out
 
 
@@ -291,8 +296,8 @@ def main() -> None:
                     ),
                 )  # fmt: skip
             )
-        waits = _wait_rows(rt, s, lambda k_: work(1, "stamped", k_, True), ev[3].ptr, stamp_out,
-                           dev, host, a.calls)  # fmt: skip
+        waits = _wait_rows(rt, s, lambda k_, e_: work(e_, "stamped", k_, True), ev[3].ptr,
+                           stamp_out, dev, host, a.calls)  # fmt: skip
     back = host.copy()
     host[:] = 0
     copy_k(hp, dp, *none)
@@ -305,12 +310,14 @@ def main() -> None:
     for name, gl, gt, di, dt in rows:
         print(f"| {name} | {gl:.1f} | {gt:.1f} | {di:.1f} | {dt:.1f} |")
     print()
-    print("A stamped call's graph (copy kernels stamping the phases, one event after all), waited")
-    print("for three ways: us, medians; stale = polls that saw the stamp before the output's bytes")
-    print("| kernels | launch + stream sync | launch + event sync | launch + stamp poll | stale |")
-    print("|---|---|---|---|---|")
-    for kernels, st, ev_, poll, stale in waits:
-        print(f"| {kernels} | {st:.1f} | {ev_:.1f} | {poll:.1f} | {stale} |")
+    print("A stamped call's graph (copy kernels stamping the phases, one event after all, or none")
+    print("in the last column), waited for four ways: us, medians; stale = polls that saw the")
+    print("stamp before the output's bytes")
+    print("| kernels | launch + stream sync | launch + event sync | launch + stamp poll "
+          "| the same, no event node | stale |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for kernels, st, ev_, poll, bare, stale in waits:
+        print(f"| {kernels} | {st:.1f} | {ev_:.1f} | {poll:.1f} | {bare:.1f} | {stale} |")
 
 
 if __name__ == "__main__":
