@@ -100,16 +100,14 @@ DIRECT_BYTES = 8 << 20
 _NEVER = np.iinfo(np.uint64).max  # a CopyStamp's first between launches (kernels/copy.cu)
 _NO_STAMP = (np.uint64(0), np.uint64(0))  # a copy kernel's stamp arguments: none
 
-#: A stamped call (both copies copy kernels: every decode call) ends with its D2H copy's last
-#: stamp in pinned memory, which kernels/copy.cu writes once every output byte is fenced
-#: system-wide: the host polls it (``wait``) rather than waiting for an event recorded after
-#: the copy, which reaches the host about 4.7 us later and costs the graph's launch a node
-#: (bench/graph_launch.py on an H100: launch + wait 20.0 -> 15.3 us with the event still in
-#: the graph). A poll that finds nothing yields the CPU and the GIL (sched_yield through
-#: ctypes, which releases the GIL: other threads run as they would during an event's wait);
-#: past POLL_NS the stream's synchronize takes over (a call that failed writes no stamp: the
-#: synchronize reports its error). COLIWORKER_POLL=0: such calls end with an event again and
-#: are waited for by it.
+#: A stamped call (both copies copy kernels: every decode call) is waited for by polling the
+#: D2H copy's last stamp in pinned memory, which kernels/copy.cu writes once every output byte
+#: is fenced system-wide, rather than by its event, which reaches the host about 4.7 us later
+#: (bench/graph_launch.py on an H100: launch + wait 20.0 -> 15.3 us). A poll that finds nothing
+#: yields the CPU and the GIL (sched_yield through ctypes, which releases the GIL: other
+#: threads run as they would during the event's wait); past POLL_NS the event's wait takes
+#: over (a call that failed writes no stamp; its event reports the error).
+#: COLIWORKER_POLL=0: the event's wait only.
 POLL = os.environ.get("COLIWORKER_POLL", "1") != "0"
 POLL_NS = 2_000_000
 try:
@@ -119,24 +117,21 @@ except (OSError, AttributeError):  # no C library to yield through: the event's 
     POLL = False
 
 
-def wait(a: Arena, polled: bool, event: int, stream: Any) -> None:
-    """Wait for the call in arena ``a`` to finish: a ``polled`` call (its work ends with its D2H
-    copy's stamp, no event: ``Call.receive`` under ``POLL``) by polling the stamp (``Arena.take``
-    clears it), past ``POLL_NS`` by synchronizing ``stream``; any other by its ``event``."""
-    if not polled:
-        cupy.cuda.runtime.eventSynchronize(event)
-        return
-    st = a.stamps
-    if st[3]:
-        return
-    end = time.perf_counter_ns() + POLL_NS
-    while True:
-        _yield()
+def wait(a: Arena, stamped: bool, event: int) -> None:
+    """Wait for the call in arena ``a`` to finish: for a ``stamped`` call, by polling its D2H
+    stamp (``POLL``; ``Arena.take`` clears it), else, and past ``POLL_NS``, by ``event``."""
+    if stamped and POLL:
+        st = a.stamps
         if st[3]:
             return
-        if time.perf_counter_ns() > end:
-            stream.synchronize()
-            return
+        end = time.perf_counter_ns() + POLL_NS
+        while True:
+            _yield()
+            if st[3]:
+                return
+            if time.perf_counter_ns() > end:
+                break
+    cupy.cuda.runtime.eventSynchronize(event)
 
 
 class Arena:
@@ -263,19 +258,18 @@ class Replay:
     Only the copy switches (``kernels/copy.py``) change the list for one plan; the graph is
     kept with the switches it was captured under and is not replayed under others."""
 
-    __slots__ = ("exec", "out", "stamped", "polled", "copies", "view")
+    __slots__ = ("exec", "out", "stamped", "copies", "view")
 
     def __init__(self) -> None:
         self.exec: Any = None  # graphs._Exec once captured (held: it lives as long as this)
         self.out: tuple[int, int, tuple[int, ...]] = (0, 0, ())
         self.view: Any = None  # the output in the arena's host half, float32 of its shape
         self.stamped = False
-        self.polled = False  # its work ends with the D2H stamp, no event (``wait``)
         self.copies: tuple = ()
 
 
 def _copy_switches() -> tuple:
-    return (copy.ENABLED, copy.KERNEL_BYTES, POLL)
+    return (copy.ENABLED, copy.KERNEL_BYTES)
 
 
 def replayable(rep: Replay) -> bool:
@@ -301,7 +295,7 @@ def rerun(a: Arena, rep: Replay, stream: Any, device: int, what: str) -> Result:
     rt = cupy.cuda.runtime
     try:
         rt.graphLaunch(rep.exec.ptr, stream.ptr)
-        wait(a, rep.polled, a.eptr[3], stream)
+        wait(a, rep.stamped, a.eptr[3])
     except Exception as exc:
         with contextlib.suppress(Exception):
             stream.synchronize()
@@ -339,14 +333,13 @@ class Call:
 
     Phases (H2D, kernels, D2H): where both copies are copy kernels (a decode call's few
     hundred KB) the kernels stamp them (``kernels/copy.cu``: the first block's start and the
-    last block's end of each copy, by the GPU's global timer) and the D2H copy's last stamp
-    tells the call it is done (``wait``; with ``POLL`` off, one event after the D2H); where a
-    copy is on the copy engine the arena's four events
+    last block's end of each copy, by the GPU's global timer) and one event after the D2H
+    tells the call it is done; where a copy is on the copy engine the arena's four events
     frame the phases instead (each event record costs a graph node, about 1 us of launch and
     of GPU time)."""
 
     __slots__ = ("backend", "device", "what", "stream", "pool", "arena", "_prev", "out",
-                 "direct", "work", "graphable", "spans", "done", "stamped", "polled", "_h2d", "rep",
+                 "direct", "work", "graphable", "spans", "done", "stamped", "_h2d", "rep",
                  "last", "view")  # fmt: skip
 
     def __init__(self, backend: Any, device: int, what: str) -> None:
@@ -366,7 +359,6 @@ class Call:
         self.spans: tuple[list[tuple[int, int]], ...] | None = None
         self.done = 0
         self.stamped = False  # the phases are the copy kernels' stamps
-        self.polled = False  # the work ends with the D2H stamp, no event (``wait``)
         self._h2d = -1  # where send's first event lies in work, when its copy is stamped
         self.rep: Replay | None = None  # the plan's graph to keep once issued (``replay``)
         self.last: Any = None  # the arena's last plan when the call took it (``kept``)
@@ -486,8 +478,7 @@ class Call:
         """The output float32 ``shape`` at ``off`` device -> host (same offset), then the
         event that ends the call's work. Where the inputs went up in one stamped copy kernel
         and this copy is a kernel too, it is stamped and the H2D phase's events go (the
-        phases are the stamps), and under ``POLL`` its stamp ends the work in the event's place
-        (``wait``); else the D2H phase's events frame it."""
+        phases are the stamps); else the D2H phase's events frame it."""
         a = self.arena
         n = 4 * math.prod(shape)
         self.out = (off, n, shape)
@@ -497,11 +488,9 @@ class Call:
         if self._copy(a.hptr + off, a.dptr + off, n, D2H, stamp) and i >= 0:
             del work[i + 2], work[i]  # send's two events around its stamped copy
             self.stamped = True
-            self.polled = POLL  # the stamp ends the work: no event after it
         else:  # the D2H phase's first event, before its copy
             work.insert(len(work) - 1, (MARK, 2))
-        if not self.polled:
-            work.append((MARK, 3))
+        work.append((MARK, 3))
 
     @staticmethod
     def new_replay() -> Replay:
@@ -517,7 +506,7 @@ class Call:
             self.rep = rep
             return False
         cupy.cuda.runtime.graphLaunch(rep.exec.ptr, self.stream.ptr)
-        self.out, self.stamped, self.polled, self.view = rep.out, rep.stamped, rep.polled, rep.view
+        self.out, self.stamped, self.view = rep.out, rep.stamped, rep.view
         return True
 
     def issue(self) -> None:
@@ -526,7 +515,7 @@ class Call:
         ex = self.arena.graphs.run(work, self.arena.eptr, self.stream.ptr, self.graphable)
         rep = self.rep
         if rep is not None and ex is not None:
-            rep.exec, rep.out, rep.stamped, rep.polled = ex, self.out, self.stamped, self.polled
+            rep.exec, rep.out, rep.stamped = ex, self.out, self.stamped
             rep.copies = _copy_switches()
 
     def finish(self) -> Result:
@@ -537,7 +526,7 @@ class Call:
         rt = cupy.cuda.runtime
         spans = self.spans
         if spans is None:
-            wait(a, self.polled, ev[3], self.stream)
+            wait(a, self.stamped, ev[3])
         else:
             rt.eventSynchronize(self.done)
         off, n, shape = self.out
