@@ -49,7 +49,7 @@ def _wait_rows(rt, s, capture, event: int, stamp_out, dev, host, calls: int) -> 
     one event or none) launched and waited for four ways, alternated call by call: the
     stream's synchronize, the event's (``Call``'s wait before the stamp poll), and a spin on
     the D2H copy's last stamp in pinned memory (``stamp_out[3]``, reset before each launch),
-    with the event still in the graph and without it (``cupy_calls.wait``). Each poll then
+    with the event still in the graph (``cupy_calls.wait``) and without it. Each poll then
     checks that host[0] holds this launch's value (every output byte is fenced before the
     stamp): stale counts those that did not. Rows: (kernels, stream, event, poll, poll with no
     event us, stale)."""
