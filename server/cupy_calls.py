@@ -6,7 +6,8 @@ the device and pinned on the host) lies in one reusable ``Arena`` with its own t
 graphs and plans; a ``Call`` makes the device current (only when it differs), takes the
 thread's stream and an arena, lists its device work (the inputs up in one copy, the launches,
 the outputs back in one copy, the phases stamped by the copy kernels or framed by events:
-``Call``) and issues it at the end, as a CUDA graph once the arena has seen it before
+``Call``; a stamped call is waited for by polling its output copy's stamp, ``wait``) and
+issues it at the end, as a CUDA graph once the arena has seen it before
 (``kernels/graphs.py``); a call of a kept plan whose graph is captured launches that graph
 without listing its work again (``Replay``), and the decode calls of such a plan (a one-token
 routed group, a ragged attention call, an expert group below the pipelined size) are made
