@@ -101,8 +101,9 @@ def _stage_timers() -> dict[str, int]:
 
 def _floor(calls: int) -> float:
     """Median us of launching a graph of one empty kernel and one event record (a call's
-    graph at its smallest) and waiting for the event, as a call does: the part of launch and
-    wake that no node of a call's own adds to."""
+    graph at its smallest) and waiting for the event: the part of launch and wake that no node
+    of a call's own adds to. (A stamped call waits by polling its stamp, ``cupy_calls.wait``,
+    not by the event; the rows' "graph alone" waits that way.)"""
     import cupy
 
     from coliworker.kernels import graphs
