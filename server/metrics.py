@@ -19,12 +19,15 @@ extra ``grpc_server_in_flight_requests`` gauge. The registry also carries the st
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
+import numpy as np
 from prometheus_client import (
     GC_COLLECTOR,
     PLATFORM_COLLECTOR,
@@ -41,7 +44,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from coliworker.server.backend import DeviceInfo, Phases
-from coliworker.server.tally import Tally
+from coliworker.server.tally import Journal, Tally
 
 _OK = grpc.StatusCode.OK
 
@@ -279,6 +282,9 @@ class Metrics:
         # Labelled children by label values: ``labels()`` builds and looks up its key under a
         # lock on every call (~0.65 us each, six per expert group); these are looked up once.
         self._children: dict[tuple, Any] = {}
+        # Expert group calls and hot-path calls, recorded as journal entries (tally.py)
+        self._groups = hot.journal(self._apply_groups)
+        self._calls: dict[tuple[str, str], Journal] = {}  # (call, transport) -> its calls
 
     # -- callbacks and recorders -------------------------------------------------------
 
@@ -318,26 +324,43 @@ class Metrics:
         return child
 
     def record_group(self, device: int, experts: int, rows: int, phases: Phases) -> None:
-        """One finished expert group call (ExpertGroup, Routed, Issue/Take, Session)."""
-        key = ("group", device)
-        c = self._children.get(key)
-        if c is None:
-            d = str(device)
-            c = self._children[key] = (
-                self.group_calls.labels(d),
-                self.group_experts.labels(d),
-                self.group_rows.labels(d),
-                self.group_phase.labels(d, "h2d"),
-                self.group_phase.labels(d, "kernel"),
-                self.group_phase.labels(d, "d2h"),
-            )
-        calls, n_experts, n_rows, h2d, kernel, d2h = c
-        calls.inc()
-        n_experts.inc(experts)
-        n_rows.inc(rows)
-        h2d.observe(phases.h2d_ns / 1e9)
-        kernel.observe(phases.kernel_ns / 1e9)
-        d2h.observe(phases.d2h_ns / 1e9)
+        """One finished expert group call (ExpertGroup, Routed, Issue/Take, Session): one
+        journal entry, its six updates made when read (``_apply_groups``)."""
+        self._groups.record((device, experts, rows, phases.h2d_ns, phases.kernel_ns, phases.d2h_ns))
+
+    def _apply_groups(self, entries: list[tuple]) -> None:
+        """The updates of ``record_group``'s entries, device by device, from one float64
+        table (a whole number below 2**53 exactly, and Python's int / float converts the
+        int to a float before dividing, as the table's seconds are made)."""
+        n = len(entries)
+        table = np.fromiter(itertools.chain.from_iterable(entries), np.float64, 6 * n)
+        table = table.reshape(n, 6)  # device, experts, rows, then the phases' ns
+        devices = table[:, 0]
+        each = sorted(set(devices.tolist()))
+        for d in each:
+            mine = table if len(each) == 1 else table[devices == d]
+            device = int(d)
+            key = ("group", device)
+            c = self._children.get(key)
+            if c is None:
+                d = str(device)
+                c = self._children[key] = (
+                    self.group_calls.labels(d),
+                    self.group_experts.labels(d),
+                    self.group_rows.labels(d),
+                    self.group_phase.labels(d, "h2d"),
+                    self.group_phase.labels(d, "kernel"),
+                    self.group_phase.labels(d, "d2h"),
+                )
+            calls, n_experts, n_rows, h2d, kernel, d2h = c
+            # whole numbers: their float sum is exact whatever the grouping
+            calls.inc(len(mine))
+            n_experts.inc(float(mine[:, 1].sum()))
+            n_rows.inc(float(mine[:, 2].sum()))
+            seconds = mine[:, 3:] / 1e9
+            h2d.observe_many(seconds[:, 0])
+            kernel.observe_many(seconds[:, 1])
+            d2h.observe_many(seconds[:, 2])
 
     def record_upload(self, device: int, nbytes: int, deduplicated: bool) -> None:
         """One Upload or Update that received ``nbytes`` (weights + scales)."""
@@ -358,25 +381,32 @@ class Metrics:
     ) -> None:
         """One hot-path call: ``call`` is its kind ("expert_group"), ``transport`` grpc
         (Session stream), socket (data plane) or shm (doorbell). A non-OK code also counts
-        as a compute error."""
-        if code is _OK:  # the common case, keyed without the code: hashing a StatusCode
-            # (an Enum) is a Python-level __hash__ call
-            key: tuple = ("session ok", call, transport)
-        else:
-            key = ("session", call, code, transport)
-        hit = self._children.get(key)
-        if hit is None:  # once per (call, status, transport): its two series and its name
-            name = _code_name(code)
-            hit = self._children[key] = (
-                self._child(self.session_requests, call, name, transport),
-                self._child(self.session_seconds, call, transport),
-                name,
+        as a compute error. One entry in the journal of its (call, transport), counted when
+        read (``_apply_calls``): its seconds, or (seconds, code) for a call not OK."""
+        journal = self._calls.get((call, transport))
+        if journal is None:  # (two threads may make one each: both are flushed)
+            journal = self._calls[(call, transport)] = self.tally.journal(
+                functools.partial(self._apply_calls, call, transport)
             )
-        requests, secs, name = hit
-        requests.inc()
-        secs.observe(seconds)
-        if name != "OK":
-            self.compute_errors.labels(name).inc()
+        journal.record(seconds if code is _OK else (seconds, code))
+
+    def _apply_calls(self, call: str, transport: str, entries: list) -> None:
+        """The updates of (call, transport)'s calls that ``entries`` record, in order."""
+        failed = [e for e in entries if type(e) is tuple]
+        if failed:
+            seconds = [e[0] if type(e) is tuple else e for e in entries]
+            for _, code in failed:
+                name = _code_name(code)
+                self._child(self.session_requests, call, name, transport).inc()
+                if name != "OK":
+                    self.compute_errors.labels(name).inc()
+        else:
+            seconds = entries
+        if len(failed) < len(entries):
+            ok = self._child(self.session_requests, call, "OK", transport)
+            ok.inc(len(entries) - len(failed))
+        observed = self._child(self.session_seconds, call, transport)
+        observed.observe_many(np.fromiter(seconds, np.float64, len(seconds)))
 
     # -- exposition --------------------------------------------------------------------
 

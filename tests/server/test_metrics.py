@@ -415,3 +415,53 @@ def test_interceptor_counts_a_cancelled_stream(served) -> None:
     gate.set()
     assert value(m, "grpc_server_in_flight_requests", grpc_method="Session") == 0
     assert handled(m, "Session", "CANCELLED") == 1
+
+
+def test_group_and_session_records_read_as_their_updates_made_one_by_one() -> None:
+    """record_group and record_session_request defer their updates (journals, tally.py):
+    every read sees each call recorded before it, with the sums of one update per call."""
+    from coliworker.server.tally import JOURNAL
+
+    m = Metrics("0.1.0", "numpy")
+    rng = random.Random()
+    calls: dict[int, list] = {}
+    seconds: dict[tuple[str, str], list[float]] = {}  # every call's, failed ones too
+    ok: dict[tuple[str, str], int] = {}
+    failed = 0
+    for i in range(2 * JOURNAL + 31):
+        device = rng.randrange(3)
+        experts, rows = rng.randint(1, 64), rng.randint(1, 4096)
+        ph = Phases(rng.randrange(10**7), rng.randrange(10**9), rng.randrange(10**6))
+        m.record_group(device, experts, rows, ph)
+        calls.setdefault(device, []).append((experts, rows, ph))
+        kind, transport = rng.choice(["expert_group_routed", "attention_ragged"]), "socket"
+        s = rng.random() / 100
+        if rng.random() < 0.05:
+            m.record_session_request(kind, grpc.StatusCode.NOT_FOUND, s, transport)
+            failed += 1
+        else:
+            m.record_session_request(kind, grpc.StatusCode.OK, s, transport)
+            ok[(kind, transport)] = ok.get((kind, transport), 0) + 1
+        seconds.setdefault((kind, transport), []).append(s)
+        if i % 700 == 0 or i == JOURNAL + 3:
+            for device, got in calls.items():
+                d = str(device)
+                assert value(m, "coliworker_group_calls_total", device=d) == len(got)
+                assert value(m, "coliworker_group_rows_total", device=d) == sum(
+                    r for _, r, _ in got
+                )
+                total = 0.0
+                for _, _, ph in got:  # the float sum of one observe per call, in order
+                    total += ph.kernel_ns / 1e9
+                kernel = {"device": d, "phase": "kernel"}
+                assert value(m, "coliworker_group_phase_seconds_sum", **kernel) == total
+                assert value(m, "coliworker_group_phase_seconds_count", **kernel) == len(got)
+            for (kind, transport), secs in seconds.items():
+                labels = {"call": kind, "transport": transport}
+                n = value(m, "coliworker_session_requests_total", code="OK", **labels)
+                assert n == ok.get((kind, transport), 0)
+                total = 0.0
+                for s in secs:
+                    total += s
+                assert value(m, "coliworker_session_request_seconds_sum", **labels) == total
+            assert value(m, "coliworker_compute_errors_total", code="NOT_FOUND") == failed

@@ -85,3 +85,38 @@ def test_updates_from_many_threads_are_all_counted():
     assert reg.get_sample_value("t_seconds_count", {"call": "g"}) == 20000
     assert reg.get_sample_value("t_seconds_bucket", {"call": "g", "le": "5e-05"}) == 0
     assert reg.get_sample_value("t_seconds_bucket", {"call": "g", "le": "0.0001"}) == 20000
+
+
+def test_a_journal_gives_what_the_updates_one_by_one_give():
+    """Entries applied later (``Journal``, ``observe_many``) read as the same updates made
+    one by one: counts, buckets and the float sum, bit for bit, at any scrape."""
+    from coliworker.server.tally import JOURNAL
+
+    rng = np.random.default_rng()
+    ref, reg, fams = _pair(PHASE_BUCKETS)
+    (ref_c, c), (ref_h, h) = fams["c"], fams["h"]
+
+    def apply(entries):
+        by = {}
+        for device, seconds in entries:
+            by.setdefault(device, []).append(seconds)
+        for device, secs in by.items():
+            c.labels(device).inc(len(secs))
+            h.labels(device, "socket").observe_many(np.array(secs))
+
+    journal = _tally(reg).journal(apply)
+    edges = [*PHASE_BUCKETS, 0.0, PHASE_BUCKETS[0] / 2, PHASE_BUCKETS[-1] * 3]
+    for i in range(3 * JOURNAL + 17):
+        device = str(rng.integers(0, 3))
+        v = float(rng.choice(edges)) if rng.random() < 0.2 else float(10 ** rng.uniform(-6, 1))
+        journal.record((device, v))
+        ref_c.labels(device).inc()
+        ref_h.labels(device, "socket").observe(v)
+        if rng.random() < 0.002 or i == JOURNAL + 5:  # a scrape now and then: all so far
+            assert generate_latest(reg) == generate_latest(ref)
+    assert generate_latest(reg) == generate_latest(ref)
+
+
+def _tally(reg):
+    """The Tally registered in ``reg`` (by ``_pair``)."""
+    return next(c for c in reg._collector_to_names if isinstance(c, Tally))
