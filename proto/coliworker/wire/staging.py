@@ -139,6 +139,20 @@ def source(
                 return shm_read(a.shm.offset, a.shm.length, field)
         return b""
 
+    def read(shm: bool, offset: int, length: int, dtype: int) -> Any:
+        """What ``get`` returns for an array of wire type ``dtype`` whose only slice is
+        ``offset``, ``length`` (of shared memory when ``shm``, else of the staged chunks),
+        or None where ``get`` would find no bytes (``codec.ArrayIO`` reads a known array's
+        bytes by its place: its fields unread)."""
+        if not shm:
+            return view[offset : offset + length] if view is not None else None
+        if shm_view is not None and dtype == pb.DTYPE_FLOAT32:
+            return shm_view(offset, length, field)
+        if shm_read is not None:
+            return shm_read(offset, length, field)
+        return None
+
+    get.read = read  # type: ignore[attr-defined]
     return get
 
 
