@@ -18,10 +18,23 @@ from coliworker.kernels import reference as ref
 from coliworker.server.errors import WorkerError
 from coliworker.server.store import Spec
 from coliworker.v1 import worker_pb2 as pb
-from coliworker.wire import calls, codec
+from coliworker.wire import calls, codec, staging
 
 OP = "expert_group_routed"
 D, IE = 16, 8
+
+#: The ArrayIO the calls of a test get: INLINE (unary gRPC), or one with a staging source
+#: (a Session or socket call), whose lists and triples are keyed by the request's bytes
+IO = {"io": codec.INLINE}
+
+
+@pytest.fixture(autouse=True, params=["inline", "outside"])
+def _io(request):
+    IO["io"] = (
+        codec.INLINE if request.param == "inline" else codec.ArrayIO(staging.source(b"", None, OP))
+    )
+    yield
+    IO["io"] = codec.INLINE
 
 
 def inline(msg, a, field, ndim):  # the unary client's encoder: every array in its message
@@ -30,12 +43,12 @@ def inline(msg, a, field, ndim):  # the unary client's encoder: every array in i
 
 def routed(server, hs, x, routes, weights, owner=""):
     req = requests.expert_group_routed(inline, hs, x, routes, weights)
-    return server.servicer.dispatch.run(calls.BY_KIND[OP], req, owner)
+    return server.servicer.dispatch.run(calls.BY_KIND[OP], req, owner, IO["io"])
 
 
 def group(server, hs, rows, x, owner=""):
     req = requests.expert_group(inline, hs, rows, x)
-    return server.servicer.dispatch.run(calls.BY_KIND["expert_group"], req, owner)
+    return server.servicer.dispatch.run(calls.BY_KIND["expert_group"], req, owner, IO["io"])
 
 
 def routed_args(rng, n, tokens=3, k=2):
@@ -109,10 +122,26 @@ def test_changing_subsets_match_the_reference(server, rng, pool, monkeypatch):
     looked = count_lookups(svc.store, monkeypatch)
     sub = [hs[j] for j in (11, 3, 7, 0, 5, 9, 1, 8)]
     out = routed(server, sub, *routed_args(rng, 8))
-    assert out.ok and looked == []
+    assert out.ok and (looked == [] or not one_length(hs))
     gen = svc.store.generation
-    for g, u, d in hs:  # each triple kept once, under its owner, at this generation
-        assert svc._triple_cache[("", (g.handle, u.handle, d.handle))][0] == gen
+    kept = [(k[0], v[4]) for k, v in svc._triple_cache.items() if v[0] == gen]
+    for g, u, d in hs:  # each triple kept, under its owner, at this generation (by its
+        # ids, by its bytes, or both where some list of it had an id of fewer bytes)
+        assert 1 <= kept.count(("", (g.handle, u.handle, d.handle))) <= 2
+
+
+def one_length(hs) -> bool:
+    """Whether triples ``hs`` are found by one key in every call: by their ids (INLINE), or
+    by their bytes in the request when every id has as many varint bytes (9: its top 7 of
+    63 bits not all 0); a list of some shorter is keyed by ids, missing triples kept by
+    bytes (rare: a list of 8 experts has one in about 6)."""
+    return IO["io"] is codec.INLINE or all(h.handle >> 56 for e in hs for h in e)
+
+
+def triples_kept(server) -> dict:
+    """(owner, (gate, up, down) ids) -> the triple cache's entry, whatever its key (the
+    ids, or the expert's bytes in the request)."""
+    return {(k[0], v[4]): v for k, v in server.servicer._triple_cache.items()}
 
 
 def count_lookups(store, monkeypatch) -> list[int]:
@@ -173,7 +202,7 @@ def test_other_owner_is_refused_cached_triples(server, rng, pool):
         refused(out, grpc.StatusCode.NOT_FOUND, want)
         assert uncached(server, sub, other) == want
     # this owner's triples were never kept under the other owner, nor theirs under this one
-    keys = server.servicer._triple_cache
+    keys = triples_kept(server)
     assert (other, tuple(h.handle for h in theirs)) in keys
     assert ("", tuple(h.handle for h in theirs)) not in keys
     assert not any(k[0] == other and k[1] == tuple(h.handle for h in hs[0]) for k in keys)
@@ -218,7 +247,7 @@ def test_mixed_hidden_sizes_and_devices_keep_their_messages(server, w, rng, pool
     assert routed(server, [far], x, routes % 1, weights).ok
     for e in (wide, far):
         assert (
-            server.servicer._triple_cache[("", tuple(h.handle for h in e))][0]
+            triples_kept(server)[("", tuple(h.handle for h in e))][0]
             == server.servicer.store.generation
         )
     f = f"{OP}.experts"
@@ -279,4 +308,34 @@ def test_free_racing_with_the_lookups_leaves_the_entries_stale(server, rng, pool
     assert len(looked) == 30
     assert routed(server, hs[:5], x, routes, weights).ok  # then from the list cache
     assert routed(server, hs[1:6], x, routes, weights).ok  # and a new list from the triples'
-    assert len(looked) == 33
+    assert len(looked) == 33 or not one_length(hs[:6])
+
+
+def test_expert_run_finds_only_experts_of_one_length():
+    """``_expert_run``: a list whose serialized experts are all one length gives that
+    length, and its entries are the experts in order; one with an expert shorter than
+    another (a handle id of fewer varint bytes) gives 0, the list then read field by
+    field."""
+    from coliworker.server.compute import _expert_run
+
+    rng = np.random.default_rng()
+    for _ in range(200):
+        n = int(rng.integers(1, 9))
+        ids = [int(v) for v in rng.integers(1 << 56, 1 << 63, 3 * n, dtype=np.uint64)]
+        short = rng.random() < 0.5
+        if short:
+            ids[int(rng.integers(len(ids)))] = int(rng.integers(1, 1 << 56))
+        msg = pb.ExpertGroupRoutedRequest()
+        for c in range(n):
+            msg.experts.add(gate=ids[3 * c], up=ids[3 * c + 1], down=ids[3 * c + 2])
+        msg.x.staged.offset, msg.x.staged.length = 10, 20
+        blob = msg.SerializeToString()
+        size = _expert_run(blob, n)
+        lengths = {e.ByteSize() + 2 for e in msg.experts}  # tag, length, the ids
+        assert size == (lengths.pop() if len(lengths) == 1 else 0)
+        assert size == 32 or short
+        if size:
+            for c in range(n):
+                e = pb.Expert.FromString(blob[c * size + 2 : (c + 1) * size])
+                assert (e.gate, e.up, e.down) == tuple(ids[3 * c : 3 * c + 3])
+            assert blob[n * size] != 0x0A  # the next field
