@@ -109,10 +109,10 @@ class ComputeOps:
     _lock: threading.Lock
     _compute_calls: int
     _expert_cache: dict[tuple, tuple[int, Experts, int, int]]
-    # (owner, (gate, up, down) handle ids) -> (store generation, resident triple, device, D,
-    # the handle ids: the key's own tuple)
+    # (owner, (gate, up, down) handle ids, or the expert's bytes in the request) -> (store
+    # generation, resident triple, device, D, the handle ids)
     _triple_cache: dict[
-        tuple[str, tuple[int, int, int]],
+        tuple[str, tuple[int, int, int] | bytes],
         tuple[int, tuple[Any, Any, Any], int, int, tuple[int, int, int]],
     ]
     _attention_cache: dict[tuple[str, int, int], tuple[int, Handle, Handle | None, Any]]
@@ -222,7 +222,9 @@ class ComputeOps:
         if hit is not None and hit[0] == gen:
             return hit[1], hit[2], hit[3]
         if gud is None:
-            keys = [(owner, blob[i : i + size]) for i in range(0, end, size)]
+            keys: list[tuple[str, tuple[int, int, int] | bytes]] = [
+                (owner, blob[i : i + size]) for i in range(0, end, size)
+            ]
         else:
             keys = [(owner, t) for t in gud]
         cache = self._triple_cache
