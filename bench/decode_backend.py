@@ -65,8 +65,10 @@ class Layers:
             self.kv_b.append(place(s.k, s.heads * (s.q + s.v)))
             self.o_proj.append(place(s.heads * s.v, s.d_out))
             self.experts.append(
-                [(place(s.d, s.inter), place(s.d, s.inter), place(s.inter, s.d))
-                 for _ in range(experts)]  # fmt: skip
+                [
+                    (place(s.d, s.inter), place(s.d, s.inter), place(s.inter, s.d))
+                    for _ in range(experts)
+                ]  # fmt: skip
             )
             c = backend.new_kv(0, s.k, s.r)
             c.append(rng.standard_normal((t, s.k), np.float32),
