@@ -76,8 +76,9 @@ def _inputs(
     rows, the KvDescs, and the gemv jobs where the arena does not hold them already (``last``:
     the plan whose constant bytes it held when the call took it, ``Arena.keep``; ``S``: the
     call's sequences)."""
-    d_off, l_off, r_off, jobs, (_, jv, lv, rv) = plan[3], plan[5], plan[6], plan[11], plan[14]
-    host = a.host
+    d_off, j_off, l_off, r_off, jobs, (_, _, lv, rv) = (plan[3], plan[4], plan[5], plan[6],
+                                                         plan[11], plan[14])  # fmt: skip
+    host = a.hmv  # (struct writes into a memoryview: Arena.hmv)
     if n_up:
         stack_into(lv, latents)
         stack_into(rv, ropes)
@@ -98,7 +99,7 @@ def _inputs(
             KV_DESC.pack_into(host, d_off + KV_DESC.size * s, base + l_off, base + r_off,
                               n_up - S + 1 + s, 0)  # fmt: skip
     if not a.keep(last, plan):
-        jv[...] = jobs
+        host[j_off : j_off + len(jobs)] = jobs
 
 
 def run(
@@ -253,9 +254,9 @@ def _plan(
     launches = _launch_args(kv_b, base, scratch, d_off, j_off, l_off, r_off,
                             0 if batch else n_up, H, flash, f16,
                             (absorb, split, attend, merge, value, proj))  # fmt: skip
-    host = a.host  # the inputs' views: q, the gemv jobs, the new cache rows (latent, rope)
-    views = (at(host, 0, (S, H, q_dim + R)), host[j_off : j_off + len(jobs)],
-             at(host, l_off, (n_up, K)), at(host, r_off, (n_up, R)))  # fmt: skip
+    host = a.host  # the inputs' views: q, the new cache rows (latent, rope)
+    views = (at(host, 0, (S, H, q_dim + R)), None, at(host, l_off, (n_up, K)),
+             at(host, r_off, (n_up, R)))  # fmt: skip
     return ((kv_b, o_proj), dev_end, host_end, d_off, j_off, l_off, r_off, in_end, out_off,
-            dout, scratch, np.frombuffer(bytes(jobs), np.uint8), launches,
+            dout, scratch, bytes(jobs), launches,
             call.new_replay(), views)  # fmt: skip

@@ -145,14 +145,14 @@ def _kept_tables(a: Any, last: Any, hit: tuple, triples: Any) -> None:
     constant bytes the arena held when its call took it (``Arena.keep``): the plan's own (its
     experts') tables stay where its last call left them; a shape's are copied in where another
     plan's bytes lie, and these experts' addresses (``triples``) patched into them."""
-    _, _, _, t_off, table, where, _, off, _ = hit
+    _, _, _, t_off, table, where, _, _, _ = hit
     if where is None:  # the tables as made: in place where this plan's call left them
         if not a.keep(last, hit):
-            off["tv"][...] = table
+            a.hmv[t_off : t_off + len(table)] = table
     else:  # other experts: their addresses patched into the shape's tables
         if not a.keep(last, table):
-            off["tv"][...] = table
-        patch(a.host, t_off, where, triples)
+            a.hmv[t_off : t_off + len(table)] = table
+        patch(a.hmv, t_off, where, triples)
 
 
 def prepare(
@@ -214,15 +214,14 @@ def prepare(
         "out": o_off,
         "xp": xp_off,
         "xv": at(a.host, 0, (T, D)),
-        "tv": a.host[t_off : t_off + plan.table_bytes],
-    }  # (x's and the tables' views)
+    }  # (x's view)
     rep = None
     if not plan.unfused:  # (unfused experts' launches hold views of this call's arena)
         if len(a.plans) >= PLANS_PER_ARENA - 1:
             a.plans.clear()
         # The entry holds the triples: their ids in the key stay theirs while it lives. Both
         # entries list the same work (the same layout and launches): one kept graph.
-        table = a.host[t_off : t_off + plan.table_bytes].copy()
+        table = a.host[t_off : t_off + plan.table_bytes].tobytes()
         rep = call.new_replay()
         a.plans[key] = (list(experts), end, out_end, t_off, table, None, calls, off, rep)
         a.plans[skey] = (None, end, out_end, t_off, table, slots, calls, off, rep)
