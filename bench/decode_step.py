@@ -12,10 +12,14 @@ sequence back to T rows and appends one, so T stays fixed. Paths:
     shm      shared memory + doorbell (same host)
 
 Reported per path: ms/token p50 (p90), the worker's backend time per token (the sum of its
-calls' backend_ns), the overhead (token minus backend) and tokens/s. On the NumPy backend
-the widths shrink (``--small``, the default there) because it dequantizes every weight in
-float64 on every call; the wire's per-call costs are what it shows. Writes
-bench/results/decode-step-<date>-<backend>[-s<sequences>].json and .md.
+calls' backend_ns), the overhead (token minus backend) and tokens/s; per call, each op's
+backend time and the routed group's kernel time (the worker's group statistics), so the
+backend's cost beyond its kernels inside the worker sits beside bench/decode_backend.py's
+in-process figure. ``--spin-us`` / ``--worker-spin-us`` set how long the client and the
+worker poll before they sleep, ``--client-cpus`` / ``--worker-cpus`` pin the two processes.
+On the NumPy backend the widths shrink (``--small``, the default there) because it
+dequantizes every weight in float64 on every call; the wire's per-call costs are what it
+shows. Writes bench/results/decode-step-<date>-<backend>[-s<sequences>][-<tag>].json and .md.
 
     python bench/decode_step.py --backend cupy
     python bench/decode_step.py --backend cupy --sequences 8
@@ -58,12 +62,32 @@ GLM52 = Shape()
 SMALL = Shape(d=256, inter=64, heads=4, q=32, r=16, v=32, k=64, d_out=256)
 
 
+_all = os.sched_getaffinity(0)
+
+
+def _cpus(spec: str) -> set[int]:
+    """``0-3,8`` as a CPU set."""
+    out: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
 def serve(args: argparse.Namespace) -> None:
     from coliworker.server.app import build_server
     from coliworker.server.config import Config
 
+    spin = {} if args.worker_spin_us is None else {"data_spin_us": args.worker_spin_us}
     srv = build_server(
-        Config(backend=args.backend, port=0, metrics_port=None, data_port=0, max_kv_rows=1 << 20)
+        Config(
+            backend=args.backend,
+            port=0,
+            metrics_port=None,
+            data_port=0,
+            max_kv_rows=1 << 20,
+            **spin,
+        )
     ).start()
     print(f"READY {srv.port}", flush=True)
     sys.stdin.read()  # the client closes stdin when done (or dies)
@@ -144,10 +168,10 @@ class Model:
                 self.kv_b[li], self.o_proj[li], self.q, sequences=seqs, **self.att
             )
 
-    def token_session(self, s) -> int:
+    def token_session(self, s) -> tuple[int, int]:
         """One token through a session (each call waited for, as the engine must: the next
-        layer needs this one's output). Returns the backend ns summed."""
-        backend = 0
+        layer needs this one's output). Returns the backend ns summed: attention, routed."""
+        att = routed = 0
         t = self.t
         for li in range(self.layers):
             seqs = [
@@ -157,24 +181,24 @@ class Model:
                 self.kv_b[li], self.o_proj[li], self.q, sequences=seqs, **self.att
             )
             f.result()
-            backend += f.backend_ns
+            att += f.backend_ns
             g = s.expert_group_routed(self.experts[li], self.x, self.routes, self.weights)
             g.result()
-            backend += g.backend_ns
-        return backend
+            routed += g.backend_ns
+        return att, routed
 
-    def token_unary(self, w) -> int:
-        backend = 0
+    def token_unary(self, w) -> tuple[int, int]:
+        att = routed = 0
         t = self.t
         for li in range(self.layers):
             seqs = [
                 (sid, t, self.lat[j, t:], self.rope[j, t:]) for j, sid in enumerate(self.ids[li])
             ]
             w.attention_ragged(self.kv_b[li], self.o_proj[li], self.q, sequences=seqs, **self.att)
-            backend += w.last_call.backend_ns
+            att += w.last_call.backend_ns
             w.expert_group_routed(self.experts[li], self.x, self.routes, self.weights)
-            backend += w.last_call.backend_ns
-        return backend
+            routed += w.last_call.backend_ns
+        return att, routed
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -182,10 +206,17 @@ def run(args: argparse.Namespace) -> dict:
 
     workers, addresses = [], []
     try:
+        serve_args = ["--backend", args.backend]
+        if args.worker_spin_us is not None:
+            serve_args += ["--worker-spin-us", str(args.worker_spin_us)]
+        if args.worker_cpus:
+            os.sched_setaffinity(0, _cpus(args.worker_cpus))  # the worker inherits it
         for _ in range(args.workers):
-            proc, (port,) = harness.spawn(__file__, "--backend", args.backend)
+            proc, (port,) = harness.spawn(__file__, *serve_args)
             workers.append(proc)
             addresses.append(f"127.0.0.1:{port}")
+        if args.client_cpus or args.worker_cpus:
+            os.sched_setaffinity(0, _cpus(args.client_cpus) if args.client_cpus else _all)
         client = (
             WorkerPool(addresses, timeout=600, progress=False)
             if args.workers > 1
@@ -229,22 +260,37 @@ def run(args: argparse.Namespace) -> dict:
 def measure(w, m: Model, path: str, args: argparse.Namespace) -> dict:
     if path not in PATHS:
         raise SystemExit(f"--paths: expected some of {', '.join(PATHS)}, got {path!r}")
-    session = None if path == "unary" else w.session(transport=path)
+    options = {}
+    if args.spin_us is not None:
+        options["spin_us"] = args.spin_us
+    if args.worker_spin_us is not None and path == "shm":
+        options["worker_spin_us"] = args.worker_spin_us
+    session = None if path == "unary" else w.session(transport=path, **options)
     if session is not None:
         assert session.transport == path, (session.transport, path)
 
-    def token() -> int:
+    def token() -> tuple[int, int]:
         return m.token_unary(w) if session is None else m.token_session(session)
+
+    def group_ns() -> np.ndarray:  # the worker's routed groups: calls, h2d, kernel, d2h
+        return np.sum(
+            [(g.calls, g.h2d_ns, g.kernel_ns, g.d2h_ns) for g in (d.group for d in w.stats())],
+            axis=0,
+        )
 
     try:
         for _ in range(args.warmup):
             token()
-        e2e, backend = [], []
+        e2e, backend, att, routed = [], [], [], []
+        g0 = group_ns()
         for _ in range(args.tokens):
             t0 = time.perf_counter_ns()
-            b = token()
+            a, b = token()
             e2e.append(time.perf_counter_ns() - t0)
-            backend.append(b)
+            backend.append(a + b)
+            att.append(a)
+            routed.append(b)
+        groups = group_ns() - g0
     finally:
         if session is not None:
             session.close()
@@ -252,6 +298,9 @@ def measure(w, m: Model, path: str, args: argparse.Namespace) -> dict:
     bk = np.asarray(backend) / 1e6
     over = ms - bk
     calls = 2 * m.layers
+    n_groups = max(int(groups[0]), 1)
+    h2d, kernel, d2h = (float(v) / n_groups / 1e3 for v in groups[1:])
+    routed_us = float(np.sum(routed)) / (args.tokens * m.layers) / 1e3
     r = {
         "path": path,
         "ms_per_token_p50": float(np.percentile(ms, 50)),
@@ -262,12 +311,24 @@ def measure(w, m: Model, path: str, args: argparse.Namespace) -> dict:
         "tokens_per_s": 1e3 / float(np.percentile(ms, 50)),
         "calls_per_token": calls,
         "tokens": args.tokens,
+        # per call, us, means over the timed tokens: each op's backend_ns, and the routed
+        # group's GPU phases from the worker's group statistics (Stats)
+        "attention_backend_us": float(np.sum(att)) / (args.tokens * m.layers) / 1e3,
+        "routed_backend_us": routed_us,
+        "routed_h2d_us": h2d,
+        "routed_kernel_us": kernel,
+        "routed_d2h_us": d2h,
+        "routed_backend_minus_kernel_us": routed_us - kernel,
+        "client_spin_us": args.spin_us,
+        "worker_spin_us": args.worker_spin_us,
     }
     print(
         f"{path:<7} {r['ms_per_token_p50']:8.2f} ms/token"
         f"  backend {r['backend_ms_per_token_p50']:7.2f}"
         f"  overhead {r['overhead_ms_per_token_p50']:7.2f} ms"
-        f" ({r['overhead_us_per_call_p50']:.0f} us/call)  {r['tokens_per_s']:6.2f} tok/s",
+        f" ({r['overhead_us_per_call_p50']:.0f} us/call)  {r['tokens_per_s']:6.2f} tok/s"
+        f"  | per call: attention backend {r['attention_backend_us']:.1f} us, routed backend"
+        f" {routed_us:.1f} = kernel {kernel:.1f} + {routed_us - kernel:.1f}",
         flush=True,
     )
     return r
@@ -278,6 +339,7 @@ def write(result: dict, args: argparse.Namespace) -> None:
     result.update(record)
     suffix = f"-s{args.sequences}" if args.sequences != 1 else ""
     suffix += f"-w{args.workers}" if args.workers != 1 else ""
+    suffix += f"-{args.tag}" if args.tag else ""
     stem = harness.write_json(
         args.out, f"decode-step-{date:%Y-%m-%d}-{args.backend}{suffix}", result
     )
@@ -302,14 +364,17 @@ def write(result: dict, args: argparse.Namespace) -> None:
         ),
         "",
         "| path | ms/token p50 | p90 | backend ms/token | overhead ms/token | overhead us/call "
-        "| tokens/s |",
-        "|---|---|---|---|---|---|---|",
+        "| tokens/s | attention backend us/call | routed backend us/call | routed kernel us "
+        "| routed backend - kernel us |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["paths"]:
         lines.append(
             f"| {r['path']} | {r['ms_per_token_p50']:.2f} | {r['ms_per_token_p90']:.2f} "
             f"| {r['backend_ms_per_token_p50']:.2f} | {r['overhead_ms_per_token_p50']:.2f} "
-            f"| {r['overhead_us_per_call_p50']:.0f} | {r['tokens_per_s']:.2f} |"
+            f"| {r['overhead_us_per_call_p50']:.0f} | {r['tokens_per_s']:.2f} "
+            f"| {r['attention_backend_us']:.1f} | {r['routed_backend_us']:.1f} "
+            f"| {r['routed_kernel_us']:.1f} | {r['routed_backend_minus_kernel_us']:.1f} |"
         )
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -339,6 +404,23 @@ def main() -> None:
         help="small widths (default: on for numpy, off for cupy)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--spin-us",
+        type=int,
+        default=None,
+        help="how long the client's waiting thread polls before it sleeps (default: the"
+        " session's own, 1000 socket / 250 shm)",
+    )
+    p.add_argument(
+        "--worker-spin-us",
+        type=int,
+        default=None,
+        help="how long the worker's connection thread polls for the next call (default: the"
+        " worker's --data-spin-us, 1000; shm: the doorbell's worker_spin_us, 1000)",
+    )
+    p.add_argument("--tag", default="", help="a suffix for the results' file names")
+    p.add_argument("--worker-cpus", default="", help="CPUs the worker runs on (e.g. 0-3)")
+    p.add_argument("--client-cpus", default="", help="CPUs the client runs on (e.g. 8-11)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
