@@ -13,6 +13,10 @@ the backend, and times each call's wall (``call``) beside its GPU phases from
     one      one layer's tensors, the same call ``--layers`` times a token (bench/kernels.py's
              case: the plan kept and its graph the last one launched)
 
+``--gaps`` runs each form again with something between the calls (a worker's calls come
+with ~180 us of transport and dispatch between them): sched_yield polling, plain Python,
+a sleep, or a copy that turns the caches over.
+
 Per form: backend ms/token (sum of call walls), kernel ms/token (sum of kernel phases), their
 ratio (the backend host-path issue's token target), and per op the median call, kernel,
 H2D and D2H, and call - kernel, in us.
@@ -85,12 +89,42 @@ class Layers:
         self.att = (s.q, s.r, s.v, 1.0 / np.sqrt(s.q + s.r))
 
 
-def token(backend, m: Layers, order: list[int], out: dict[str, list]) -> None:
+def _gap(spec: str):
+    """What runs between two calls (``--gaps``): None, or a function that takes ``us``
+    microseconds as ``kind`` (spin: sched_yield until then, as a worker polls its socket for
+    the next call; busy: Python without system calls; sleep: time.sleep; churn: 8 MB copied,
+    then busy, as other work would turn the caches over)."""
+    if spec in ("", "none"):
+        return None
+    kind, _, us = spec.partition(":")
+    ns = int(us or 0) * 1000
+    src = bytearray(8 << 20)
+    dst = bytearray(8 << 20)
+
+    def gap() -> None:
+        end = time.perf_counter_ns() + ns
+        if kind == "sleep":
+            time.sleep(ns / 1e9)
+            return
+        if kind == "churn":
+            dst[:] = src
+        while time.perf_counter_ns() < end:
+            if kind == "spin":
+                os.sched_yield()
+
+    if kind not in ("spin", "busy", "sleep", "churn"):
+        raise SystemExit(f"--gaps: expected spin, busy, sleep or churn:US, got {spec!r}")
+    return gap
+
+
+def token(backend, m: Layers, order: list[int], out: dict[str, list], gap=None) -> None:
     """One token over the layers ``order`` names: each layer's cache rolled back to T rows and
     one row appended by the attention call, then its routed group; per call (wall ns, phases)
-    appended to ``out[op]``."""
+    appended to ``out[op]``. ``gap``: run before each call (``_gap``)."""
     q_dim, r, v, scale = m.att
     for li in order:
+        if gap is not None:
+            gap()
         c = m.caches[li]
         c.truncate(m.t)
         t0 = time.perf_counter_ns()
@@ -98,20 +132,27 @@ def token(backend, m: Layers, order: list[int], out: dict[str, list]) -> None:
         res = backend.attention_ragged(m.kv_b[li], m.o_proj[li], m.q, [c], q_dim, r, v, scale,
                                        rows=[m.row])  # fmt: skip
         out["attention_ragged"].append((time.perf_counter_ns() - t0, res.phases))
+        if gap is not None:
+            gap()
         t0 = time.perf_counter_ns()
         res = backend.expert_group_routed(m.experts[li], m.x, m.routes, m.weights)
         out["expert_group_routed"].append((time.perf_counter_ns() - t0, res.phases))
 
 
-def measure(backend, m: Layers, form: str, layers: int, tokens: int, warmup: int) -> dict:
+def measure(
+    backend, m: Layers, form: str, layers: int, tokens: int, warmup: int, gap: str = "none"
+) -> dict:
     order = list(range(layers)) if form == "layers" else [0] * layers
+    between = _gap(gap)
+    if between is not None:
+        form = f"{form}, gap {gap}"
     for _ in range(warmup):
-        token(backend, m, order, {op: [] for op in OPS})
+        token(backend, m, order, {op: [] for op in OPS}, between)
     per_token, kern_token = [], []
     calls: dict[str, list] = {op: [] for op in OPS}
     for _ in range(tokens):
         got: dict[str, list] = {op: [] for op in OPS}
-        token(backend, m, order, got)
+        token(backend, m, order, got, between)
         per_token.append(sum(w for op in OPS for w, _ in got[op]))
         kern_token.append(sum(p.kernel_ns for op in OPS for _, p in got[op]))
         for op in OPS:
@@ -185,6 +226,13 @@ def main() -> None:
     p.add_argument("--forms", default="layers,one")
     p.add_argument("--small", action="store_true", help="small widths (the NumPy backend's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--gaps",
+        default="none",
+        help="what runs between calls, each its own row of every form: none, or KIND:US with"
+        " KIND spin (sched_yield, as a worker polls for its next call), busy, sleep or churn"
+        " (e.g. none,spin:180,sleep:180)",
+    )
     p.add_argument("--out", default=None, help="write decode-backend-<date>.json and .md here")
     args = p.parse_args()
     small = args.small or args.backend == "numpy"
@@ -198,12 +246,17 @@ def main() -> None:
     for f in forms:
         if f not in ("layers", "one"):
             raise SystemExit(f"--forms: expected layers and/or one, got {f!r}")
+    gaps = [g for g in args.gaps.split(",") if g]
+    for g in gaps:
+        _gap(g)  # an unknown kind fails here, before any measuring
     result = {
         "layers": layers,
         "T": t,
         "tokens": args.tokens,
         "warmup": args.warmup,
-        "forms": [measure(backend, m, f, layers, args.tokens, args.warmup) for f in forms],
+        "forms": [
+            measure(backend, m, f, layers, args.tokens, args.warmup, g) for f in forms for g in gaps
+        ],
     }
     if args.out:
         date, record = harness.run_record("bench/decode_backend.py")
