@@ -54,11 +54,6 @@ from coliworker.kernels.pinned import align, at
 
 #: Host plans an arena keeps (its ``plans``); past this it drops them all.
 PLANS_PER_ARENA = 1024
-#: Expert groups' entries an arena keeps by their experts (``_kept_plan``), in one entry of
-#: its ``plans`` under ``_BY_EXPERTS``; past this it drops them all (not the plans by shape,
-#: from which they are made again): routed experts that change every token add one a call.
-BY_EXPERTS = 512
-_BY_EXPERTS = ("group by experts",)
 
 
 _silu_mul: Any = None
@@ -134,55 +129,15 @@ def _kept_plan(
 ) -> tuple[Any, Any, tuple, tuple | None]:  # fmt: skip
     """The plan arena ``a`` keeps for this group (``prepare``'s docstring): by the experts
     themselves, else by the group's shape. Returns (the plan or None, the experts' triples_of
-    entries where the shape's plan is used or None, the experts' key, the shape's key or None).
-    Experts seen once are kept with their shape's entry (one dictionary entry, no tables); seen
-    again, their own entry is made from it (``_derive``): a token's layers each call their own
-    experts, and a decode group's routed experts may change every token. Either entry holds
-    the experts' triples (entries by the experts, ``_BY_EXPERTS``): the ids in its key stay
-    theirs while it lives."""
+    entries where the shape was looked up or None, the experts' key, the shape's key or None)."""
     settings = _module("matmul").settings()
-    key = (settings, *map(id, experts), *rows, T, D, extra_in, extra_out, xr)
-    own = a.plans.get(_BY_EXPERTS)
-    hit = None if own is None else own.get(key)
+    key = ("group", settings, *map(id, experts), *rows, T, D, extra_in, extra_out, xr)
+    hit = a.plans.get(key)
     if hit is not None:
-        if len(hit) == 2:  # seen once: the experts' own entry made now
-            hit = _keep_own(a, key, _derive(*hit))
         return hit, None, key, None
     triples = triples_of(experts)
     skey = ("group shape", settings, group_shape(triples), *rows, T, D, extra_in, extra_out, xr)
-    hit = a.plans.get(skey)
-    if hit is not None:  # seen once: these experts' triples and their shape's entry
-        if own is None or len(own) >= BY_EXPERTS:
-            own = _own(a)
-        own[key] = (triples, hit)
-    return hit, triples, key, skey
-
-
-def _derive(triples: list, shape: tuple) -> tuple:
-    """The own entry of the experts of ``triples`` (their ``triples_of`` entries) made from
-    their shape's: its tables with these experts' addresses patched in (``patch``), its
-    layout, launches and kept graph."""
-    _, end, out_end, t_off, table, where, calls, off, rep = shape
-    tables = bytearray(table)
-    patch(tables, 0, where, triples)
-    return (triples, end, out_end, t_off, bytes(tables), None, calls, off, rep)
-
-
-def _own(a: Any) -> dict:
-    """Arena ``a``'s entries by the experts (``_kept_plan``), made where missing, emptied where
-    full (``BY_EXPERTS``): room for one more."""
-    own = a.plans.get(_BY_EXPERTS)
-    if own is None:
-        own = a.plans[_BY_EXPERTS] = {}
-    elif len(own) >= BY_EXPERTS:
-        own.clear()
-    return own
-
-
-def _keep_own(a: Any, key: tuple, entry: tuple) -> tuple:
-    """``entry`` kept in arena ``a`` by its experts' ``key``."""
-    _own(a)[key] = entry
-    return entry
+    return a.plans.get(skey), triples, key, skey
 
 
 def _kept_tables(a: Any, last: Any, hit: tuple, triples: Any) -> None:
@@ -216,10 +171,9 @@ def prepare(
     Plans are kept in the arena twice (where every expert runs fused): by the experts
     themselves (the same experts and shapes: a later call copies the tables in whole) and by
     the group's shape (``group_shape``: other experts of the same specs, widths and rows, as
-    a token's layers each call their own experts, or a decode call's routed experts change
-    from token to token: the tables are copied in and ``patch`` writes these experts'
-    addresses into them; experts seen again get their own entry, made from the shape's,
-    ``_kept_plan``). The launches and the layout are the shape's either way."""
+    a decode call's routed experts change from token to token: the tables are copied in and
+    ``patch`` writes these experts' addresses into them). The launches and the layout are the
+    shape's either way."""
     T, D = x.shape
     a = call.take()
     xr = None if x_rows is None else tuple(x_rows)
@@ -265,12 +219,12 @@ def prepare(
     if not plan.unfused:  # (unfused experts' launches hold views of this call's arena)
         if len(a.plans) >= PLANS_PER_ARENA - 1:
             a.plans.clear()
-        # The entry by the experts holds them: their ids in its key stay theirs while it
-        # lives. Both entries list the same work (the same layout and launches): one graph.
+        # The entry holds the triples: their ids in the key stay theirs while it lives. Both
+        # entries list the same work (the same layout and launches): one kept graph.
         table = a.host[t_off : t_off + plan.table_bytes].tobytes()
         rep = call.new_replay()
+        a.plans[key] = (list(experts), end, out_end, t_off, table, None, calls, off, rep)
         a.plans[skey] = (None, end, out_end, t_off, table, slots, calls, off, rep)
-        _keep_own(a, key, (list(experts), end, out_end, t_off, table, None, calls, off, rep))
     return a, calls, off, rep
 
 

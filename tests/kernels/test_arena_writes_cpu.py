@@ -10,10 +10,8 @@ plan made without a ``Call``, ``expert_group.routed_kept``, ``attention_call.run
 ``expert_group.group_kept``), and those calls must leave it as the same calls made through a
 ``Call`` do.
 Interleaved calls of every decode op (matmul of two weights, routed groups whose experts
-change, the same experts again, layers' own expert lists in turn, an expert group, ragged
-attention) must leave the arena byte for byte as the same calls do with every plan's constant
-bytes written on every call. The entries kept by the experts are few
-(``expert_group.BY_EXPERTS``), so that they are dropped and made again along the way.
+change, the same experts again, an expert group, ragged attention) must leave the arena byte
+for byte as the same calls do with every plan's constant bytes written on every call.
 """
 
 from __future__ import annotations
@@ -51,7 +49,6 @@ SCRIPT = textwrap.dedent(
         setattr(mod, name, counted(i, getattr(mod, name)))
 
     graphs._record_fn = lambda *a: 0
-    expert_group.BY_EXPERTS = 8
     g = hp.GLM
     b = CupyBackend((0,))
     pool = [(hp.Resident(2, g["D"], g["I"]), hp.Resident(2, g["D"], g["I"]),
@@ -60,18 +57,13 @@ SCRIPT = textwrap.dedent(
     kv_b = hp.Resident(2, g["K"], g["H"] * (g["Q"] + g["V"]))
     o_proj = hp.Resident(2, g["H"] * g["V"], g["D"])
     cache = hp.KV(g["K"], g["R"], 4096)
-    # layers' own lists: 8 of the pool each, in one of two route orders
-    layer_lists = [[pool[e] for e in np.random.default_rng(i).permutation(24)[:8]]
-                   for i in range(6)]
-    layer_routes = [np.arange(8, dtype=np.int32).reshape(1, 8),
-                    np.arange(8, dtype=np.int32)[::-1].copy().reshape(1, 8)]
 
     def calls(n, seed):
         # the same sequence of calls and inputs, fresh random, for both runs
         r = np.random.default_rng(seed)
         out = []
         for i in range(n):
-            kind = r.integers(0, 7)
+            kind = r.integers(0, 5)
             if kind == 0:
                 w = dense[r.integers(0, 2)]
                 x = r.standard_normal((1, w.in_features)).astype(np.float32)
@@ -83,17 +75,11 @@ SCRIPT = textwrap.dedent(
                 routes = r.permutation(8).astype(np.int32).reshape(1, 8)
                 wts = r.random((1, 8)).astype(np.float32)
                 out.append(lambda ex=ex, x=x, ro=routes, w=wts: b.expert_group_routed(ex, x, ro, w))
-            elif kind >= 5:  # a layer's own list (its experts seen before, or new)
-                ex = layer_lists[r.integers(0, 6)]
-                x = r.standard_normal((1, g["D"])).astype(np.float32)
-                ro = layer_routes[r.integers(0, 2)]
-                wts = r.random((1, 8)).astype(np.float32)
-                out.append(lambda ex=ex, x=x, ro=ro, w=wts: b.expert_group_routed(ex, x, ro, w))
             elif kind == 3:
                 ex = [pool[e] for e in r.permutation(24)[:4]]
                 x = r.standard_normal((4, g["D"])).astype(np.float32)
                 out.append(lambda ex=ex, x=x: b.expert_group(ex, [1] * 4, x))
-            elif kind == 4:
+            else:
                 q = r.standard_normal((1, g["H"], g["Q"] + g["R"])).astype(np.float32)
                 lat = r.standard_normal((1, g["K"])).astype(np.float32)
                 rope = r.standard_normal((1, g["R"])).astype(np.float32)
