@@ -13,6 +13,9 @@ the backend, and times each call's wall (``call``) beside its GPU phases from
     one      one layer's tensors, the same call ``--layers`` times a token (bench/kernels.py's
              case: the plan kept and its graph the last one launched)
 
+``--routes random`` draws each layer's routes anew every token (top-8 of the layer's
+``--experts`` in a new order or choice), as a router does: no call finds the plan kept for
+its experts' order, where fixed routes (the default) repeat each layer's call exactly.
 ``--gaps`` runs each form again with something between the calls (a worker's calls come
 with ~180 us of transport and dispatch between them): sched_yield polling, plain Python,
 a sleep, or a copy that turns the caches over.
@@ -83,10 +86,20 @@ class Layers:
         self.x = rng.standard_normal((1, s.d)).astype(np.float32)
         topk = min(8, experts)
         self.routes = rng.permutation(experts)[:topk].astype(np.int32)[None, :]
+        self.rng, self.n_experts, self.topk = rng, experts, topk
+        self.layer_routes = [self.routes] * n  # each layer's routes this token (``draw``)
         self.weights = (rng.random((1, topk)) / topk).astype(np.float32)
         self.row = (rng.standard_normal((1, s.k), np.float32),
                     rng.standard_normal((1, s.r), np.float32))  # fmt: skip
         self.att = (s.q, s.r, s.v, 1.0 / np.sqrt(s.q + s.r))
+
+    def draw(self) -> None:
+        """New routes for every layer (``--routes random``): top-k of the layer's experts in a
+        new order or choice, as a router picks them token by token."""
+        self.layer_routes = [
+            self.rng.permutation(self.n_experts)[: self.topk].astype(np.int32)[None, :]
+            for _ in self.layer_routes
+        ]
 
 
 def _gap(spec: str):
@@ -135,23 +148,38 @@ def token(backend, m: Layers, order: list[int], out: dict[str, list], gap=None) 
         if gap is not None:
             gap()
         t0 = time.perf_counter_ns()
-        res = backend.expert_group_routed(m.experts[li], m.x, m.routes, m.weights)
+        res = backend.expert_group_routed(m.experts[li], m.x, m.layer_routes[li], m.weights)
         out["expert_group_routed"].append((time.perf_counter_ns() - t0, res.phases))
 
 
 def measure(
-    backend, m: Layers, form: str, layers: int, tokens: int, warmup: int, gap: str = "none"
+    backend,
+    m: Layers,
+    form: str,
+    layers: int,
+    tokens: int,
+    warmup: int,
+    gap: str = "none",
+    routes: str = "fixed",
 ) -> dict:
     order = list(range(layers)) if form == "layers" else [0] * layers
     between = _gap(gap)
     if between is not None:
         form = f"{form}, gap {gap}"
+    if routes == "random":
+        form = f"{form}, routes random"
+    else:
+        m.layer_routes = [m.routes] * len(m.layer_routes)
     for _ in range(warmup):
+        if routes == "random":
+            m.draw()
         token(backend, m, order, {op: [] for op in OPS}, between)
     per_token, kern_token = [], []
     calls: dict[str, list] = {op: [] for op in OPS}
     for _ in range(tokens):
         got: dict[str, list] = {op: [] for op in OPS}
+        if routes == "random":
+            m.draw()
         token(backend, m, order, got, between)
         per_token.append(sum(w for op in OPS for w, _ in got[op]))
         kern_token.append(sum(p.kernel_ns for op in OPS for _, p in got[op]))
@@ -233,6 +261,12 @@ def main() -> None:
         " KIND spin (sched_yield, as a worker polls for its next call), busy, sleep or churn"
         " (e.g. none,spin:180,sleep:180)",
     )
+    p.add_argument(
+        "--routes",
+        default="fixed",
+        help="fixed (each layer's routes the same every token), random (new top-k of the"
+        " layer's experts every token, as a router picks them), or both (each its own row)",
+    )
     p.add_argument("--out", default=None, help="write decode-backend-<date>.json and .md here")
     args = p.parse_args()
     small = args.small or args.backend == "numpy"
@@ -246,6 +280,9 @@ def main() -> None:
     for f in forms:
         if f not in ("layers", "one"):
             raise SystemExit(f"--forms: expected layers and/or one, got {f!r}")
+    routing = ["fixed", "random"] if args.routes == "both" else [args.routes]
+    if not set(routing) <= {"fixed", "random"}:
+        raise SystemExit(f"--routes: expected fixed, random or both, got {args.routes!r}")
     gaps = [g for g in args.gaps.split(",") if g]
     for g in gaps:
         _gap(g)  # an unknown kind fails here, before any measuring
@@ -255,7 +292,10 @@ def main() -> None:
         "tokens": args.tokens,
         "warmup": args.warmup,
         "forms": [
-            measure(backend, m, f, layers, args.tokens, args.warmup, g) for f in forms for g in gaps
+            measure(backend, m, f, layers, args.tokens, args.warmup, g, r)
+            for f in forms
+            for g in gaps
+            for r in routing
         ],
     }
     if args.out:
