@@ -13,6 +13,10 @@ needs valgrind; ``--no-instructions`` skips it).
 
     python bench/host_python.py --baseline SHA [--calls 2000] [--out bench/results]
 
+``--cold`` times each row again with an 8 MB copy before every call: the host path from caches
+that other work has turned over, as inside a worker (bench/decode_backend.py ``--gaps`` shows
+the same on a GPU host).
+
 ``--baseline SHA`` runs the same rows in an exported tree of that commit, in the same run;
 without it, the rows of this tree are timed and printed, no file written.
 """
@@ -208,14 +212,24 @@ def make_rows() -> dict:
     return rows
 
 
-def time_rows(calls: int) -> dict[str, float]:
-    """Median host us per call of each row, in this process."""
+#: Bytes copied before each call of a ``--cold`` timing: more than the L2 of the host CPUs
+#: measured here, so each call starts with caches another workload has turned over.
+COLD_BYTES = 8 << 20
+
+
+def time_rows(calls: int, cold: bool = False) -> dict[str, float]:
+    """Median host us per call of each row, in this process; ``cold``: each call after a
+    ``COLD_BYTES`` copy (as inside a worker, whose transport and dispatch run between any
+    two backend calls)."""
     out = {}
+    src, dst = bytearray(COLD_BYTES), bytearray(COLD_BYTES)
     for name, fn in make_rows().items():
         for _ in range(50):
             fn()
         ts = []
         for _ in range(calls):
+            if cold:
+                dst[:] = src
             t0 = time.perf_counter_ns()
             fn()
             ts.append(time.perf_counter_ns() - t0)
@@ -260,6 +274,11 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--baseline", default=None, help="a commit to run beside this tree")
     p.add_argument("--no-instructions", action="store_true", help="timings only")
+    p.add_argument(
+        "--cold",
+        action="store_true",
+        help="also time each row with an 8 MB copy before every call (caches turned over)",
+    )
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--count", default=None, help=argparse.SUPPRESS)
@@ -268,7 +287,7 @@ def main() -> None:
         if a.count:
             count_loop(a.count, a.calls)
         else:
-            print(repr(time_rows(a.calls)))
+            print(repr(time_rows(a.calls, a.cold)))
         return
     sys.path.insert(0, ROOT)
     from bench import harness
@@ -281,6 +300,10 @@ def main() -> None:
             trees = {"baseline": export(a.baseline, scratch), **trees}
         us = {n: eval(_child(t, "--calls", str(a.calls)).strip().splitlines()[-1])  # noqa: S307
               for n, t in trees.items()}  # fmt: skip
+        if a.cold:
+            for n, t in list(trees.items()):
+                out = _child(t, "--calls", str(min(a.calls, 500)), "--cold")
+                us[f"{n}, cold"] = eval(out.strip().splitlines()[-1])  # noqa: S307
         rows = list(us["this tree"])
         ir: dict[str, dict[str, float]] = {n: {} for n in trees}
         if a.baseline and not a.no_instructions:
@@ -288,10 +311,11 @@ def main() -> None:
                 for r in rows:
                     ir[n][r] = instructions(t, r, max(a.calls // 4, 100), scratch)
     names = list(trees)
-    cols = [f"{n} us" for n in names] + [f"{n} k instr" for n in names if ir[n]]
+    timed = list(us)  # each tree, then (--cold) each tree's cold timing
+    cols = [f"{n} us" for n in timed] + [f"{n} k instr" for n in names if ir[n]]
     lines = ["| row | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
     for r in rows:
-        vals = [f"{us[n][r]:.1f}" for n in names] + [f"{ir[n][r] / 1e3:.1f}" for n in names
+        vals = [f"{us[n][r]:.1f}" for n in timed] + [f"{ir[n][r] / 1e3:.1f}" for n in names
                                                       if ir[n]]  # fmt: skip
         lines.append(f"| {r} | " + " | ".join(vals) + " |")
     print("\n".join(lines))
