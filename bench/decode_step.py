@@ -153,9 +153,21 @@ class Model:
             np.int32
         )
         self.weights = (rng.random((seqs, topk)) / topk).astype(np.float32)
+        self.rng, self.n_experts, self.topk = rng, experts, topk
+        self.layer_routes = [self.routes] * layers  # each layer's routes this token (``draw``)
         self.lat = rng.standard_normal((seqs, t + 1, s.k)).astype(np.float32)
         self.rope = rng.standard_normal((seqs, t + 1, s.r)).astype(np.float32)
         self.ids = [[1000 * li + j + 1 for j in range(seqs)] for li in range(layers)]
+
+    def draw(self) -> None:
+        """New routes for every layer and sequence (``--routes random``): top-k of the layer's
+        experts in a new order or choice, as a router picks them token by token."""
+        self.layer_routes = [
+            np.stack(
+                [self.rng.permutation(self.n_experts)[: self.topk] for _ in range(self.seqs)]
+            ).astype(np.int32)
+            for _ in self.layer_routes
+        ]
 
     def prefill(self, session) -> None:
         """T rows of each layer's sequences (once; each token then rolls back to T)."""
@@ -182,7 +194,7 @@ class Model:
             )
             f.result()
             att += f.backend_ns
-            g = s.expert_group_routed(self.experts[li], self.x, self.routes, self.weights)
+            g = s.expert_group_routed(self.experts[li], self.x, self.layer_routes[li], self.weights)
             g.result()
             routed += g.backend_ns
         return att, routed
@@ -196,7 +208,7 @@ class Model:
             ]
             w.attention_ragged(self.kv_b[li], self.o_proj[li], self.q, sequences=seqs, **self.att)
             att += w.last_call.backend_ns
-            w.expert_group_routed(self.experts[li], self.x, self.routes, self.weights)
+            w.expert_group_routed(self.experts[li], self.x, self.layer_routes[li], self.weights)
             routed += w.last_call.backend_ns
         return att, routed
 
@@ -280,10 +292,14 @@ def measure(w, m: Model, path: str, args: argparse.Namespace) -> dict:
 
     try:
         for _ in range(args.warmup):
+            if args.routes == "random":
+                m.draw()
             token()
         e2e, backend, att, routed = [], [], [], []
         g0 = group_ns()
         for _ in range(args.tokens):
+            if args.routes == "random":
+                m.draw()
             t0 = time.perf_counter_ns()
             a, b = token()
             e2e.append(time.perf_counter_ns() - t0)
@@ -319,6 +335,7 @@ def measure(w, m: Model, path: str, args: argparse.Namespace) -> dict:
         "routed_kernel_us": kernel,
         "routed_d2h_us": d2h,
         "routed_backend_minus_kernel_us": routed_us - kernel,
+        "routes": args.routes,
         "client_spin_us": args.spin_us,
         "worker_spin_us": args.worker_spin_us,
     }
@@ -353,7 +370,8 @@ def write(result: dict, args: argparse.Namespace) -> None:
         f"- machine: {mc['host']}, {mc['cpu']} x{mc['cpus']}, GPU: {mc['gpu']}",
         f"- command: `{result['command']}`",
         f"- one token: {args.layers} layers x (ragged MLA attention over T={args.T} rows + o_proj,"
-        f" routed expert group top-{min(8, args.experts)} of {args.experts} int4 experts),"
+        f" routed expert group top-{min(8, args.experts)} of {args.experts} int4 experts,"
+        f" routes {args.routes}),"
         f" {args.sequences} sequence(s); {shape}; {result['resident_bytes'] / 1e9:.2f} GB"
         f" resident; {args.tokens} tokens timed after {args.warmup}"
         + (
@@ -417,6 +435,13 @@ def main() -> None:
         default=None,
         help="how long the worker's connection thread polls for the next call (default: the"
         " worker's --data-spin-us, 1000; shm: the doorbell's worker_spin_us, 1000)",
+    )
+    p.add_argument(
+        "--routes",
+        default="fixed",
+        choices=("fixed", "random"),
+        help="fixed: each layer's routes the same every token; random: drawn anew every token"
+        " (top-k of the layer's experts), as a router picks them",
     )
     p.add_argument("--tag", default="", help="a suffix for the results' file names")
     p.add_argument("--worker-cpus", default="", help="CPUs the worker runs on (e.g. 0-3)")
