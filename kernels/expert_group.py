@@ -23,7 +23,7 @@ test). Smaller groups (decode) keep one H2D, the launches and one D2H, as a CUDA
 seen before.
 
 The plans and the tables (``route_plan``, ``plan_group``, ``write_group``, and ``group_shape``
-and ``patch``, which let other experts of one shape reuse a plan) are
+and ``TablePatch``, which let other experts of one shape reuse a plan) are
 ``kernels/group_tables.py``'s and need no CuPy; the launches import CuPy when they are first
 built. Residents are duck-typed: ``spec`` (an interned ``WeightSpec``: specs compare by identity),
 ``fmt``, ``out_features`` and ``ptrs`` (device addresses of weights and scales). ``call`` is
@@ -42,9 +42,9 @@ from typing import Any
 import numpy as np
 
 from coliworker.kernels.group_tables import (
+    TablePatch,
     counter_bytes,
     group_shape,
-    patch,
     plan_group,
     route_plan,
     triples_of,
@@ -143,16 +143,15 @@ def _kept_plan(
 def _kept_tables(a: Any, last: Any, hit: tuple, triples: Any) -> None:
     """Kept plan ``hit``'s tables in arena ``a``'s host half, ``last`` being the plan whose
     constant bytes the arena held when its call took it (``Arena.keep``): the plan's own (its
-    experts') tables stay where its last call left them; a shape's are copied in where another
-    plan's bytes lie, and these experts' addresses (``triples``) patched into them."""
+    experts') tables stay where its last call left them, or are copied in where another plan's
+    bytes lie; a shape's are written whole, made for these experts (``triples``) in one join
+    (``TablePatch.fill``: the shape's constant bytes and these experts' addresses)."""
     _, _, _, t_off, table, where, _, _, _ = hit
     if where is None:  # the tables as made: in place where this plan's call left them
         if not a.keep(last, hit):
             a.hmv[t_off : t_off + len(table)] = table
-    else:  # other experts: their addresses patched into the shape's tables
-        if not a.keep(last, table):
-            a.hmv[t_off : t_off + len(table)] = table
-        patch(a.hmv, t_off, where, triples)
+    else:  # other experts (the arena's last plan stays unknown: take() forgot it)
+        a.hmv[t_off : t_off + where.nbytes] = where.fill(triples)
 
 
 def prepare(
@@ -171,9 +170,9 @@ def prepare(
     Plans are kept in the arena twice (where every expert runs fused): by the experts
     themselves (the same experts and shapes: a later call copies the tables in whole) and by
     the group's shape (``group_shape``: other experts of the same specs, widths and rows, as
-    a decode call's routed experts change from token to token: the tables are copied in and
-    ``patch`` writes these experts' addresses into them). The launches and the layout are the
-    shape's either way."""
+    a decode call's routed experts change from token to token: the tables are written whole,
+    the shape's constant bytes joined with these experts' addresses, ``TablePatch``). The
+    launches and the layout are the shape's either way."""
     T, D = x.shape
     a = call.take()
     xr = None if x_rows is None else tuple(x_rows)
@@ -224,7 +223,8 @@ def prepare(
         table = a.host[t_off : t_off + plan.table_bytes].tobytes()
         rep = call.new_replay()
         a.plans[key] = (list(experts), end, out_end, t_off, table, None, calls, off, rep)
-        a.plans[skey] = (None, end, out_end, t_off, table, slots, calls, off, rep)
+        a.plans[skey] = (None, end, out_end, t_off, table, TablePatch(table, slots), calls,
+                         off, rep)  # fmt: skip
     return a, calls, off, rep
 
 

@@ -2,7 +2,7 @@
 group as a packed one), the group plan (``plan_group``: fused launches, unfused experts, row and
 hidden offsets), the tables packed into the call's pinned buffer (``write_group``) and, for a
 plan reused by experts of the same shape, their addresses patched in (``triples_of``,
-``group_shape``, ``patch``). ``kernels/expert_group.py`` (the ops' host side) and
+``group_shape``, ``patch``, ``TablePatch``). ``kernels/expert_group.py`` (the ops' host side) and
 ``kernels/expert_group_pipe.py`` (the pipelined prefill) build on them; they are timed and
 tested on any machine (``tests/kernels/test_expert_group.py``). Residents are duck-typed:
 ``spec`` (an interned ``WeightSpec``: specs compare by identity), ``fmt``, ``out_features`` and
@@ -14,6 +14,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -297,7 +298,7 @@ _BYTES = {n: struct.Struct(f"{16 * n}s") for n in (1, 2, 3)}
 
 
 def patch(buf: Any, off: int, slots: Sequence[tuple[int, int, tuple[int, ...]]],
-          triples: Sequence[tuple[Any, tuple, bytes]]) -> None:  # fmt: skip
+          triples: Sequence[tuple[Any, int, bytes]]) -> None:  # fmt: skip
     """Tables that ``write_group`` packed at ``off`` of ``buf`` for experts of the same shape
     (specs, widths, rows) made those of the experts of ``triples`` (their ``triples_of`` entries):
     their addresses written into ``slots`` (``write_group``'s), nothing else changes. A slot's
@@ -312,29 +313,76 @@ def patch(buf: Any, off: int, slots: Sequence[tuple[int, int, tuple[int, ...]]],
             _BYTES[len(ms)].pack_into(buf, off + pos, b[16 * ms[0] : 16 * ms[-1] + 16])
 
 
+class TablePatch:
+    """A shape's tables as ``write_group`` packed them (``table``, from the table's start) and
+    the slots that hold its experts' addresses (``write_group``'s ``slots``, relative to that
+    start): ``fill`` makes the tables of other experts of the shape in one join, the constant
+    runs between the slots and these experts' packed addresses, the bytes ``patch`` writes into a
+    copy of ``table``."""
+
+    __slots__ = ("parts", "cs", "cuts", "nbytes", "in_order")
+
+    def __init__(self, table: bytes, slots: Sequence[tuple[int, int, tuple[int, ...]]]) -> None:
+        parts: list[bytes | None] = []
+        cs, cuts, at = [], [], 0
+        for pos, c, ms in sorted(slots):
+            if pos < at:
+                raise ValueError(f"TablePatch: slot at {pos} overlaps the one ending at {at}")
+            parts += [table[at:pos], None]
+            cs.append(c)
+            # None: the slot holds all three matrices (the usual moe record), the whole packing
+            cuts.append(None if len(ms) == 3 else (16 * ms[0], 16 * ms[-1] + 16))
+            at = pos + 16 * len(ms)
+        parts.append(table[at:])
+        self.parts = parts
+        self.cs = cs
+        self.cuts = None if all(cut is None for cut in cuts) else cuts
+        self.nbytes = len(table)
+        # one whole slot per expert, in the experts' order (a one-token routed group's)
+        self.in_order = self.cuts is None and cs == list(range(len(cs)))
+
+    def fill(self, triples: Sequence[tuple[Any, int, bytes]]) -> bytes:
+        """The tables for the experts of ``triples`` (their ``triples_of`` entries)."""
+        parts = self.parts[:]
+        if self.in_order and len(triples) == len(self.cs):
+            parts[1::2] = list(map(_ADDRESSES, triples))
+        elif self.cuts is None:
+            parts[1::2] = [triples[c][2] for c in self.cs]
+        else:
+            parts[1::2] = [triples[c][2] if cut is None else triples[c][2][cut[0] : cut[1]]
+                           for c, cut in zip(self.cs, self.cuts, strict=True)]  # fmt: skip
+        return b"".join(parts)  # type: ignore[arg-type]
+
+
 #: Triples whose shape and addresses ``triples_of`` keeps (cleared when full): a model's experts.
 TRIPLES_KEPT = 8192
-_triples: dict[int, tuple[Any, tuple, bytes]] = {}
+_triples: dict[int, tuple[Any, int, bytes]] = {}
+#: Each distinct expert shape (its gate, up and down specs by identity, hidden and output
+#: widths) as a small number, in the order first seen: a group's shape key is a tuple of these,
+#: cheap to hash on every call.
+_shapes: dict[tuple, int] = {}
 
 
-def _keep_triple(t: tuple[Any, Any, Any]) -> tuple[Any, tuple, bytes]:
+def _keep_triple(t: tuple[Any, Any, Any]) -> tuple[Any, int, bytes]:
     """Triple ``t``'s entry (``triples_of``), made and kept."""
     g, u, d = t
     if len(_triples) >= TRIPLES_KEPT:
         _triples.clear()
+    shape = (id(g.spec), id(u.spec), id(d.spec), g.out_features, d.out_features)
     e = _triples[id(t)] = (
         t,
-        (id(g.spec), id(u.spec), id(d.spec), g.out_features, d.out_features),
+        _shapes.setdefault(shape, len(_shapes)),
         _ADDRS[3].pack(*g.ptrs, *u.ptrs, *d.ptrs),
     )
     return e
 
 
-def triples_of(experts: Sequence[tuple[Any, Any, Any]]) -> list[tuple[Any, tuple, bytes]]:
-    """Each of ``experts``' entry: (the triple, its part of ``group_shape``, its six addresses
-    packed), made once per triple (the worker resolves an expert list to the same triple
-    objects every call), looked up in one pass. An entry holds its triple, so while it is kept
-    no other object has the id it is kept under: a hit is the triple's own entry."""
+def triples_of(experts: Sequence[tuple[Any, Any, Any]]) -> list[tuple[Any, int, bytes]]:
+    """Each of ``experts``' entry: (the triple, its part of ``group_shape``: its shape's
+    number, its six addresses packed), made once per triple (the worker resolves an expert list
+    to the same triple objects every call), looked up in one pass. An entry holds its triple, so
+    while it is kept no other object has the id it is kept under: a hit is the triple's own
+    entry."""
     out = list(map(_triples.get, map(id, experts)))
     if None in out:
         for i, e in enumerate(out):
@@ -343,8 +391,11 @@ def triples_of(experts: Sequence[tuple[Any, Any, Any]]) -> list[tuple[Any, tuple
     return out  # type: ignore[return-value]
 
 
-def group_shape(triples: Sequence[tuple[Any, tuple, bytes]]) -> tuple:
+_SHAPE, _ADDRESSES = itemgetter(1), itemgetter(2)  # of a triples_of entry
+
+
+def group_shape(triples: Sequence[tuple[Any, int, bytes]]) -> tuple:
     """What a group's plan and tables depend on beside the experts' addresses, from the
     experts' ``triples_of`` entries: each expert's gate, up and down specs (interned: by identity)
-    and its hidden and output widths."""
-    return tuple([t[1] for t in triples])
+    and its hidden and output widths, as the number ``_shapes`` gives them."""
+    return tuple(map(_SHAPE, triples))

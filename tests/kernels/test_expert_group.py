@@ -314,6 +314,11 @@ def test_patch_gives_the_tables_of_other_experts(rng, streamed):
     gt.patch(patched, 32, slots, gt.triples_of(b))
     assert not np.array_equal(bufs[0], bufs[1])
     assert np.array_equal(patched, bufs[1])
+    # the same tables in one join (TablePatch.fill), from a's and from b's own tables
+    for own, other in ((bufs[0], b), (bufs[1], a)):
+        tp = gt.TablePatch(own[32 : 32 + plan.table_bytes].tobytes(), slots)
+        want = bufs[1] if other is b else bufs[0]
+        assert tp.fill(gt.triples_of(other)) == want[32 : 32 + plan.table_bytes].tobytes()
 
 
 # ---- the routed plan (no GPU) ----
