@@ -17,6 +17,10 @@ needs valgrind; ``--no-instructions`` skips it).
 that other work has turned over, as inside a worker (bench/decode_backend.py ``--gaps`` shows
 the same on a GPU host).
 
+``--cache-model`` instead runs each row under callgrind's cache model, each call alone after
+the same copy: the lines of code and of data it fetches past a 2 MB level, and callgrind's
+cycle estimate (what a cold call costs beside its instructions; needs valgrind).
+
 ``--baseline SHA`` runs the same rows in an exported tree of that commit, in the same run;
 without it, the rows of this tree are timed and printed, no file written.
 """
@@ -160,6 +164,17 @@ class KV:
         pass
 
 
+#: The rows, in order (``make_rows``' keys).
+ROWS = (
+    "expert_group 8x1",
+    "routed 1 token, 8 of 8",
+    "routed 1 token, new 8 of 64",
+    "expert_group 8x1, new 8 of 64",
+    "matmul S=1 6144^2",
+    "attention_ragged 1 seq",
+)
+
+
 def make_rows() -> dict:
     """The rows' calls, by name, on a CuPy backend over the stand-in (``_stub_cupy``)."""
     _stub_cupy()
@@ -200,6 +215,7 @@ def make_rows() -> dict:
         "matmul S=1 6144^2": lambda: b.matmul(dense, x1),
         "attention_ragged 1 seq": lambda: attend(),
     }
+    assert tuple(rows) == ROWS, (tuple(rows), ROWS)
 
     def attend():
         # A decode token's 78 layers share T (the cache length): one T per call here, as
@@ -252,6 +268,49 @@ def count_loop(row: str, calls: int) -> None:
     ctypes.CDLL("libc.so.6").qsort((ctypes.c_int * 2)(2, 1), 2, 4, cmp)
 
 
+def cold_loop(row: str, calls: int) -> None:
+    """``calls`` calls of ``row``, each alone inside a qsort comparator (what callgrind
+    collects) after a ``COLD_BYTES`` copy outside it (``--cache-model``)."""
+    fn = make_rows()[row]
+    for _ in range(50):
+        fn()
+    src, dst = bytearray(COLD_BYTES), bytearray(COLD_BYTES)
+
+    def measured(a, b):
+        fn()
+        return 0
+
+    cmp = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)(measured)
+    qsort, pair = ctypes.CDLL("libc.so.6").qsort, (ctypes.c_int * 2)(2, 1)
+    for _ in range(calls):
+        dst[:] = src
+        qsort(pair, 2, 4, cmp)
+
+
+#: callgrind's cache model for ``--cache-model``: L1 as on the hosts measured here, and a
+#: last level of 2 MB (a core's L2: what a cold call refetches from farther away).
+CACHES = ["--I1=32768,8,64", "--D1=49152,12,64", "--LL=2097152,16,64"]
+
+
+def cache_model(tree: str, row: str, calls: int, scratch: str) -> dict[str, float]:
+    """Per call of ``row`` from turned-over caches (``cold_loop``): instructions, the lines of
+    code and of data read it fetches past the 2 MB level, and callgrind's cycle estimate
+    (Ir + 10 x L1 misses + 100 x last-level misses)."""
+    out = os.path.join(scratch, "cg-cache.out")
+    vg = ["valgrind", "--tool=callgrind", "--cache-sim=yes", *CACHES, "--collect-atstart=no",
+          "--toggle-collect=*qsort*", f"--callgrind-out-file={out}"]  # fmt: skip
+    _child(tree, "--cold-count", row, "--calls", str(calls), valgrind=vg)
+    with open(out) as f:
+        text = f.read()
+    events = re.findall(r"^events: (.*)$", text, re.M)[-1].split()
+    totals = [int(v) for v in re.findall(r"^summary: (.*)$", text, re.M)[-1].split()]
+    ev = {e: t / calls for e, t in zip(events, totals, strict=True)}
+    l1 = ev["I1mr"] + ev["D1mr"] + ev["D1mw"]
+    ll = ev["ILmr"] + ev["DLmr"] + ev["DLmw"]
+    return {"instructions": ev["Ir"], "code lines": ev["ILmr"], "data lines read": ev["DLmr"],
+            "estimate": ev["Ir"] + 10 * l1 + 100 * ll}  # fmt: skip
+
+
 def _child(tree: str, *args: str, valgrind: list[str] | None = None) -> str:
     env = dict(os.environ, PYTHONPATH=f"{tree}/.dev:{tree}")
     cmd = [*(valgrind or []), sys.executable, os.path.abspath(__file__), "--child", *args]
@@ -280,11 +339,20 @@ def main() -> None:
         help="also time each row with an 8 MB copy before every call (caches turned over)",
     )
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    p.add_argument(
+        "--cache-model",
+        action="store_true",
+        help="callgrind's cache model per row from turned-over caches instead of timings: code"
+        " and data lines fetched past a 2 MB level, and its cycle estimate; prints, writes nothing",
+    )
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--count", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--cold-count", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
-        if a.count:
+        if a.cold_count:
+            cold_loop(a.cold_count, a.calls)
+        elif a.count:
             count_loop(a.count, a.calls)
         else:
             print(repr(time_rows(a.calls, a.cold)))
@@ -294,6 +362,20 @@ def main() -> None:
     from bench.call_instructions import export
 
     subprocess.run([os.path.join(ROOT, "scripts/devlink")], check=True)
+    if a.cache_model:
+        with tempfile.TemporaryDirectory() as scratch:
+            trees = {"this tree": ROOT}
+            if a.baseline:
+                trees = {"baseline": export(a.baseline, scratch), **trees}
+            print("| row | tree | k instr | code lines | data lines read | k cycles (estimate) |")
+            print("|---|---|---|---|---|---|")
+            for r in ROWS:
+                for n, t in trees.items():
+                    m = cache_model(t, r, min(a.calls, 100), scratch)
+                    print(f"| {r} | {n} | {m['instructions'] / 1e3:.1f} | {m['code lines']:.0f} "
+                          f"| {m['data lines read']:.0f} | {m['estimate'] / 1e3:.1f} |",
+                          flush=True)  # fmt: skip
+        return
     with tempfile.TemporaryDirectory() as scratch:
         trees = {"this tree": ROOT}
         if a.baseline:
