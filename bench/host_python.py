@@ -413,8 +413,10 @@ def main() -> None:
             "",
             f"- date: {doc['date']}; commit {mc['commit']} beside baseline {a.baseline}",
             f"- machine: {mc['host']}, {mc['cpu']} x{mc['cpus']}, python {mc['python']}",
-            f"- command: `{doc['command']}`; median us of {a.calls} calls; instructions per call",
-            "  (callgrind) over a quarter as many",
+            f"- command: `{doc['command']}`; median us of {a.calls} calls"
+            + (f" (cold: of {min(a.calls, 500)}, each after an 8 MB copy)" if a.cold else "")
+            + ("" if a.no_instructions else
+               "; instructions per call (callgrind) over a quarter as many"),
             "", *lines, ""]))  # fmt: skip
     print(f"wrote {stem}.json and .md")
 
