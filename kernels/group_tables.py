@@ -2,7 +2,7 @@
 group as a packed one), the group plan (``plan_group``: fused launches, unfused experts, row and
 hidden offsets), the tables packed into the call's pinned buffer (``write_group``) and, for a
 plan reused by experts of the same shape, their addresses patched in (``triples_of``,
-``group_shape``, ``patch``, ``TablePatch``). ``kernels/expert_group.py`` (the ops' host side) and
+``group_shape``, ``TablePatch``). ``kernels/expert_group.py`` (the ops' host side) and
 ``kernels/expert_group_pipe.py`` (the pipelined prefill) build on them; they are timed and
 tested on any machine (``tests/kernels/test_expert_group.py``). Residents are duck-typed:
 ``spec`` (an interned ``WeightSpec``: specs compare by identity), ``fmt``, ``out_features`` and
@@ -187,7 +187,7 @@ def write_group(
     ``slots`` (fused experts only): filled with where the tables hold the experts' own
     addresses, ``(offset from off, expert c, matrices)``: the ``ptrs`` of matrices
     (0 gate, 1 up, 2 down) of expert c lie there one after another. Everything else in the
-    tables depends only on the experts' specs, widths and rows (``patch`` rewrites the
+    tables depends only on the experts' specs, widths and rows (``TablePatch`` rewrites the
     addresses for other experts of that shape).
 
     x float32 [N, d] packed rows at x_ptr (or expert c's rows at ``x_at[c]``: a routed group
@@ -294,31 +294,13 @@ def _write_streamed(
 _ADDRS = {n: struct.Struct(f"<{2 * n}Q") for n in (1, 2, 3)}
 
 
-_BYTES = {n: struct.Struct(f"{16 * n}s") for n in (1, 2, 3)}
-
-
-def patch(buf: Any, off: int, slots: Sequence[tuple[int, int, tuple[int, ...]]],
-          triples: Sequence[tuple[Any, int, bytes]]) -> None:  # fmt: skip
-    """Tables that ``write_group`` packed at ``off`` of ``buf`` for experts of the same shape
-    (specs, widths, rows) made those of the experts of ``triples`` (their ``triples_of`` entries):
-    their addresses written into ``slots`` (``write_group``'s), nothing else changes. A slot's
-    matrices are consecutive (all three, gate and up, or down), so its bytes are one range of
-    the triple's packed addresses."""
-    bytes3 = _BYTES[3].pack_into
-    for pos, c, ms in slots:
-        b = triples[c][2]
-        if len(ms) == 3:  # a moe record: all three (the usual slot)
-            bytes3(buf, off + pos, b)
-        else:
-            _BYTES[len(ms)].pack_into(buf, off + pos, b[16 * ms[0] : 16 * ms[-1] + 16])
-
-
 class TablePatch:
     """A shape's tables as ``write_group`` packed them (``table``, from the table's start) and
     the slots that hold its experts' addresses (``write_group``'s ``slots``, relative to that
-    start): ``fill`` makes the tables of other experts of the shape in one join, the constant
-    runs between the slots and these experts' packed addresses, the bytes ``patch`` writes into a
-    copy of ``table``."""
+    start): ``fill`` makes the tables of other experts of the shape (same specs, widths, rows) in
+    one join, the constant runs between the slots and these experts' packed addresses. A slot's
+    matrices are consecutive (all three, gate and up, or down), so its bytes are one range of
+    its triple's packed addresses."""
 
     __slots__ = ("parts", "cs", "cuts", "nbytes", "in_order")
 
@@ -336,18 +318,16 @@ class TablePatch:
         parts.append(table[at:])
         self.parts = parts
         self.cs = cs
-        self.cuts = None if all(cut is None for cut in cuts) else cuts
+        self.cuts = cuts
         self.nbytes = len(table)
         # one whole slot per expert, in the experts' order (a one-token routed group's)
-        self.in_order = self.cuts is None and cs == list(range(len(cs)))
+        self.in_order = cs == list(range(len(cs))) and all(cut is None for cut in cuts)
 
     def fill(self, triples: Sequence[tuple[Any, int, bytes]]) -> bytes:
         """The tables for the experts of ``triples`` (their ``triples_of`` entries)."""
         parts = self.parts[:]
         if self.in_order and len(triples) == len(self.cs):
             parts[1::2] = list(map(_ADDRESSES, triples))
-        elif self.cuts is None:
-            parts[1::2] = [triples[c][2] for c in self.cs]
         else:
             parts[1::2] = [triples[c][2] if cut is None else triples[c][2][cut[0] : cut[1]]
                            for c, cut in zip(self.cs, self.cuts, strict=True)]  # fmt: skip
