@@ -40,7 +40,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import harness  # noqa: E402
-from bench.decode_step import GLM52, SMALL, Shape  # noqa: E402
+from bench.decode_step import GLM52, SMALL, Shape, draw_routes  # noqa: E402
 
 OPS = ("attention_ragged", "expert_group_routed")
 
@@ -85,7 +85,7 @@ class Layers:
         self.q = rng.standard_normal((1, s.heads, s.q + s.r)).astype(np.float32)
         self.x = rng.standard_normal((1, s.d)).astype(np.float32)
         topk = min(8, experts)
-        self.routes = rng.permutation(experts)[:topk].astype(np.int32)[None, :]
+        self.routes = draw_routes(rng, experts, topk, 1)
         self.rng, self.n_experts, self.topk = rng, experts, topk
         self.layer_routes = [self.routes] * n  # each layer's routes this token (``draw``)
         self.weights = (rng.random((1, topk)) / topk).astype(np.float32)
@@ -97,8 +97,7 @@ class Layers:
         """New routes for every layer (``--routes random``): top-k of the layer's experts in a
         new order or choice, as a router picks them token by token."""
         self.layer_routes = [
-            self.rng.permutation(self.n_experts)[: self.topk].astype(np.int32)[None, :]
-            for _ in self.layer_routes
+            draw_routes(self.rng, self.n_experts, self.topk, 1) for _ in self.layer_routes
         ]
 
 

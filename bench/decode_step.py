@@ -62,6 +62,12 @@ GLM52 = Shape()
 SMALL = Shape(d=256, inter=64, heads=4, q=32, r=16, v=32, k=64, d_out=256)
 
 
+def draw_routes(rng: np.random.Generator, experts: int, topk: int, rows: int) -> np.ndarray:
+    """Routes int32 [rows, topk]: each row top-k of ``experts`` in a new order or choice, as a
+    router picks them."""
+    return np.stack([rng.permutation(experts)[:topk] for _ in range(rows)]).astype(np.int32)
+
+
 _all = os.sched_getaffinity(0)
 
 
@@ -149,9 +155,7 @@ class Model:
         self.q = rng.standard_normal((seqs, s.heads, s.q + s.r)).astype(np.float32)
         self.x = rng.standard_normal((seqs, s.d)).astype(np.float32)
         topk = min(8, experts)
-        self.routes = np.stack([rng.permutation(experts)[:topk] for _ in range(seqs)]).astype(
-            np.int32
-        )
+        self.routes = draw_routes(rng, experts, topk, seqs)
         self.weights = (rng.random((seqs, topk)) / topk).astype(np.float32)
         self.rng, self.n_experts, self.topk = rng, experts, topk
         self.layer_routes = [self.routes] * layers  # each layer's routes this token (``draw``)
@@ -163,10 +167,7 @@ class Model:
         """New routes for every layer and sequence (``--routes random``): top-k of the layer's
         experts in a new order or choice, as a router picks them token by token."""
         self.layer_routes = [
-            np.stack(
-                [self.rng.permutation(self.n_experts)[: self.topk] for _ in range(self.seqs)]
-            ).astype(np.int32)
-            for _ in self.layer_routes
+            draw_routes(self.rng, self.n_experts, self.topk, self.seqs) for _ in self.layer_routes
         ]
 
     def prefill(self, session) -> None:
