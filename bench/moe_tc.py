@@ -126,16 +126,19 @@ class Case:
 
         return reference.expert_group(self.host, self.rows, self.xh).astype(np.float64)
 
-    def launch(self, fast: bool):
+    def launch(self, fast: bool, wq: tuple | None = None):
+        """moe_tc_f (fast) or moe_tc; with ``wq`` = (S, D), moe_wq<S, D> where it serves."""
         from coliworker.kernels import matmul
 
-        saved = matmul.MOE_TC_FAST
+        saved = matmul.MOE_TC_FAST, matmul.MOE_WQ, matmul.WQ_SD
         matmul.MOE_TC_FAST = fast
+        matmul.MOE_WQ = wq is not None
+        matmul.WQ_SD = wq or saved[2]
         try:
             n_sm = matmul._sm_count(0)
             return matmul.moe_launch(self.gu, self.dn, self.n, self.r, self.ie, self.d, n_sm)
         finally:
-            matmul.MOE_TC_FAST = saved
+            matmul.MOE_TC_FAST, matmul.MOE_WQ, matmul.WQ_SD = saved
 
     def reset(self, k: int) -> None:
         p = self.pristine[k % len(self.pristine)]
@@ -181,7 +184,8 @@ def _time_phases(case, spin, iters: int, warmup: int) -> dict:
     return out
 
 
-def bench_case(rng, spin, spec: tuple, iters: int, warmup: int, phases: bool = False) -> dict:
+def bench_case(rng, spin, spec: tuple, iters: int, warmup: int, phases: bool = False,
+               wq: tuple = ()) -> dict:  # fmt: skip
     name, fmt, gs, r, d, ie, n, target = spec
     case = Case(rng, fmt, gs, r, d, ie, n)
     ref = case.reference()
@@ -191,9 +195,14 @@ def bench_case(rng, spin, spec: tuple, iters: int, warmup: int, phases: bool = F
         paths={},
     )  # fmt: skip
     ys = {}
-    for pname, fast in (("old", False), ("new", True)):
+    from coliworker.kernels import matmul
+
+    forms = [("old", False, None), ("new", True, None)]
+    if matmul.wq_eligible(case.gu, case.dn, r):
+        forms += [(f"wq{s}x{d}", True, (s, d)) for s, d in wq]
+    for pname, fast, sd in forms:
         try:
-            ln = case.launch(fast)
+            ln = case.launch(fast, sd)
             y = case.run_once(ln)
             same = all(np.array_equal(case.run_once(ln), y) for _ in range(3))
             ys[pname] = y
@@ -264,10 +273,10 @@ def render(meta: dict, rows: list[dict]) -> str:
     for r in rows:
         p = r["paths"]
         ok = [v for v in p.values() if "error" not in v]
-        same = len(ok) == 2 and all(v["bit_identical"] for v in ok)
+        same = len(ok) == len(p) and all(v["bit_identical"] for v in ok)
         err = {k: f"{v['rel_err']:.1e}" if "rel_err" in v else "error" for k, v in p.items()}
-        grid = " / ".join(str(v.get("grid", ["-"])[0]) for v in p.values())
-        regs = " / ".join(str(v.get("regs", "-")) for v in p.values())
+        grid = " / ".join(str(p[k].get("grid", ["-"])[0]) for k in ("old", "new"))
+        regs = " / ".join(str(p[k].get("regs", "-")) for k in ("old", "new"))
         tgt = "-" if r["target_us"] is None else f"{r['target_us']:.0f}"
         md.append(
             f"| {r['name']} | {r['bytes'] / 1e6:.1f} | {r['floor_us']:.1f} | {tgt} | "
@@ -276,6 +285,26 @@ def render(meta: dict, rows: list[dict]) -> str:
             f"{err['new']} | {grid} | {regs} | {'yes' if same else 'NO'} | "
             f"{'yes' if r['new_equals_old'] else 'NO'} |"
         )
+    wq = [(r, k) for r in rows for k in r["paths"] if k.startswith("wq")]
+    if wq:
+        md += [
+            "",
+            "moe_wq<S, D> (matmul.MOE_WQ) beside moe_tc_f (new) on the shapes it serves:",
+            "",
+            "| shape | form | us | new / it | % roofline | rel err | grid | regs | same bits |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r, k in wq:
+            v, n = r["paths"][k], r["paths"]["new"]
+            if "error" in v:
+                md.append(f"| {r['name']} | {k} | error | | | | | | |")
+                continue
+            md.append(
+                f"| {r['name']} | {k} | {gpu_timing.us(v)} | "
+                f"{n.get('median_us', np.nan) / v['median_us']:.2f}x | "
+                f"{r['floor_us'] / v['median_us'] * 100:.0f} | {v['rel_err']:.1e} | "
+                f"{v['grid'][0]} | {v['regs']} | {'yes' if v['bit_identical'] else 'NO'} |"
+            )
     ph = [r for r in rows if "phases" in r]
     if ph:
         md += [
@@ -313,7 +342,14 @@ def main() -> int:
                     help="also build and time every shape with gemv_tc.cu's text OLD replaced "
                     "by NEW, labelled LABEL (bench/variants.py): a knob of moe_tc_f "
                     "(TC_PFD, OCC) tried without editing the tree; repeatable")  # fmt: skip
+    ap.add_argument(
+        "--wq",
+        default="",
+        metavar="S,D[;S,D...]",
+        help="also time moe_wq<S, D> (matmul.WQ_FORMS) on the shapes it serves",
+    )
     a = ap.parse_args()
+    wq = tuple(tuple(int(v) for v in f.split(",")) for f in a.wq.split(";") if f.strip())
     if a.profile:
         a.iters = 0
     elif a.iters < 50:
@@ -347,7 +383,7 @@ def main() -> int:
         if label:
             variants.build_with(subs, "gemv_tc.cu")
         for sh in shapes:
-            row = bench_case(rng, spin, sh, a.iters, a.warmup, a.phases)
+            row = bench_case(rng, spin, sh, a.iters, a.warmup, a.phases, wq)
             if label:
                 row["name"] += f" {label}"
                 row["variant"] = [f"{o} => {n}" for o, n in subs]

@@ -92,14 +92,22 @@ SK_BLOCK_COST = 16  # a block's fixed cost (launch, staging, reductions) in 64-b
 # per setting, and the plans a backend keeps per arena are keyed by ``settings()``;
 # COLIWORKER_MOE_TC_FAST=0 in the environment sets it off from the start.
 MOE_TC_FAST = os.environ.get("COLIWORKER_MOE_TC_FAST", "1") != "0"
+# moe_wq (moe_wq.cuh): the decode expert group at one row and fmt 2 with every warp its own
+# queue client and cp.async ring (16 hidden rows of gate and up, or 32 of down, per item; no
+# block barriers). Not moe_tc's bits (one accumulator over K instead of four k slices), within
+# the same error of float64. ``WQ_SD`` = (S, D): 64-byte steps per stage, stages per ring.
+# COLIWORKER_MOE_WQ=1 switches it on; COLIWORKER_WQ_SD="S,D" picks the form.
+MOE_WQ = os.environ.get("COLIWORKER_MOE_WQ", "0") == "1"
+WQ_FORMS = ((2, 4), (2, 6), (4, 3), (4, 4))
+WQ_SD = tuple(int(v) for v in os.environ.get("COLIWORKER_WQ_SD", "2,4").split(","))
 
 
 def settings() -> tuple:
     """The switches that pick launches (TENSOR_CORES, SPLIT_K, SPLIT_K_FORCE, MOE_TC_FAST;
     gemv_stream's STREAM, ST_WARPS, ST_BLOCKS, ST_Q8; prefill_tc's PF_SPLIT_K, PF_SK_FORCE):
     part of every cached plan's key, so a plan made under other settings is not reused."""
-    return (TENSOR_CORES, SPLIT_K, SPLIT_K_FORCE, MOE_TC_FAST, st.STREAM, st.ST_WARPS,
-            st.ST_BLOCKS, st.ST_Q8, pf.PF_SPLIT_K, pf.PF_SK_FORCE)  # fmt: skip
+    return (TENSOR_CORES, SPLIT_K, SPLIT_K_FORCE, MOE_TC_FAST, MOE_WQ, WQ_SD, st.STREAM,
+            st.ST_WARPS, st.ST_BLOCKS, st.ST_Q8, pf.PF_SPLIT_K, pf.PF_SK_FORCE)  # fmt: skip
 
 
 TC_VARIANTS = (
@@ -112,6 +120,7 @@ TC_VARIANTS = (
             for d in ("false", "true") for mw in (8, 16))
     + tuple(f"gemv_st<{f}, {sb}, {d}, {mw}, true>" for f in (2, 4) for sb in (1, 4)
             for d in ("false", "true") for mw in (8, 16))
+    + tuple(f"moe_wq<{s}, {d}>" for s, d in WQ_FORMS)
 )  # fmt: skip
 
 
@@ -364,7 +373,7 @@ def moe_launch(
         return Launch(fn, (blocks,), (WARPS * 32,), tail, smem)
 
     key = (dev, "moe", id(gu), id(dn), n_jobs, max_rows, max_ie, max_dout, n_sm, TENSOR_CORES,
-           MOE_TC_FAST)  # fmt: skip
+           MOE_TC_FAST, MOE_WQ, WQ_SD)  # fmt: skip
     return _cached(key, make)
 
 
@@ -375,7 +384,10 @@ def _moe_tc(
     """moe_launch's launch on the tensor-core path (same arguments, same pointers): moe_tc_f
     when ``MOE_TC_FAST`` (for fmt 4 where the tile's staged scales leave room for 2 blocks per
     SM), else moe_tc. The grid is every resident block (the kernel's real registers and
-    shared memory: 3 per SM for moe_tc_f<F, 1> at GLM-5.2 widths), at most one per tile."""
+    shared memory: 3 per SM for moe_tc_f<F, 1> at GLM-5.2 widths), at most one per tile.
+    ``MOE_WQ`` takes moe_wq where it serves (``wq_eligible``)."""
+    if MOE_WQ and wq_eligible(gu, dn, max_rows):
+        return _moe_wq(gu, dn, n_jobs, max_ie, max_dout, n_sm)
     sb, kt_a, smem_a = _tc_geometry(max_rows, gu.layout.in_padded)
     _, kt_b, smem_b = _tc_geometry(max_rows, dn.layout.in_padded)
     kt, smem = (kt_a, smem_a) if kt_a >= kt_b else (kt_b, smem_b)
@@ -399,6 +411,37 @@ def _moe_tc(
     tail = (np.int32(n_jobs), np.int32(ta), np.int32(tb), np.int32(nz), *gu.geom(), *dn.geom(),
             np.int32(kt))  # fmt: skip
     return Launch(fn, (blocks,), (WARPS * 32,), tail, smem)
+
+
+def wq_eligible(gu: WeightSpec, dn: WeightSpec, max_rows: int) -> bool:
+    """moe_wq serves one activation row per job, fmt 2, and widths that keep every
+    activation row's float4 copies 16-byte aligned."""
+    return (max_rows == 1 and gu.fmt == 2 and dn.fmt == 2 and gu.in_features % 4 == 0
+            and dn.in_features % 4 == 0)  # fmt: skip
+
+
+def wq_smem(s: int, d: int) -> int:
+    """moe_wq<S, D>'s shared memory (MoeWq::SMEM in moe_wq.cuh)."""
+    return d * (2 * 16 * s * 64 + s * 512) + s * 3 * 144 * 2
+
+
+def _moe_wq(
+    gu: WeightSpec, dn: WeightSpec, n_jobs: int, max_ie: int, max_dout: int, n_sm: int
+) -> Launch | None:
+    """moe_launch's launch on moe_wq<WQ_SD> (one warp per block, every resident one, at
+    most one per item): ceil(ie / 16) gate+up items and ceil(dout / 32) down items per job."""
+    s, d = WQ_SD
+    smem = wq_smem(s, d)
+    name = f"moe_wq<{s}, {d}>"
+    fn = get_function("gemv_tc.cu", name, TC_VARIANTS, smem)
+    ta, tb = -(-max_ie // 16), -(-max_dout // 32)
+    total = (ta + tb) * n_jobs
+    if total <= 0:
+        return None
+    regs = max(int(fn.num_regs), 1)
+    per_sm = max(1, min(32, (227 * 1024) // (smem + 1024), 65536 // (-(-regs * 32 // 256) * 256)))
+    tail = (np.int32(n_jobs), np.int32(ta), np.int32(tb), *gu.geom(), *dn.geom())
+    return Launch(fn, (min(total, per_sm * n_sm),), (32,), tail, smem)
 
 
 def run(call: Any, w: Any, x: np.ndarray) -> Any:

@@ -1,0 +1,241 @@
+// moe_wq: the decode expert group (one activation row per expert, fmt 2) with every warp its
+// own work queue client and its own copy ring (host side: kernels/matmul.py, MOE_WQ).
+// gemv_tc.cu includes this after tc.cuh and jobs.cuh, whose helpers it uses.
+//
+// Why: moe_tc / moe_tc_f stage the activations per block tile and meet at block barriers
+// twice per tile; ncu puts them at 25-48% of DRAM bandwidth, waiting on loads and barriers
+// (bench/results/ncu-2026-12-01.md). Here no barrier spans more than one warp:
+// - an item is 16 hidden rows of one expert's gate and up (phase A) or 32 output rows of its
+//   down (phase B), over all of K, run by one warp; items are taken with one atomicAdd each,
+//   every A item before every B item (jobs.cuh's moe_queue argues why that cannot deadlock);
+// - the warp streams its item through a ring of D shared-memory stages with cp.async (S
+//   64-byte steps of its 32 weight rows, 512 contiguous bytes per copy instruction's half or
+//   quarter warp, plus the S steps' 128 activations each), D - 1 stages in flight;
+// - each stage's activations are split once (tc_split<3>: hi, mid, lo bf16) into a small
+//   per-warp buffer that the fragments read; the weights' chunks are read in the fragment
+//   order of moe_tc (tc.cuh) from the stage.
+//
+// Numerics: the same products as moe_tc (int4 codes as exact bf16, activations split three
+// ways, fp32 tensor-core sums, (hi + mid) + lo, times the row scale), summed over K in one
+// accumulator per row instead of moe_tc's four k slices: not the same bits as moe_tc, within
+// the same ~2^-24 relative per term of float64 (tests/kernels/test_expert_group.py).
+//
+// A phase-A item stores h = silu(gate) * up for its 16 rows, fences, and adds one to its
+// expert's counter; a phase-B item lets lane 0 spin until the counter holds every A item of
+// its expert (ta), then reads h through cp.async.cg (L2: h was written in this launch).
+#pragma once
+
+#define WQ_COLS 144  // bf16 per split column of one step: 128 + 16 (conflict-free reads)
+#define WQ_PF 512    // bytes per row a waiting B item asks L2 for
+
+template <int S, int D> struct MoeWq {
+    static constexpr int W_BYTES = 2 * 16 * S * 64;        // weights of a stage: 2 x 16 rows
+    static constexpr int X_BYTES = S * 512;                // activations of a stage (fp32)
+    static constexpr int STAGE = W_BYTES + X_BYTES;
+    static constexpr int BD_BYTES = S * 3 * WQ_COLS * 2;   // the split activations
+    static constexpr int SMEM = D * STAGE + BD_BYTES;
+    static constexpr int LPR = 4 * S;                      // lanes per row of a copy (16 B each)
+    static constexpr int RPI = 32 / LPR;                   // rows per copy instruction
+};
+
+// cp.async of 16 bytes into shared memory through L2 (n < 16: the rest zero-filled; 0: none
+// read), its commit group, and the wait until at most N of this thread's groups are pending.
+__device__ __forceinline__ void wq_cp16(void *dst, const void *src, int n) {
+    const unsigned int d = static_cast<unsigned int>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void wq_commit() {
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void wq_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Chunk c (16 bytes) of row r of mat m in a stage's weights: rows of 4S chunks, chunk index
+// XOR 4 on odd rows, so that the 8 lanes of a quarter warp (rows gid, gid + 1 at one step)
+// read 8 distinct bank groups.
+template <int S> __device__ __forceinline__ int wq_chunk(int m, int r, int c) {
+    return ((m * 16 + r) * 4 * S + (c ^ ((r & 1) << 2))) * 16;
+}
+
+// Issue stage i of an item (its steps [i * S, i * S + S)) into ring slot `slot`: the 32
+// weight rows (w[m] + rows row0 + [0, 16) clamped, ld bytes apart) and the activations x
+// (fp32, in_features long; zero past it). One commit group per stage (the caller commits).
+template <int S, int D>
+__device__ __forceinline__ void wq_issue(unsigned char *smem, int slot, int i,
+                                         const unsigned char *const (&w)[2], const int (&row0)[2],
+                                         int out_rows, int ld, const float *x, int in_features,
+                                         int lane) {
+    using P = MoeWq<S, D>;
+    unsigned char *st = smem + slot * P::STAGE;
+    const int b0 = i * S * 64;  // byte of each row where the stage starts
+#pragma unroll
+    for (int j = 0; j < 2 * 16 / P::RPI; ++j) {
+        const int m = j / (16 / P::RPI), r = (j % (16 / P::RPI)) * P::RPI + lane / P::LPR;
+        const int c = lane % P::LPR;
+        const int row = min(row0[m] + r, out_rows - 1);
+        wq_cp16(st + wq_chunk<S>(m, r, c), w[m] + (size_t)row * ld + b0 + c * 16, 16);
+    }
+    // Activations: lane (q = lane / 4, t = lane % 4) copies x[base + q * 128 + t * 4, + 4) of
+    // each step (base: the step's first element), the float4 that fragment (q, t) needs.
+    const int q = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+        const int gst = i * S + s;
+        const int gi = (gst >> 3) * 1024 + q * 128 + (gst & 7) * 16 + t * 4;
+        const int n = max(0, min(16, 4 * (in_features - gi)));
+        wq_cp16(st + P::W_BYTES + (s * 32 + lane) * 16, x + (n ? gi : 0), n);
+    }
+}
+
+// One item: acc[m] (C fragments of rows row0[m] + [0, 16), columns hi, mid, lo) over all K.
+template <int S, int D>
+__device__ __forceinline__ void wq_item(float (&acc)[2][4], unsigned char *smem,
+                                        const unsigned char *const (&w)[2], const int (&row0)[2],
+                                        int out_rows, const WGeom &g, const float *x, int lane) {
+    using P = MoeWq<S, D>;
+    unsigned short *bd = reinterpret_cast<unsigned short *>(smem + D * P::STAGE);
+    const int gid = lane >> 2, t = lane & 3, col = min(gid, 2);
+    const int nstage = (g.in_padded >> 7) / S;
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) acc[m][k] = 0.f;
+#pragma unroll
+    for (int i = 0; i < D - 1; ++i) {
+        if (i < nstage) wq_issue<S, D>(smem, i, i, w, row0, out_rows, g.ld, x, g.in_features, lane);
+        wq_commit();
+    }
+    for (int i = 0; i < nstage; ++i) {
+        wq_wait<D - 2>();
+        __syncwarp();  // every lane's copies of stage i have landed; stage i - 1 is consumed
+        const unsigned char *st = smem + (i % D) * P::STAGE;
+        // Split this lane's S activation quads into the columns the fragments read.
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+            const float4 v = *reinterpret_cast<const float4 *>(st + P::W_BYTES + (s * 32 + lane) * 16);
+            unsigned short p[3][4];
+            tc_split<3>(v, p);
+#pragma unroll
+            for (int c = 0; c < 3; ++c)
+                *reinterpret_cast<uint2 *>(bd + (s * 3 + c) * WQ_COLS + (lane >> 2) * 16 + t * 4) =
+                    tc_slot(p[c]);
+        }
+        __syncwarp();
+        {
+            const int nx = i + D - 1;  // into the slot of stage i - 1, consumed by every lane
+            if (nx < nstage)
+                wq_issue<S, D>(smem, nx % D, nx, w, row0, out_rows, g.ld, x, g.in_features, lane);
+            wq_commit();
+        }
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+            uint4 wa[2], wb[2];
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                wa[m] = *reinterpret_cast<const uint4 *>(st + wq_chunk<S>(m, gid, s * 4 + t));
+                wb[m] = *reinterpret_cast<const uint4 *>(st + wq_chunk<S>(m, gid + 8, s * 4 + t));
+            }
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+                uint2 b = *reinterpret_cast<const uint2 *>(bd + (s * 3 + col) * WQ_COLS + q * 16 + t * 4);
+                if (gid >= 3) b = make_uint2(0u, 0u);
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    unsigned int a0, a1, a2, a3;
+                    tc_quad(wa[m], q, a0, a2);
+                    tc_quad(wb[m], q, a1, a3);
+                    tc_mma(acc[m], a0, a1, a2, a3, b, acc[m]);
+                }
+            }
+        }
+    }
+    wq_wait<0>();
+    __syncwarp();
+}
+
+// The sums of rows gid (.x) and gid + 8 (.y) of one C fragment: (hi + mid) + lo, valid in
+// lanes t == 0 (hi and mid are its columns 0, 1; lo is column 2, lane t == 1's first).
+__device__ __forceinline__ float2 wq_rows(const float (&c)[4]) {
+    const float lo0 = __shfl_down_sync(0xffffffffu, c[0], 1);
+    const float lo1 = __shfl_down_sync(0xffffffffu, c[2], 1);
+    return make_float2((c[0] + c[1]) + lo0, (c[2] + c[3]) + lo1);
+}
+
+// The queue: A items (16 hidden rows of gate and up of one job, ta per job), then B items (32
+// output rows of down, tb per job); ctr as moe_queue's ([0] tickets, [1 + e] A items of job e
+// done). One warp per block; the next ticket is taken one item ahead.
+template <int S, int D>
+__global__ void __launch_bounds__(32)
+moe_wq(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ta, int tb, int a_in,
+       int a_in_padded, int a_ld, int a_ngp, int a_gs, int a_gs_shift, int b_in, int b_in_padded,
+       int b_ld, int b_ngp, int b_gs, int b_gs_shift) {
+    extern __shared__ float4 smem4[];
+    unsigned char *smem = reinterpret_cast<unsigned char *>(smem4);
+    const WGeom ga{a_in, a_in_padded, a_ld, a_ngp, a_gs, a_gs_shift};
+    const WGeom gb{b_in, b_in_padded, b_ld, b_ngp, b_gs, b_gs_shift};
+    const int lane = threadIdx.x, gid = lane >> 2, t = lane & 3;
+    const int total_a = ta * n_jobs, total = total_a + tb * n_jobs;
+    int tile = 0;
+    if (lane == 0) tile = atomicAdd(ctr, 1);
+    tile = __shfl_sync(0xffffffffu, tile, 0);
+    while (tile < total) {
+        int next = 0;
+        if (lane == 0) next = atomicAdd(ctr, 1);
+        float acc[2][4];
+        if (tile < total_a) {
+            const int e = tile / ta, row0 = (tile - e * ta) * 16;
+            const MoeJob &j = jobs[e];
+            if (row0 < j.ie && j.rows > 0) {
+                const unsigned char *const w[2] = {reinterpret_cast<const unsigned char *>(j.wg),
+                                                   reinterpret_cast<const unsigned char *>(j.wu)};
+                const int r0[2] = {row0, row0};
+                wq_item<S, D>(acc, smem, w, r0, j.ie, ga, reinterpret_cast<const float *>(j.x), lane);
+                const float2 g = wq_rows(acc[0]), u = wq_rows(acc[1]);
+                if (t == 0) {
+                    const float *sg = reinterpret_cast<const float *>(j.sg);
+                    const float *su = reinterpret_cast<const float *>(j.su);
+                    float *h = reinterpret_cast<float *>(j.h);
+                    const int ra = row0 + gid, rb = ra + 8;
+                    if (ra < j.ie) h[ra] = coli_out<true>(g.x * sg[ra], u.x * su[ra]);
+                    if (rb < j.ie) h[rb] = coli_out<true>(g.y * sg[rb], u.y * su[rb]);
+                }
+            }
+            __threadfence();  // this lane's h stores are visible device-wide ...
+            __syncwarp();     // ... before lane 0 publishes the item
+            if (lane == 0) atomicAdd(ctr + 1 + e, 1);
+        } else {
+            const int tb_i = tile - total_a, e = tb_i / tb, row0 = (tb_i - e * tb) * 32;
+            const MoeJob &j = jobs[e];
+            if (row0 < j.dout && j.rows > 0) {
+                const unsigned char *wd = reinterpret_cast<const unsigned char *>(j.wd);
+                // Its first WQ_PF bytes of each of its 32 rows asked of L2 before the wait.
+                for (int k = lane; k < 32 * (WQ_PF / 128); k += 32) {
+                    const int row = min(row0 + k / (WQ_PF / 128), j.dout - 1);
+                    asm volatile("prefetch.global.L2 [%0];" ::"l"(
+                        wd + (size_t)row * gb.ld + (k % (WQ_PF / 128)) * 128));
+                }
+                if (lane == 0) {
+                    const volatile int *done = ctr + 1 + e;
+                    while (*done < ta) __nanosleep(64);
+                    __threadfence();
+                }
+                __syncwarp();
+                const unsigned char *const w[2] = {wd, wd};
+                const int r0[2] = {row0, row0 + 16};
+                wq_item<S, D>(acc, smem, w, r0, j.dout, gb, reinterpret_cast<const float *>(j.h), lane);
+                const float2 y0 = wq_rows(acc[0]), y1 = wq_rows(acc[1]);
+                if (t == 0) {
+                    const float *sd = reinterpret_cast<const float *>(j.sd);
+                    float *y = reinterpret_cast<float *>(j.y);
+                    const int r[4] = {row0 + gid, row0 + gid + 8, row0 + 16 + gid, row0 + 24 + gid};
+                    const float v[4] = {y0.x, y0.y, y1.x, y1.y};
+#pragma unroll
+                    for (int k = 0; k < 4; ++k)
+                        if (r[k] < j.dout) y[r[k]] = v[k] * sd[r[k]];
+                }
+            }
+        }
+        tile = __shfl_sync(0xffffffffu, next, 0);
+    }
+}

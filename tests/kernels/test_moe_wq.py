@@ -1,0 +1,104 @@
+"""moe_wq (moe_wq.cuh: the one-row fmt 2 decode expert group, one warp per item with its own
+cp.async ring) against the float64 reference, driven through ``moe_launch`` with the job
+tables of test_moe_tc.py, in every form of ``matmul.WQ_FORMS``.
+
+moe_wq sums K in one accumulator per row where moe_tc sums four k slices, so its bits are its
+own: each output within ``TC_TOL`` of float64, every output written, the same bits on every
+call and from a replayed graph. Shapes: GLM-5.2's decode group (8 experts, D = 6144,
+I = 2048), small widths (outputs not a multiple of the 16- and 32-row items, K ending inside
+a stage), activations over 16 decades; widths it does not serve fall back to moe_tc_f."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _kern import TC_TOL, row_rel_err
+from test_moe_tc import Group
+
+pytestmark = pytest.mark.gpu
+
+
+def wq_launch(g: Group, sd: tuple[int, int]):
+    from coliworker.kernels import matmul
+
+    saved = matmul.MOE_WQ, matmul.WQ_SD
+    matmul.MOE_WQ, matmul.WQ_SD = True, sd
+    try:
+        n_sm = matmul._sm_count(0)
+        return matmul.moe_launch(g.gu, g.dn, g.n, max(g.rows), g.ie, g.d, n_sm)
+    finally:
+        matmul.MOE_WQ, matmul.WQ_SD = saved
+
+
+def check_wq(g: Group, calls: int = 3) -> None:
+    from coliworker.kernels import matmul
+
+    ref = g.reference()
+    for sd in matmul.WQ_FORMS:
+        ln = wq_launch(g, sd)
+        assert ln.block == (32,), ln.block  # moe_wq, not moe_tc_f
+        y = g.run(ln)
+        assert not np.isnan(y).any(), f"moe_wq<{sd}> left outputs unwritten"
+        assert row_rel_err(y, ref) < TC_TOL, (sd, row_rel_err(y, ref))
+        for _ in range(calls):
+            assert np.array_equal(g.run(ln).view(np.uint32), y.view(np.uint32)), sd
+
+
+def test_glm52_decode_group(rng):
+    g = Group(rng, 2, 0, 6144, 2048, [1] * 8)
+    for _ in range(2):
+        g.set_x(rng.standard_normal((8, 6144)).astype(np.float32))
+        check_wq(g)
+
+
+@pytest.mark.parametrize(
+    "d,ie,n",
+    [
+        (200, 72, 8),  # one 1024-element block of K, outputs not an item multiple
+        (1028, 36, 3),  # K 4 past a block: the last stage mostly zero-filled activations
+        (2100, 132, 5),
+        (3000, 640, 8),
+    ],
+)
+def test_small_widths(rng, d, ie, n):
+    g = Group(rng, 2, 0, d, ie, [1] * n)
+    g.set_x(rng.standard_normal((n, d)).astype(np.float32))
+    check_wq(g)
+
+
+def test_wide_range_activations(rng):
+    g = Group(rng, 2, 0, 2048, 256, [1] * 3)
+    x = rng.standard_normal((3, 2048)) * 10.0 ** rng.uniform(-8, 8, (3, 1))
+    g.set_x(x.astype(np.float32))
+    check_wq(g)
+
+
+@pytest.mark.parametrize(
+    "fmt,gs,d,ie,rows",
+    [(4, 64, 2048, 256, [1] * 4), (2, 0, 2048, 256, [4, 1]), (2, 0, 1025, 33, [1, 1])],
+)
+def test_not_served_falls_back(rng, fmt, gs, d, ie, rows):
+    # fmt 4, more than one row, or a width that is not a multiple of 4: moe_tc_f's launch.
+    g = Group(rng, fmt, gs, d, ie, rows)
+    assert wq_launch(g, (2, 4)).block != (32,)
+
+
+def test_graph_replay(rng):
+    import cupy
+
+    g = Group(rng, 2, 0, 6144, 2048, [1] * 8)
+    ln = wq_launch(g, (2, 4))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        g.set_x(rng.standard_normal((8, 6144)).astype(np.float32))
+        g.run(ln)
+        stream.begin_capture()
+        g.issue(ln)
+        graph = stream.end_capture()
+        for _ in range(3):
+            g.set_x(rng.standard_normal((8, 6144)).astype(np.float32))
+            want = g.run(ln)
+            g.y.fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            assert np.array_equal(g.y.get().view(np.uint32), want.view(np.uint32))

@@ -1,0 +1,184 @@
+"""moe_wq (moe_wq.cuh) on the CPU, no GPU needed (CI runs it): its CUDA source under g++
+through fibers.h, every block of a launch run together (one warp each), with its inline PTX
+replaced by models: cp.async copies that land one to three scheduler rounds after they are
+issued, in random order, zero-filling past their source bytes (a stage read before its bytes
+land, or refilled while it is read, gives wrong sums), their commit groups and waits, the
+warp shuffles, and tc.cuh's tensor-core pieces (tc_models.h). The down items spin on their
+expert's counter until every gate+up item of it is done (a wait that yields). Ragged tables
+(jobs of no rows, hidden and output rows not multiples of the 16- and 32-row items, K ending
+inside a stage and inside a 1024-element block, one x shared by all jobs as a routed token's
+experts have), rings of 2 to 4 stages of 2 and 4 steps, fewer blocks than items, against
+float64: every output written, nothing past the outputs touched, within 1e-5. The GPU tests
+of the same kernel: ``test_moe_wq.py``."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from _emulate import build_and_run, without_ptx
+
+from coliworker.kernels import sources
+
+_ASM = ("tc_bf16", "tc_nib2", "tc_quad", "tc_mma", "tc_mma_q8", "wq_cp16", "wq_commit",
+        "wq_wait")  # fmt: skip
+
+_SHIM = r"""
+#include "fibers.h"
+#include <map>
+#include "tc_models.h"
+// Warp shuffles through the warp's float slots (fibers.h), bit for bit.
+inline float shfl_at(float v, int src) {
+    const int lane = threadIdx.x & 31;
+    tl_warp->f[lane] = v;
+    tl_warp->bar->arrive_and_wait();
+    const float r = tl_warp->f[src & 31];
+    tl_warp->bar->arrive_and_wait();
+    return r;
+}
+inline int __shfl_sync(unsigned, int v, int src) {
+    float f;
+    std::memcpy(&f, &v, 4);
+    f = shfl_at(f, src);
+    std::memcpy(&v, &f, 4);
+    return v;
+}
+inline float __shfl_down_sync(unsigned, float v, int d) {
+    const int lane = threadIdx.x & 31;
+    return shfl_at(v, lane + d < 32 ? lane + d : lane);
+}
+// cp.async: each copy lands 1 to 3 rounds after it is issued (random order), n bytes read and
+// the rest of the 16 zeroed; a thread's groups are numbered by its commits (empty ones too).
+struct Cp { void *dst; const void *src; int n; Fiber *f; long group, round; };
+std::vector<Cp> g_cps;
+std::map<Fiber *, long> g_group;
+long g_round;
+std::mt19937 g_lag(11);
+inline void wq_cp16(void *dst, const void *src, int n) {
+    if ((size_t)dst % 16 || (n && (size_t)src % 16) || n < 0 || n > 16) {
+        std::printf("cp.async: misaligned or bad size (%d)\n", n);
+        std::exit(4);
+    }
+    g_cps.push_back({dst, src, n, cur, g_group[cur], g_round + 1 + (long)(g_lag() % 3)});
+}
+inline void wq_commit() { ++g_group[cur]; }
+template <int N> inline void wq_wait() {  // every group but the N last committed has landed
+    for (;;) {
+        bool left = false;
+        for (const Cp &c : g_cps) left |= c.f == cur && c.group < g_group[cur] - N;
+        if (!left) return;
+        yield_();
+    }
+}
+bool land() {
+    ++g_round;
+    bool any = false;
+    std::shuffle(g_cps.begin(), g_cps.end(), g_lag);
+    for (size_t i = 0; i < g_cps.size();) {
+        Cp &c = g_cps[i];
+        if (c.round > g_round) { ++i; continue; }
+        std::memset(c.dst, 0, 16);
+        if (c.n) std::memcpy(c.dst, c.src, c.n);
+        g_cps[i] = g_cps.back(); g_cps.pop_back();
+        any = true;
+    }
+    return any;
+}
+#define __nanosleep(x) yield_()
+#include "kernel.inc"
+
+// The resident int4 layout's element e of a row (common.cuh: load_elem), nibble - 8.
+inline int code(const unsigned char *row, int e) {
+    const int b = e / 1024, r = e % 1024, q = r >> 7, l = (r >> 2) & 31, k = r & 3, j = 4 * q + k;
+    return ((row[b * 512 + l * 16 + (j >> 1)] >> (4 * (j & 1))) & 15) - 8;
+}
+inline int padded(int k) { return (k + 1023) / 1024 * 1024; }
+
+// nj experts of hidden size ie and width d, rows[j] (0 or 1) activation rows each; one x for
+// all (same_x) or one each. moe_wq<S, D> on `grid` blocks.
+template <int S, int D>
+int check(int d, int ie, std::vector<int> rows, bool same_x, int grid) {
+    std::mt19937 rng(d * 7 + ie + grid + S * 10 + D);
+    std::normal_distribution<float> nd;
+    const int nj = (int)rows.size(), pa = padded(d), pb = padded(ie), pad = 5;
+    const int lda = pa / 2, ldb = pb / 2;
+    struct E { std::vector<unsigned char> wg, wu, wd; std::vector<float> sg, su, sd, x, h, y; };
+    std::vector<E> ex(nj);
+    auto bytes = [&](std::vector<unsigned char> &v, size_t n) {
+        v.resize(n + 16); for (auto &b : v) b = rng() & 255; };
+    auto scales = [&](std::vector<float> &v, size_t n) {
+        v.resize(n); for (auto &s : v) s = 0.001f + 0.01f * std::fabs(nd(rng)); };
+    std::vector<MoeJob> jobs(nj);
+    for (int j = 0; j < nj; ++j) {
+        E &e = ex[j];
+        bytes(e.wg, (size_t)ie * lda); bytes(e.wu, (size_t)ie * lda); bytes(e.wd, (size_t)d * ldb);
+        scales(e.sg, ie); scales(e.su, ie); scales(e.sd, d);
+        e.x.resize(d + 4);
+        for (auto &v : e.x) v = nd(rng);
+        e.h.assign(ie + pad, NAN);
+        e.y.assign(d + pad, NAN);
+        auto at = [](const auto &v) { return (unsigned long long)v.data(); };
+        jobs[j] = {at(e.wg), at(e.sg), at(e.wu), at(e.su), at(e.wd), at(e.sd),
+                   at(same_x ? ex[0].x : e.x), at(e.h), at(e.y), rows[j], ie, d, 0};
+    }
+    for (auto &e : ex)  // 16-byte aligned activations, as the arena's
+        if ((size_t)e.x.data() % 16) { std::printf("x not aligned\n"); return 1; }
+    const int ta = (ie + 15) / 16, tb = (d + 31) / 32;
+    std::vector<int> ctr(1 + nj, 0);
+    g_tick = land;
+    constexpr int SMEM = MoeWq<S, D>::SMEM;
+    launch({grid, 1, 1}, grid, 32, [&] {
+        moe_wq<S, D>(jobs.data(), ctr.data(), nj, ta, tb, d, pa, lda, 1, 4, 2, ie, pb, ldb, 1,
+                     4, 2); }, 0, SMEM / 16 + 1);
+    g_tick = nullptr;
+    if (!g_cps.empty()) { std::printf("copies never landed\n"); return 1; }
+    double md = 0, mx = 0;
+    long unwritten = 0, touched = 0;
+    for (int j = 0; j < nj; ++j) {
+        const E &e = ex[j];
+        const float *x = same_x ? ex[0].x.data() : e.x.data();
+        for (int o = ie; o < ie + pad; ++o) touched += !std::isnan(e.h[o]);
+        for (int o = d; o < d + pad; ++o) touched += !std::isnan(e.y[o]);
+        if (!rows[j]) {
+            for (int o = 0; o < d; ++o) touched += !std::isnan(e.y[o]);
+            continue;
+        }
+        std::vector<double> h(ie);
+        for (int r = 0; r < ie; ++r) {
+            double g = 0, u = 0;
+            for (int k = 0; k < d; ++k) {
+                g += (double)code(&e.wg[(size_t)r * lda], k) * x[k];
+                u += (double)code(&e.wu[(size_t)r * lda], k) * x[k];
+            }
+            g *= e.sg[r]; u *= e.su[r];
+            h[r] = g / (1 + std::exp(-g)) * u;
+        }
+        for (int o = 0; o < d; ++o) {
+            double v = 0;
+            for (int k = 0; k < ie; ++k) v += (double)code(&e.wd[(size_t)o * ldb], k) * h[k];
+            v *= e.sd[o];
+            const float got = e.y[o];
+            if (std::isnan(got)) { ++unwritten; continue; }
+            md = std::max(md, std::fabs(got - v)); mx = std::max(mx, std::fabs(v));
+        }
+    }
+    std::printf("moe_wq<%d, %d> d %d ie %d jobs %d same_x %d grid %d: rel err %.2g, "
+                "unwritten %ld, touched %ld\n", S, D, d, ie, nj, (int)same_x, grid, md / mx,
+                unwritten, touched);
+    return unwritten > 0 || touched > 0 || !(md <= 1e-5 * mx);
+}
+
+int main() {
+    return check<2, 4>(1100, 40, {1, 1, 0}, false, 5) +   // K 76 past a block; an idle job
+           check<4, 3>(2048 + 24, 36, {1, 1}, true, 3) +   // one x, a 17th item of 16 rows
+           check<2, 2>(700, 70, {1, 0, 1, 1}, false, 7) +  // a ring of 2: one stage in flight
+           check<4, 4>(1024, 16, {1}, true, 2) +           // one gate+up item, 32 down items
+           check<2, 6>(3000, 52, {1, 1}, true, 9);
+}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
+def test_moe_wq_on_cpu(tmp_path):
+    build_and_run(tmp_path, _SHIM, without_ptx(sources.source("gemv_tc.cu"), _ASM), 600)
