@@ -77,14 +77,24 @@ __device__ __forceinline__ void wq_issue(unsigned char *smem, int slot, int i,
         wq_cp16(st + wq_chunk<S>(m, r, c), w[m] + (size_t)row * ld + b0 + c * 16, 16);
     }
     // Activations: lane (q = lane / 4, t = lane % 4) copies x[base + q * 128 + t * 4, + 4) of
-    // each step (base: the step's first element), the float4 that fragment (q, t) needs.
+    // each step (base: the step's first element), the float4 that fragment (q, t) needs. Only
+    // this lane reads it back. An x not 16-byte aligned (never in a call's arena) is loaded
+    // and stored here instead.
     const int q = lane >> 2, t = lane & 3;
+    const bool al = (reinterpret_cast<size_t>(x) & 15) == 0;
 #pragma unroll
     for (int s = 0; s < S; ++s) {
         const int gst = i * S + s;
         const int gi = (gst >> 3) * 1024 + q * 128 + (gst & 7) * 16 + t * 4;
         const int n = max(0, min(16, 4 * (in_features - gi)));
-        wq_cp16(st + P::W_BYTES + (s * 32 + lane) * 16, x + (n ? gi : 0), n);
+        unsigned char *dst = st + P::W_BYTES + (s * 32 + lane) * 16;
+        if (al) {
+            wq_cp16(dst, x + (n ? gi : 0), n);
+        } else {
+            float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+            tc_load4(v, x, gi, in_features, false);
+            *reinterpret_cast<float4 *>(dst) = v;
+        }
     }
 }
 

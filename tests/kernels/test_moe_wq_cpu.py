@@ -7,9 +7,9 @@ warp shuffles, and tc.cuh's tensor-core pieces (tc_models.h). The down items spi
 expert's counter until every gate+up item of it is done (a wait that yields). Ragged tables
 (jobs of no rows, hidden and output rows not multiples of the 16- and 32-row items, K ending
 inside a stage and inside a 1024-element block, one x shared by all jobs as a routed token's
-experts have), rings of 2 to 4 stages of 2 and 4 steps, fewer blocks than items, against
-float64: every output written, nothing past the outputs touched, within 1e-5. The GPU tests
-of the same kernel: ``test_moe_wq.py``."""
+experts have, an x not 16-byte aligned), rings of 2 to 6 stages of 2 and 4 steps, fewer
+blocks than items, against float64: every output written, nothing past the outputs touched,
+within 1e-5. The GPU tests of the same kernel: ``test_moe_wq.py``."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ inline int padded(int k) { return (k + 1023) / 1024 * 1024; }
 // nj experts of hidden size ie and width d, rows[j] (0 or 1) activation rows each; one x for
 // all (same_x) or one each. moe_wq<S, D> on `grid` blocks.
 template <int S, int D>
-int check(int d, int ie, std::vector<int> rows, bool same_x, int grid) {
+int check(int d, int ie, std::vector<int> rows, bool same_x, int grid, int xoff = 0) {
     std::mt19937 rng(d * 7 + ie + grid + S * 10 + D);
     std::normal_distribution<float> nd;
     const int nj = (int)rows.size(), pa = padded(d), pb = padded(ie), pad = 5;
@@ -119,7 +119,7 @@ int check(int d, int ie, std::vector<int> rows, bool same_x, int grid) {
         e.y.assign(d + pad, NAN);
         auto at = [](const auto &v) { return (unsigned long long)v.data(); };
         jobs[j] = {at(e.wg), at(e.sg), at(e.wu), at(e.su), at(e.wd), at(e.sd),
-                   at(same_x ? ex[0].x : e.x), at(e.h), at(e.y), rows[j], ie, d, 0};
+                   at(same_x ? ex[0].x : e.x) + 4 * xoff, at(e.h), at(e.y), rows[j], ie, d, 0};
     }
     for (auto &e : ex)  // 16-byte aligned activations, as the arena's
         if ((size_t)e.x.data() % 16) { std::printf("x not aligned\n"); return 1; }
@@ -136,7 +136,7 @@ int check(int d, int ie, std::vector<int> rows, bool same_x, int grid) {
     long unwritten = 0, touched = 0;
     for (int j = 0; j < nj; ++j) {
         const E &e = ex[j];
-        const float *x = same_x ? ex[0].x.data() : e.x.data();
+        const float *x = (same_x ? ex[0].x.data() : e.x.data()) + xoff;
         for (int o = ie; o < ie + pad; ++o) touched += !std::isnan(e.h[o]);
         for (int o = d; o < d + pad; ++o) touched += !std::isnan(e.y[o]);
         if (!rows[j]) {
@@ -162,9 +162,9 @@ int check(int d, int ie, std::vector<int> rows, bool same_x, int grid) {
             md = std::max(md, std::fabs(got - v)); mx = std::max(mx, std::fabs(v));
         }
     }
-    std::printf("moe_wq<%d, %d> d %d ie %d jobs %d same_x %d grid %d: rel err %.2g, "
-                "unwritten %ld, touched %ld\n", S, D, d, ie, nj, (int)same_x, grid, md / mx,
-                unwritten, touched);
+    std::printf("moe_wq<%d, %d> d %d ie %d jobs %d same_x %d grid %d x at +%d: rel err %.2g, "
+                "unwritten %ld, touched %ld\n", S, D, d, ie, nj, (int)same_x, grid, xoff,
+                md / mx, unwritten, touched);
     return unwritten > 0 || touched > 0 || !(md <= 1e-5 * mx);
 }
 
@@ -173,7 +173,8 @@ int main() {
            check<4, 3>(2048 + 24, 36, {1, 1}, true, 3) +   // one x, a 17th item of 16 rows
            check<2, 2>(700, 70, {1, 0, 1, 1}, false, 7) +  // a ring of 2: one stage in flight
            check<4, 4>(1024, 16, {1}, true, 2) +           // one gate+up item, 32 down items
-           check<2, 6>(3000, 52, {1, 1}, true, 9);
+           check<2, 6>(3000, 52, {1, 1}, true, 9) +
+           check<2, 4>(1100, 40, {1, 1}, false, 4, 1);    // x 4 bytes past 16: loaded, not copied
 }
 """
 
