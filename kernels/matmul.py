@@ -92,11 +92,12 @@ SK_BLOCK_COST = 16  # a block's fixed cost (launch, staging, reductions) in 64-b
 # per setting, and the plans a backend keeps per arena are keyed by ``settings()``;
 # COLIWORKER_MOE_TC_FAST=0 in the environment sets it off from the start.
 MOE_TC_FAST = os.environ.get("COLIWORKER_MOE_TC_FAST", "1") != "0"
-# moe_wq (moe_wq.cuh): the decode expert group at one row and fmt 2 with every warp its own
-# queue client and cp.async ring (16 hidden rows of gate and up, or 32 of down, per item; no
-# block barriers). Not moe_tc's bits (one accumulator over K instead of four k slices), within
-# the same error of float64. ``WQ_SD`` = (S, D): 64-byte steps per stage, stages per ring.
-# COLIWORKER_MOE_WQ=1 switches it on; COLIWORKER_WQ_SD="S,D" picks the form.
+# moe_wq (moe_wq.cuh): the decode expert group at one row (fmt 2, fmt 4 with gs 32..256) with
+# every warp its own queue client and cp.async ring (16 hidden rows of gate and up, or 32 of
+# down, per item; no block barriers). Not moe_tc's bits (one accumulator over K instead of four
+# k slices), within the same error of float64. ``WQ_SD`` = (S, D): 64-byte steps per stage
+# (fmt 4: at most gs / 16), stages per ring. COLIWORKER_MOE_WQ=1 switches it on;
+# COLIWORKER_WQ_SD="S,D" picks the form.
 MOE_WQ = os.environ.get("COLIWORKER_MOE_WQ", "0") == "1"
 WQ_FORMS = ((2, 4), (2, 6), (4, 3), (4, 4))
 WQ_SD = tuple(int(v) for v in os.environ.get("COLIWORKER_WQ_SD", "2,4").split(","))
@@ -120,7 +121,8 @@ TC_VARIANTS = (
             for d in ("false", "true") for mw in (8, 16))
     + tuple(f"gemv_st<{f}, {sb}, {d}, {mw}, true>" for f in (2, 4) for sb in (1, 4)
             for d in ("false", "true") for mw in (8, 16))
-    + tuple(f"moe_wq<{s}, {d}>" for s, d in WQ_FORMS)
+    + tuple(f"moe_wq<{f}, {s}, {d}>" for f in (2, 4)
+            for s, d in sorted({(s2, d) for s, d in WQ_FORMS for s2 in (2, s)}))
 )  # fmt: skip
 
 
@@ -414,25 +416,39 @@ def _moe_tc(
 
 
 def wq_eligible(gu: WeightSpec, dn: WeightSpec, max_rows: int) -> bool:
-    """moe_wq serves one activation row per job, fmt 2, and widths that keep every
-    activation row's float4 copies 16-byte aligned."""
-    return (max_rows == 1 and gu.fmt == 2 and dn.fmt == 2 and gu.in_features % 4 == 0
-            and dn.in_features % 4 == 0)  # fmt: skip
+    """moe_wq serves one activation row per job, fmt 2 or fmt 4 with one power of two group
+    size of 32 to 256, and widths that keep every activation row's float4 copies 16-byte
+    aligned."""
+    fmt_ok = (gu.fmt == dn.fmt == 2) or (
+        gu.fmt == dn.fmt == 4
+        and gu.group_size == dn.group_size
+        and gu.group_size in (32, 64, 128, 256)
+    )
+    return max_rows == 1 and fmt_ok and gu.in_features % 4 == 0 and dn.in_features % 4 == 0
 
 
-def wq_smem(s: int, d: int) -> int:
-    """moe_wq<S, D>'s shared memory (MoeWq::SMEM in moe_wq.cuh)."""
-    return d * (2 * 16 * s * 64 + s * 512) + s * 3 * 144 * 2
+def wq_form(fmt: int, gs: int) -> tuple[int, int]:
+    """moe_wq's (S, D) for a format: ``WQ_SD``, S at most gs / 16 for fmt 4."""
+    s, d = WQ_SD
+    if fmt == 4:
+        s = min(s, gs // 16)
+    return s, d
+
+
+def wq_smem(fmt: int, s: int, d: int) -> int:
+    """moe_wq<F, S, D>'s shared memory (MoeWq::SMEM in moe_wq.cuh)."""
+    stage = 2 * 16 * s * 64 + s * 512 + (2 * 16 * 144 if fmt == 4 else 0)
+    return d * stage + s * 3 * 144 * 2
 
 
 def _moe_wq(
     gu: WeightSpec, dn: WeightSpec, n_jobs: int, max_ie: int, max_dout: int, n_sm: int
 ) -> Launch | None:
-    """moe_launch's launch on moe_wq<WQ_SD> (one warp per block, every resident one, at
+    """moe_launch's launch on moe_wq<F, S, D> (one warp per block, every resident one, at
     most one per item): ceil(ie / 16) gate+up items and ceil(dout / 32) down items per job."""
-    s, d = WQ_SD
-    smem = wq_smem(s, d)
-    name = f"moe_wq<{s}, {d}>"
+    s, d = wq_form(gu.fmt, gu.group_size)
+    smem = wq_smem(gu.fmt, s, d)
+    name = f"moe_wq<{gu.fmt}, {s}, {d}>"
     fn = get_function("gemv_tc.cu", name, TC_VARIANTS, smem)
     ta, tb = -(-max_ie // 16), -(-max_dout // 32)
     total = (ta + tb) * n_jobs

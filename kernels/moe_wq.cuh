@@ -1,5 +1,6 @@
-// moe_wq: the decode expert group (one activation row per expert, fmt 2) with every warp its
-// own work queue client and its own copy ring (host side: kernels/matmul.py, MOE_WQ).
+// moe_wq: the decode expert group (one activation row per expert; fmt 2, and fmt 4 with power
+// of two group sizes of 32 to 256) with every warp its own work queue client and its own copy
+// ring (host side: kernels/matmul.py, MOE_WQ).
 // gemv_tc.cu includes this after tc.cuh and jobs.cuh, whose helpers it uses.
 //
 // Why: moe_tc / moe_tc_f stage the activations per block tile and meet at block barriers
@@ -10,15 +11,17 @@
 //   every A item before every B item (jobs.cuh's moe_queue argues why that cannot deadlock);
 // - the warp streams its item through a ring of D shared-memory stages with cp.async (S
 //   64-byte steps of its 32 weight rows, 512 contiguous bytes per copy instruction's half or
-//   quarter warp, plus the S steps' 128 activations each), D - 1 stages in flight;
+//   quarter warp, plus the S steps' 128 activations each, and for fmt 4 the rows' scales of
+//   the stage's 1024-element block), D - 1 stages in flight;
 // - each stage's activations are split once (tc_split<3>: hi, mid, lo bf16) into a small
 //   per-warp buffer that the fragments read; the weights' chunks are read in the fragment
 //   order of moe_tc (tc.cuh) from the stage.
 //
 // Numerics: the same products as moe_tc (int4 codes as exact bf16, activations split three
-// ways, fp32 tensor-core sums, (hi + mid) + lo, times the row scale), summed over K in one
+// ways, fp32 tensor-core sums, (hi + mid) + lo, times the row scale; fmt 4: each stage's
+// steps of one quad summed in one mma chain, times their group's scale), summed over K in one
 // accumulator per row instead of moe_tc's four k slices: not the same bits as moe_tc, within
-// the same ~2^-24 relative per term of float64 (tests/kernels/test_expert_group.py).
+// the same ~2^-24 relative per term of float64 (tests/kernels/test_moe_wq.py).
 //
 // A phase-A item stores h = silu(gate) * up for its 16 rows, fences, and adds one to its
 // expert's counter; a phase-B item lets lane 0 spin until the counter holds every A item of
@@ -27,11 +30,16 @@
 
 #define WQ_COLS 144  // bf16 per split column of one step: 128 + 16 (conflict-free reads)
 #define WQ_PF 512    // bytes per row a waiting B item asks L2 for
+// fmt 4: bytes per row of a stage's scales: the 1024 / gs scales of the 1024-element block the
+// stage lies in (gs 32 to 256: 128 to 16 bytes), rows 144 bytes apart (the 8 rows a quarter
+// warp reads lie in 8 banks).
+#define WQ_SCROW 144
 
-template <int S, int D> struct MoeWq {
+template <int FMT, int S, int D> struct MoeWq {
     static constexpr int W_BYTES = 2 * 16 * S * 64;        // weights of a stage: 2 x 16 rows
     static constexpr int X_BYTES = S * 512;                // activations of a stage (fp32)
-    static constexpr int STAGE = W_BYTES + X_BYTES;
+    static constexpr int SC_BYTES = FMT == 4 ? 2 * 16 * WQ_SCROW : 0;  // fmt 4: row scales
+    static constexpr int STAGE = W_BYTES + X_BYTES + SC_BYTES;
     static constexpr int BD_BYTES = S * 3 * WQ_COLS * 2;   // the split activations
     static constexpr int SMEM = D * STAGE + BD_BYTES;
     static constexpr int LPR = 4 * S;                      // lanes per row of a copy (16 B each)
@@ -61,12 +69,13 @@ template <int S> __device__ __forceinline__ int wq_chunk(int m, int r, int c) {
 // Issue stage i of an item (its steps [i * S, i * S + S)) into ring slot `slot`: the 32
 // weight rows (w[m] + rows row0 + [0, 16) clamped, ld bytes apart) and the activations x
 // (fp32, in_features long; zero past it). One commit group per stage (the caller commits).
-template <int S, int D>
+template <int FMT, int S, int D>
 __device__ __forceinline__ void wq_issue(unsigned char *smem, int slot, int i,
-                                         const unsigned char *const (&w)[2], const int (&row0)[2],
-                                         int out_rows, int ld, const float *x, int in_features,
-                                         int lane) {
-    using P = MoeWq<S, D>;
+                                         const unsigned char *const (&w)[2],
+                                         const float *const (&sc)[2], const int (&row0)[2],
+                                         int out_rows, const WGeom &g, const float *x, int lane) {
+    using P = MoeWq<FMT, S, D>;
+    const int ld = g.ld, in_features = g.in_features;
     unsigned char *st = smem + slot * P::STAGE;
     const int b0 = i * S * 64;  // byte of each row where the stage starts
 #pragma unroll
@@ -96,24 +105,43 @@ __device__ __forceinline__ void wq_issue(unsigned char *smem, int slot, int i,
             *reinterpret_cast<float4 *>(dst) = v;
         }
     }
+    if (FMT == 4) {  // each row's scales of the stage's block: cpr 16-byte chunks
+        const int per = 1024 >> g.gs_shift, cpr = per >> 2, blk = (i * S) >> 3;
+        for (int k = lane; k < 32 * cpr; k += 32) {
+            const int m = k / (16 * cpr), r = (k / cpr) & 15, c = k % cpr;
+            const int row = min(row0[m] + r, out_rows - 1);
+            const float *src = sc[m] + (size_t)row * g.ngp + blk * per + c * 4;
+            unsigned char *dst = st + P::W_BYTES + P::X_BYTES + (m * 16 + r) * WQ_SCROW + c * 16;
+            if ((reinterpret_cast<size_t>(src) & 15) == 0) {
+                wq_cp16(dst, src, 16);
+            } else {  // scales not 16-byte aligned: loaded and stored by this lane
+                *reinterpret_cast<float4 *>(dst) =
+                    make_float4(__ldg(src), __ldg(src + 1), __ldg(src + 2), __ldg(src + 3));
+            }
+        }
+    }
 }
 
 // One item: acc[m] (C fragments of rows row0[m] + [0, 16), columns hi, mid, lo) over all K.
-template <int S, int D>
+// fmt 4: every stage lies in one group of each row per quad (gs >= 16 S), so its S steps are
+// summed in one mma chain per quad and matrix and that sum is scaled once.
+template <int FMT, int S, int D>
 __device__ __forceinline__ void wq_item(float (&acc)[2][4], unsigned char *smem,
-                                        const unsigned char *const (&w)[2], const int (&row0)[2],
+                                        const unsigned char *const (&w)[2],
+                                        const float *const (&sc)[2], const int (&row0)[2],
                                         int out_rows, const WGeom &g, const float *x, int lane) {
-    using P = MoeWq<S, D>;
+    using P = MoeWq<FMT, S, D>;
     unsigned short *bd = reinterpret_cast<unsigned short *>(smem + D * P::STAGE);
     const int gid = lane >> 2, t = lane & 3, col = min(gid, 2);
     const int nstage = (g.in_padded >> 7) / S;
+    const float zero[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
         for (int k = 0; k < 4; ++k) acc[m][k] = 0.f;
 #pragma unroll
     for (int i = 0; i < D - 1; ++i) {
-        if (i < nstage) wq_issue<S, D>(smem, i, i, w, row0, out_rows, g.ld, x, g.in_features, lane);
+        if (i < nstage) wq_issue<FMT, S, D>(smem, i, i, w, sc, row0, out_rows, g, x, lane);
         wq_commit();
     }
     for (int i = 0; i < nstage; ++i) {
@@ -123,39 +151,81 @@ __device__ __forceinline__ void wq_item(float (&acc)[2][4], unsigned char *smem,
         // Split this lane's S activation quads into the columns the fragments read.
 #pragma unroll
         for (int s = 0; s < S; ++s) {
-            const float4 v = *reinterpret_cast<const float4 *>(st + P::W_BYTES + (s * 32 + lane) * 16);
+            const float4 v =
+                *reinterpret_cast<const float4 *>(st + P::W_BYTES + (s * 32 + lane) * 16);
             unsigned short p[3][4];
             tc_split<3>(v, p);
 #pragma unroll
             for (int c = 0; c < 3; ++c)
-                *reinterpret_cast<uint2 *>(bd + (s * 3 + c) * WQ_COLS + (lane >> 2) * 16 + t * 4) =
+                *reinterpret_cast<uint2 *>(bd + (s * 3 + c) * WQ_COLS + gid * 16 + t * 4) =
                     tc_slot(p[c]);
         }
         __syncwarp();
         {
             const int nx = i + D - 1;  // into the slot of stage i - 1, consumed by every lane
-            if (nx < nstage)
-                wq_issue<S, D>(smem, nx % D, nx, w, row0, out_rows, g.ld, x, g.in_features, lane);
+            if (nx < nstage) wq_issue<FMT, S, D>(smem, nx % D, nx, w, sc, row0, out_rows, g, x, lane);
             wq_commit();
         }
+        if (FMT == 2) {
 #pragma unroll
-        for (int s = 0; s < S; ++s) {
-            uint4 wa[2], wb[2];
-#pragma unroll
-            for (int m = 0; m < 2; ++m) {
-                wa[m] = *reinterpret_cast<const uint4 *>(st + wq_chunk<S>(m, gid, s * 4 + t));
-                wb[m] = *reinterpret_cast<const uint4 *>(st + wq_chunk<S>(m, gid + 8, s * 4 + t));
-            }
-#pragma unroll
-            for (int q = 0; q < 8; ++q) {
-                uint2 b = *reinterpret_cast<const uint2 *>(bd + (s * 3 + col) * WQ_COLS + q * 16 + t * 4);
-                if (gid >= 3) b = make_uint2(0u, 0u);
+            for (int s = 0; s < S; ++s) {
+                uint4 wa[2], wb[2];
 #pragma unroll
                 for (int m = 0; m < 2; ++m) {
-                    unsigned int a0, a1, a2, a3;
-                    tc_quad(wa[m], q, a0, a2);
-                    tc_quad(wb[m], q, a1, a3);
-                    tc_mma(acc[m], a0, a1, a2, a3, b, acc[m]);
+                    wa[m] = *reinterpret_cast<const uint4 *>(st + wq_chunk<S>(m, gid, s * 4 + t));
+                    wb[m] = *reinterpret_cast<const uint4 *>(st + wq_chunk<S>(m, gid + 8, s * 4 + t));
+                }
+#pragma unroll
+                for (int q = 0; q < 8; ++q) {
+                    uint2 b = *reinterpret_cast<const uint2 *>(bd + (s * 3 + col) * WQ_COLS + q * 16 + t * 4);
+                    if (gid >= 3) b = make_uint2(0u, 0u);
+#pragma unroll
+                    for (int m = 0; m < 2; ++m) {
+                        unsigned int a0, a1, a2, a3;
+                        tc_quad(wa[m], q, a0, a2);
+                        tc_quad(wb[m], q, a1, a3);
+                        tc_mma(acc[m], a0, a1, a2, a3, b, acc[m]);
+                    }
+                }
+            }
+        } else {
+            uint4 wa[S][2], wb[S][2];
+#pragma unroll
+            for (int s = 0; s < S; ++s)
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    wa[s][m] = *reinterpret_cast<const uint4 *>(st + wq_chunk<S>(m, gid, s * 4 + t));
+                    wb[s][m] = *reinterpret_cast<const uint4 *>(st + wq_chunk<S>(m, gid + 8, s * 4 + t));
+                }
+            const float *ssc = reinterpret_cast<const float *>(st + P::W_BYTES + P::X_BYTES);
+            const int s0 = ((i * S) & 7) * 16;  // the stage's first element in each quad run
+#pragma unroll
+            for (int q = 0; q < 8; ++q) {
+                float d[2][4];
+#pragma unroll
+                for (int s = 0; s < S; ++s) {
+                    uint2 b = *reinterpret_cast<const uint2 *>(bd + (s * 3 + col) * WQ_COLS + q * 16 + t * 4);
+                    if (gid >= 3) b = make_uint2(0u, 0u);
+#pragma unroll
+                    for (int m = 0; m < 2; ++m) {
+                        unsigned int a0, a1, a2, a3;
+                        tc_quad(wa[s][m], q, a0, a2);
+                        tc_quad(wb[s][m], q, a1, a3);
+                        if (s == 0)
+                            tc_mma(d[m], a0, a1, a2, a3, b, zero);
+                        else
+                            tc_mma(d[m], a0, a1, a2, a3, b, d[m]);
+                    }
+                }
+                const int gi = (q * 128 + s0) >> g.gs_shift;  // group within the block
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    const float sa = ssc[(m * 16 + gid) * (WQ_SCROW / 4) + gi];
+                    const float sb = ssc[(m * 16 + gid + 8) * (WQ_SCROW / 4) + gi];
+                    acc[m][0] = fmaf(sa, d[m][0], acc[m][0]);
+                    acc[m][1] = fmaf(sa, d[m][1], acc[m][1]);
+                    acc[m][2] = fmaf(sb, d[m][2], acc[m][2]);
+                    acc[m][3] = fmaf(sb, d[m][3], acc[m][3]);
                 }
             }
         }
@@ -175,7 +245,7 @@ __device__ __forceinline__ float2 wq_rows(const float (&c)[4]) {
 // The queue: A items (16 hidden rows of gate and up of one job, ta per job), then B items (32
 // output rows of down, tb per job); ctr as moe_queue's ([0] tickets, [1 + e] A items of job e
 // done). One warp per block; the next ticket is taken one item ahead.
-template <int S, int D>
+template <int FMT, int S, int D>
 __global__ void __launch_bounds__(32)
 moe_wq(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ta, int tb, int a_in,
        int a_in_padded, int a_ld, int a_ngp, int a_gs, int a_gs_shift, int b_in, int b_in_padded,
@@ -199,16 +269,24 @@ moe_wq(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ta, int tb, in
             if (row0 < j.ie && j.rows > 0) {
                 const unsigned char *const w[2] = {reinterpret_cast<const unsigned char *>(j.wg),
                                                    reinterpret_cast<const unsigned char *>(j.wu)};
+                const float *const sc[2] = {reinterpret_cast<const float *>(j.sg),
+                                            reinterpret_cast<const float *>(j.su)};
                 const int r0[2] = {row0, row0};
-                wq_item<S, D>(acc, smem, w, r0, j.ie, ga, reinterpret_cast<const float *>(j.x), lane);
+                wq_item<FMT, S, D>(acc, smem, w, sc, r0, j.ie, ga,
+                                   reinterpret_cast<const float *>(j.x), lane);
                 const float2 g = wq_rows(acc[0]), u = wq_rows(acc[1]);
                 if (t == 0) {
                     const float *sg = reinterpret_cast<const float *>(j.sg);
                     const float *su = reinterpret_cast<const float *>(j.su);
                     float *h = reinterpret_cast<float *>(j.h);
                     const int ra = row0 + gid, rb = ra + 8;
-                    if (ra < j.ie) h[ra] = coli_out<true>(g.x * sg[ra], u.x * su[ra]);
-                    if (rb < j.ie) h[rb] = coli_out<true>(g.y * sg[rb], u.y * su[rb]);
+                    if (FMT == 2) {
+                        if (ra < j.ie) h[ra] = coli_out<true>(g.x * sg[ra], u.x * su[ra]);
+                        if (rb < j.ie) h[rb] = coli_out<true>(g.y * sg[rb], u.y * su[rb]);
+                    } else {
+                        if (ra < j.ie) h[ra] = coli_out<true>(g.x, u.x);
+                        if (rb < j.ie) h[rb] = coli_out<true>(g.y, u.y);
+                    }
                 }
             }
             __threadfence();  // this lane's h stores are visible device-wide ...
@@ -232,8 +310,11 @@ moe_wq(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ta, int tb, in
                 }
                 __syncwarp();
                 const unsigned char *const w[2] = {wd, wd};
+                const float *sdp = reinterpret_cast<const float *>(j.sd);
+                const float *const sc[2] = {sdp, sdp};
                 const int r0[2] = {row0, row0 + 16};
-                wq_item<S, D>(acc, smem, w, r0, j.dout, gb, reinterpret_cast<const float *>(j.h), lane);
+                wq_item<FMT, S, D>(acc, smem, w, sc, r0, j.dout, gb,
+                                   reinterpret_cast<const float *>(j.h), lane);
                 const float2 y0 = wq_rows(acc[0]), y1 = wq_rows(acc[1]);
                 if (t == 0) {
                     const float *sd = reinterpret_cast<const float *>(j.sd);
@@ -242,7 +323,7 @@ moe_wq(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ta, int tb, in
                     const float v[4] = {y0.x, y0.y, y1.x, y1.y};
 #pragma unroll
                     for (int k = 0; k < 4; ++k)
-                        if (r[k] < j.dout) y[r[k]] = v[k] * sd[r[k]];
+                        if (r[k] < j.dout) y[r[k]] = FMT == 2 ? v[k] * sd[r[k]] : v[k];
                 }
             }
         }

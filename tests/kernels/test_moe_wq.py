@@ -1,5 +1,5 @@
-"""moe_wq (moe_wq.cuh: the one-row fmt 2 decode expert group, one warp per item with its own
-cp.async ring) against the float64 reference, driven through ``moe_launch`` with the job
+"""moe_wq (moe_wq.cuh: the one-row decode expert group, fmt 2 and fmt 4 with group sizes 32
+to 256, one warp per item with its own cp.async ring) against the float64 reference, driven through ``moe_launch`` with the job
 tables of test_moe_tc.py, in every form of ``matmul.WQ_FORMS``.
 
 moe_wq sums K in one accumulator per row where moe_tc sums four k slices, so its bits are its
@@ -44,8 +44,9 @@ def check_wq(g: Group, calls: int = 3) -> None:
             assert np.array_equal(g.run(ln).view(np.uint32), y.view(np.uint32)), sd
 
 
-def test_glm52_decode_group(rng):
-    g = Group(rng, 2, 0, 6144, 2048, [1] * 8)
+@pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64), (4, 128), (4, 32)])
+def test_glm52_decode_group(rng, fmt, gs):
+    g = Group(rng, fmt, gs, 6144, 2048, [1] * 8)
     for _ in range(2):
         g.set_x(rng.standard_normal((8, 6144)).astype(np.float32))
         check_wq(g)
@@ -60,14 +61,16 @@ def test_glm52_decode_group(rng):
         (3000, 640, 8),
     ],
 )
-def test_small_widths(rng, d, ie, n):
-    g = Group(rng, 2, 0, d, ie, [1] * n)
+@pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64), (4, 256)])
+def test_small_widths(rng, fmt, gs, d, ie, n):
+    g = Group(rng, fmt, gs, d, ie, [1] * n)
     g.set_x(rng.standard_normal((n, d)).astype(np.float32))
     check_wq(g)
 
 
-def test_wide_range_activations(rng):
-    g = Group(rng, 2, 0, 2048, 256, [1] * 3)
+@pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64)])
+def test_wide_range_activations(rng, fmt, gs):
+    g = Group(rng, fmt, gs, 2048, 256, [1] * 3)
     x = rng.standard_normal((3, 2048)) * 10.0 ** rng.uniform(-8, 8, (3, 1))
     g.set_x(x.astype(np.float32))
     check_wq(g)
@@ -75,10 +78,16 @@ def test_wide_range_activations(rng):
 
 @pytest.mark.parametrize(
     "fmt,gs,d,ie,rows",
-    [(4, 64, 2048, 256, [1] * 4), (2, 0, 2048, 256, [4, 1]), (2, 0, 1025, 33, [1, 1])],
+    [
+        (4, 16, 2048, 256, [1] * 4),
+        (4, 48, 2048, 256, [1] * 4),
+        (2, 0, 2048, 256, [4, 1]),
+        (2, 0, 1025, 33, [1, 1]),
+    ],
 )
 def test_not_served_falls_back(rng, fmt, gs, d, ie, rows):
-    # fmt 4, more than one row, or a width that is not a multiple of 4: moe_tc_f's launch.
+    # Groups of 16 or not a power of two, more than one row, or a width that is not a
+    # multiple of 4: moe_tc_f's launch.
     g = Group(rng, fmt, gs, d, ie, rows)
     assert wq_launch(g, (2, 4)).block != (32,)
 
