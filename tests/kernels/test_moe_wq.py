@@ -1,6 +1,7 @@
 """moe_wq (moe_wq.cuh: the one-row decode expert group, fmt 2 and fmt 4 with group sizes 32
-to 256, one warp per item with its own cp.async ring) against the float64 reference, driven through ``moe_launch`` with the job
-tables of test_moe_tc.py, in every form of ``matmul.WQ_FORMS``.
+to 256, one warp per item with its own cp.async ring) against the float64 reference, driven
+through ``moe_launch`` with the job tables of test_moe_tc.py, in every form of
+``matmul.WQ_FORMS``.
 
 moe_wq sums K in one accumulator per row where moe_tc sums four k slices, so its bits are its
 own: each output within ``TC_TOL`` of float64, every output written, the same bits on every
