@@ -9,7 +9,8 @@ expert's counter until every gate+up item of it is done (a wait that yields). Ra
 inside a stage and inside a 1024-element block, one x shared by all jobs as a routed token's
 experts have, an x not 16-byte aligned), rings of 2 to 6 stages of 2 and 4 steps, fewer
 blocks than items, fmt 2 and fmt 4 (group sizes 32 to 256), against float64: every output
-written, nothing past the outputs touched, within 1e-5. The GPU tests of the same kernel: ``test_moe_wq.py``."""
+written, nothing past the outputs touched, within 1e-5. The GPU tests of the same kernel:
+``test_moe_wq.py``."""
 
 from __future__ import annotations
 
