@@ -92,7 +92,7 @@ SK_BLOCK_COST = 16  # a block's fixed cost (launch, staging, reductions) in 64-b
 # per setting, and the plans a backend keeps per arena are keyed by ``settings()``;
 # COLIWORKER_MOE_TC_FAST=0 in the environment sets it off from the start.
 MOE_TC_FAST = os.environ.get("COLIWORKER_MOE_TC_FAST", "1") != "0"
-# moe_wq (moe_wq.cuh): the decode expert group at one row (fmt 2, fmt 4 with gs 32..256) with
+# moe_wq (moe_wq.cuh): the decode expert group at 1-4 rows (fmt 2, fmt 4 with gs 32..256) with
 # every warp its own queue client and cp.async ring (16 hidden rows of gate and up, or 32 of
 # down, per item; no block barriers). Not moe_tc's bits (one accumulator over K instead of four
 # k slices), within the same error of float64. ``WQ_SD`` = (S, D): 64-byte steps per stage
@@ -121,7 +121,7 @@ TC_VARIANTS = (
             for d in ("false", "true") for mw in (8, 16))
     + tuple(f"gemv_st<{f}, {sb}, {d}, {mw}, true>" for f in (2, 4) for sb in (1, 4)
             for d in ("false", "true") for mw in (8, 16))
-    + tuple(f"moe_wq<{f}, {s}, {d}>" for f in (2, 4)
+    + tuple(f"moe_wq<{f}, {r}, {s}, {d}>" for f in (2, 4) for r in (1, 4)
             for s, d in sorted({(s2, d) for s, d in WQ_FORMS for s2 in (2, s)}))
 )  # fmt: skip
 
@@ -389,7 +389,7 @@ def _moe_tc(
     shared memory: 3 per SM for moe_tc_f<F, 1> at GLM-5.2 widths), at most one per tile.
     ``MOE_WQ`` takes moe_wq where it serves (``wq_eligible``)."""
     if MOE_WQ and wq_eligible(gu, dn, max_rows):
-        return _moe_wq(gu, dn, n_jobs, max_ie, max_dout, n_sm)
+        return _moe_wq(gu, dn, n_jobs, max_rows, max_ie, max_dout, n_sm)
     sb, kt_a, smem_a = _tc_geometry(max_rows, gu.layout.in_padded)
     _, kt_b, smem_b = _tc_geometry(max_rows, dn.layout.in_padded)
     kt, smem = (kt_a, smem_a) if kt_a >= kt_b else (kt_b, smem_b)
@@ -416,15 +416,15 @@ def _moe_tc(
 
 
 def wq_eligible(gu: WeightSpec, dn: WeightSpec, max_rows: int) -> bool:
-    """moe_wq serves one activation row per job, fmt 2 or fmt 4 with one power of two group
-    size of 32 to 256, and widths that keep every activation row's float4 copies 16-byte
-    aligned."""
+    """moe_wq serves up to 4 activation rows per job, fmt 2 or fmt 4 with one power of two
+    group size of 32 to 256, and widths that keep every activation row's float4 copies
+    16-byte aligned."""
     fmt_ok = (gu.fmt == dn.fmt == 2) or (
         gu.fmt == dn.fmt == 4
         and gu.group_size == dn.group_size
         and gu.group_size in (32, 64, 128, 256)
     )
-    return max_rows == 1 and fmt_ok and gu.in_features % 4 == 0 and dn.in_features % 4 == 0
+    return 1 <= max_rows <= 4 and fmt_ok and gu.in_features % 4 == 0 and dn.in_features % 4 == 0
 
 
 def wq_form(fmt: int, gs: int) -> tuple[int, int]:
@@ -435,20 +435,24 @@ def wq_form(fmt: int, gs: int) -> tuple[int, int]:
     return s, d
 
 
-def wq_smem(fmt: int, s: int, d: int) -> int:
-    """moe_wq<F, S, D>'s shared memory (MoeWq::SMEM in moe_wq.cuh)."""
-    stage = 2 * 16 * s * 64 + s * 512 + (2 * 16 * 144 if fmt == 4 else 0)
-    return d * stage + s * 3 * 144 * 2
+def wq_smem(fmt: int, r: int, s: int, d: int) -> int:
+    """moe_wq<F, R, S, D>'s shared memory (MoeWq::SMEM in moe_wq.cuh)."""
+    stage = 2 * 16 * s * 64 + r * s * 512 + (2 * 16 * 144 if fmt == 4 else 0)
+    nt = (3 * r + 7) // 8
+    return d * stage + max(s * 3 * r * 144 * 2, 2 * 16 * 8 * nt * 4)
 
 
 def _moe_wq(
-    gu: WeightSpec, dn: WeightSpec, n_jobs: int, max_ie: int, max_dout: int, n_sm: int
-) -> Launch | None:
-    """moe_launch's launch on moe_wq<F, S, D> (one warp per block, every resident one, at
-    most one per item): ceil(ie / 16) gate+up items and ceil(dout / 32) down items per job."""
+    gu: WeightSpec, dn: WeightSpec, n_jobs: int, max_rows: int, max_ie: int, max_dout: int,
+    n_sm: int,
+) -> Launch | None:  # fmt: skip
+    """moe_launch's launch on moe_wq<F, R, S, D> (one warp per block, every resident one, at
+    most one per item; R = 1 at one row, else 4): ceil(ie / 16) gate+up items and ceil(dout /
+    32) down items per job."""
     s, d = wq_form(gu.fmt, gu.group_size)
-    smem = wq_smem(gu.fmt, s, d)
-    name = f"moe_wq<{gu.fmt}, {s}, {d}>"
+    r = 1 if max_rows == 1 else 4
+    smem = wq_smem(gu.fmt, r, s, d)
+    name = f"moe_wq<{gu.fmt}, {r}, {s}, {d}>"
     fn = get_function("gemv_tc.cu", name, TC_VARIANTS, smem)
     ta, tb = -(-max_ie // 16), -(-max_dout // 32)
     total = (ta + tb) * n_jobs

@@ -1,20 +1,20 @@
-"""moe_wq (moe_wq.cuh: the one-row decode expert group, fmt 2 and fmt 4 with group sizes 32
-to 256, one warp per item with its own cp.async ring) against the float64 reference, driven
+"""moe_wq (moe_wq.cuh: the decode expert group of 1 to 4 rows per expert, fmt 2 and fmt 4
+with group sizes 32 to 256, one warp per item with its own cp.async ring) against the float64 reference, driven
 through ``moe_launch`` with the job tables of test_moe_tc.py, in every form of
 ``matmul.WQ_FORMS``.
 
 moe_wq sums K in one accumulator per row where moe_tc sums four k slices, so its bits are its
 own: each output within ``TC_TOL`` of float64, every output written, the same bits on every
 call and from a replayed graph. Shapes: GLM-5.2's decode group (8 experts, D = 6144,
-I = 2048), small widths (outputs not a multiple of the 16- and 32-row items, K ending inside
-a stage), activations over 16 decades; widths it does not serve fall back to moe_tc_f."""
+I = 2048) at 1, 4 and mixed rows, small widths (outputs not a multiple of the 16- and 32-row
+items, K ending inside a stage), activations over 16 decades; widths it does not serve fall back to moe_tc_f."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from _kern import TC_TOL, row_rel_err
-from test_moe_tc import Group
+from test_moe_tc import Group, _rebuild
 
 pytestmark = pytest.mark.gpu
 
@@ -47,32 +47,34 @@ def check_wq(g: Group, calls: int = 3) -> None:
 
 @pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64), (4, 128), (4, 32)])
 def test_glm52_decode_group(rng, fmt, gs):
+    # 8 experts at GLM-5.2 width: rows 1 (moe_wq<F, 1, ...>), 4 and mixed (<F, 4, ...>).
     g = Group(rng, fmt, gs, 6144, 2048, [1] * 8)
-    for _ in range(2):
-        g.set_x(rng.standard_normal((8, 6144)).astype(np.float32))
+    for rows in ([1] * 8, [4] * 8, [1, 4, 2, 3, 1, 4, 2, 1]):
+        g = _rebuild(g, rows)
+        g.set_x(rng.standard_normal((sum(rows), 6144)).astype(np.float32))
         check_wq(g)
 
 
 @pytest.mark.parametrize(
-    "d,ie,n",
+    "d,ie,rows",
     [
-        (200, 72, 8),  # one 1024-element block of K, outputs not an item multiple
-        (1028, 36, 3),  # K 4 past a block: the last stage mostly zero-filled activations
-        (2100, 132, 5),
-        (3000, 640, 8),
+        (200, 72, [1] * 8),  # one 1024-element block of K, outputs not an item multiple
+        (1028, 36, [1, 1, 1]),  # K 4 past a block: the last stage mostly zero-filled
+        (2100, 132, [4, 1, 3, 2, 4]),  # mixed rows
+        (3000, 640, [1, 2, 4, 3, 1, 1, 2, 4]),
     ],
 )
 @pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64), (4, 256)])
-def test_small_widths(rng, fmt, gs, d, ie, n):
-    g = Group(rng, fmt, gs, d, ie, [1] * n)
-    g.set_x(rng.standard_normal((n, d)).astype(np.float32))
+def test_small_widths(rng, fmt, gs, d, ie, rows):
+    g = Group(rng, fmt, gs, d, ie, rows)
+    g.set_x(rng.standard_normal((sum(rows), d)).astype(np.float32))
     check_wq(g)
 
 
 @pytest.mark.parametrize("fmt,gs", [(2, 0), (4, 64)])
 def test_wide_range_activations(rng, fmt, gs):
-    g = Group(rng, fmt, gs, 2048, 256, [1] * 3)
-    x = rng.standard_normal((3, 2048)) * 10.0 ** rng.uniform(-8, 8, (3, 1))
+    g = Group(rng, fmt, gs, 2048, 256, [1, 4, 2])
+    x = rng.standard_normal((7, 2048)) * 10.0 ** rng.uniform(-8, 8, (7, 1))
     g.set_x(x.astype(np.float32))
     check_wq(g)
 
@@ -82,12 +84,12 @@ def test_wide_range_activations(rng, fmt, gs):
     [
         (4, 16, 2048, 256, [1] * 4),
         (4, 48, 2048, 256, [1] * 4),
-        (2, 0, 2048, 256, [4, 1]),
+        (2, 0, 2048, 256, [5, 1]),
         (2, 0, 1025, 33, [1, 1]),
     ],
 )
 def test_not_served_falls_back(rng, fmt, gs, d, ie, rows):
-    # Groups of 16 or not a power of two, more than one row, or a width that is not a
+    # Groups of 16 or not a power of two, more than four rows, or a width that is not a
     # multiple of 4: moe_tc_f's launch.
     g = Group(rng, fmt, gs, d, ie, rows)
     assert wq_launch(g, (2, 4)).block != (32,)

@@ -8,7 +8,8 @@ expert's counter until every gate+up item of it is done (a wait that yields). Ra
 (jobs of no rows, hidden and output rows not multiples of the 16- and 32-row items, K ending
 inside a stage and inside a 1024-element block, one x shared by all jobs as a routed token's
 experts have, an x not 16-byte aligned), rings of 2 to 6 stages of 2 and 4 steps, fewer
-blocks than items, fmt 2 and fmt 4 (group sizes 32 to 256), against float64: every output
+blocks than items, 1 to 4 activation rows per job, fmt 2 and fmt 4 (group sizes 32 to 256),
+against float64: every output
 written, nothing past the outputs touched, within 1e-5. The GPU tests of the same kernel:
 ``test_moe_wq.py``."""
 
@@ -95,12 +96,13 @@ inline int code(const unsigned char *row, int e) {
 }
 inline int padded(int k) { return (k + 1023) / 1024 * 1024; }
 
-// nj experts of hidden size ie and width d, rows[j] (0 or 1) activation rows each; one x for
-// all (same_x) or one each. moe_wq<FMT, S, D> on `grid` blocks; fmt 4: groups of gs.
-template <int FMT, int S, int D>
+// nj experts of hidden size ie and width d, rows[j] (0 to R) activation rows each; one x for
+// all (same_x) or one each, xoff floats past its 16-byte aligned start. moe_wq<FMT, R, S, D>
+// on `grid` blocks; fmt 4: groups of gs.
+template <int FMT, int R, int S, int D>
 int check(int d, int ie, std::vector<int> rows, bool same_x, int grid, int xoff = 0,
           int gs = 0) {
-    std::mt19937 rng(d * 7 + ie + grid + S * 10 + D);
+    std::mt19937 rng(d * 7 + ie + grid + S * 10 + D + R * 100);
     std::normal_distribution<float> nd;
     const int nj = (int)rows.size(), pa = padded(d), pb = padded(ie), pad = 5;
     const int lda = pa / 2, ldb = pb / 2;
@@ -118,10 +120,10 @@ int check(int d, int ie, std::vector<int> rows, bool same_x, int grid, int xoff 
         bytes(e.wg, (size_t)ie * lda); bytes(e.wu, (size_t)ie * lda); bytes(e.wd, (size_t)d * ldb);
         scales(e.sg, (size_t)ie * nga); scales(e.su, (size_t)ie * nga);
         scales(e.sd, (size_t)d * ngb);
-        e.x.resize(d + 4);
+        e.x.resize((size_t)R * d + 4);
         for (auto &v : e.x) v = nd(rng);
-        e.h.assign(ie + pad, NAN);
-        e.y.assign(d + pad, NAN);
+        e.h.assign((size_t)rows[j] * ie + pad, NAN);
+        e.y.assign((size_t)rows[j] * d + pad, NAN);
         auto at = [](const auto &v) { return (unsigned long long)v.data(); };
         jobs[j] = {at(e.wg), at(e.sg), at(e.wu), at(e.su), at(e.wd), at(e.sd),
                    at(same_x ? ex[0].x : e.x) + 4 * xoff, at(e.h), at(e.y), rows[j], ie, d, 0};
@@ -131,66 +133,72 @@ int check(int d, int ie, std::vector<int> rows, bool same_x, int grid, int xoff 
     const int ta = (ie + 15) / 16, tb = (d + 31) / 32;
     std::vector<int> ctr(1 + nj, 0);
     g_tick = land;
-    constexpr int SMEM = MoeWq<FMT, S, D>::SMEM;
+    constexpr int SMEM = MoeWq<FMT, R, S, D>::SMEM;
     const int gsa = FMT == 4 ? gs : 4;
     launch({grid, 1, 1}, grid, 32, [&] {
-        moe_wq<FMT, S, D>(jobs.data(), ctr.data(), nj, ta, tb, d, pa, lda, nga, gsa, shift, ie,
-                          pb, ldb, ngb, gsa, shift); }, 0, SMEM / 16 + 1);
+        moe_wq<FMT, R, S, D>(jobs.data(), ctr.data(), nj, ta, tb, d, pa, lda, nga, gsa, shift,
+                             ie, pb, ldb, ngb, gsa, shift); }, 0, SMEM / 16 + 1);
     g_tick = nullptr;
     if (!g_cps.empty()) { std::printf("copies never landed\n"); return 1; }
     double md = 0, mx = 0;
     long unwritten = 0, touched = 0;
     for (int j = 0; j < nj; ++j) {
         const E &e = ex[j];
-        const float *x = (same_x ? ex[0].x.data() : e.x.data()) + xoff;
-        for (int o = ie; o < ie + pad; ++o) touched += !std::isnan(e.h[o]);
-        for (int o = d; o < d + pad; ++o) touched += !std::isnan(e.y[o]);
-        if (!rows[j]) {
-            for (int o = 0; o < d; ++o) touched += !std::isnan(e.y[o]);
-            continue;
-        }
-        std::vector<double> h(ie);
-        for (int r = 0; r < ie; ++r) {
-            double g = 0, u = 0;
-            for (int k = 0; k < d; ++k) {
-                const size_t si = FMT == 4 ? (size_t)r * nga + k / gs : r;
-                g += (double)code(&e.wg[(size_t)r * lda], k) * x[k] * (FMT == 4 ? e.sg[si] : 1.f);
-                u += (double)code(&e.wu[(size_t)r * lda], k) * x[k] * (FMT == 4 ? e.su[si] : 1.f);
+        const float *x0 = (same_x ? ex[0].x.data() : e.x.data()) + xoff;
+        for (size_t o = (size_t)rows[j] * ie; o < e.h.size(); ++o) touched += !std::isnan(e.h[o]);
+        for (size_t o = (size_t)rows[j] * d; o < e.y.size(); ++o) touched += !std::isnan(e.y[o]);
+        for (int s = 0; s < rows[j]; ++s) {
+            const float *x = x0 + (size_t)s * d;
+            std::vector<double> h(ie);
+            for (int r = 0; r < ie; ++r) {
+                double g = 0, u = 0;
+                for (int k = 0; k < d; ++k) {
+                    const size_t si = FMT == 4 ? (size_t)r * nga + k / gs : r;
+                    g += (double)code(&e.wg[(size_t)r * lda], k) * x[k] *
+                         (FMT == 4 ? e.sg[si] : 1.f);
+                    u += (double)code(&e.wu[(size_t)r * lda], k) * x[k] *
+                         (FMT == 4 ? e.su[si] : 1.f);
+                }
+                if (FMT == 2) { g *= e.sg[r]; u *= e.su[r]; }
+                h[r] = g / (1 + std::exp(-g)) * u;
             }
-            if (FMT == 2) { g *= e.sg[r]; u *= e.su[r]; }
-            h[r] = g / (1 + std::exp(-g)) * u;
-        }
-        for (int o = 0; o < d; ++o) {
-            double v = 0;
-            for (int k = 0; k < ie; ++k)
-                v += (double)code(&e.wd[(size_t)o * ldb], k) * h[k] *
-                     (FMT == 4 ? e.sd[(size_t)o * ngb + k / gs] : 1.f);
-            if (FMT == 2) v *= e.sd[o];
-            const float got = e.y[o];
-            if (std::isnan(got)) { ++unwritten; continue; }
-            md = std::max(md, std::fabs(got - v)); mx = std::max(mx, std::fabs(v));
+            for (int o = 0; o < d; ++o) {
+                double v = 0;
+                for (int k = 0; k < ie; ++k)
+                    v += (double)code(&e.wd[(size_t)o * ldb], k) * h[k] *
+                         (FMT == 4 ? e.sd[(size_t)o * ngb + k / gs] : 1.f);
+                if (FMT == 2) v *= e.sd[o];
+                const float got = e.y[(size_t)s * d + o];
+                if (std::isnan(got)) { ++unwritten; continue; }
+                md = std::max(md, std::fabs(got - v)); mx = std::max(mx, std::fabs(v));
+            }
         }
     }
-    std::printf("moe_wq<%d, %d, %d> gs %d d %d ie %d jobs %d same_x %d grid %d x at +%d: "
-                "rel err %.2g, unwritten %ld, touched %ld\n", FMT, S, D, gs, d, ie, nj,
+    std::printf("moe_wq<%d, %d, %d, %d> gs %d d %d ie %d jobs %d same_x %d grid %d x at +%d: "
+                "rel err %.2g, unwritten %ld, touched %ld\n", FMT, R, S, D, gs, d, ie, nj,
                 (int)same_x, grid, xoff, md / mx, unwritten, touched);
     return unwritten > 0 || touched > 0 || !(md <= 1e-5 * mx);
 }
 
 int main() {
-    return check<2, 2, 4>(1100, 40, {1, 1, 0}, false, 5) +   // K 76 past a block; an idle job
-           check<2, 4, 3>(2048 + 24, 36, {1, 1}, true, 3) +   // one x, a 17th item of 16 rows
-           check<2, 2, 2>(700, 70, {1, 0, 1, 1}, false, 7) +  // a ring of 2: one stage in flight
-           check<2, 4, 4>(1024, 16, {1}, true, 2) +           // one gate+up item, 32 down items
-           check<2, 2, 6>(3000, 52, {1, 1}, true, 9) +
-           check<2, 2, 4>(1100, 40, {1, 1}, false, 4, 1) +    // x 4 bytes past 16: not copied
+    return check<2, 1, 2, 4>(1100, 40, {1, 1, 0}, false, 5) +   // K 76 past a block; idle job
+           check<2, 1, 4, 3>(2048 + 24, 36, {1, 1}, true, 3) +   // one x, a 17th item of 16 rows
+           check<2, 1, 2, 2>(700, 70, {1, 0, 1, 1}, false, 7) +  // a ring of 2: one stage ahead
+           check<2, 1, 4, 4>(1024, 16, {1}, true, 2) +           // one gate+up item, 32 down
+           check<2, 1, 2, 6>(3000, 52, {1, 1}, true, 9) +
+           check<2, 1, 2, 4>(1100, 40, {1, 1}, false, 4, 1) +    // x 4 bytes past 16: not copied
            // fmt 4: stages of S steps inside one group per quad (gs >= 16 S), 1024 / gs scales
            // per row and block
-           check<4, 2, 4>(1100, 40, {1, 1, 0}, false, 5, 0, 32) +
-           check<4, 4, 3>(2048 + 24, 36, {1, 1}, true, 3, 0, 64) +
-           check<4, 4, 2>(2100, 44, {1, 1}, false, 4, 0, 128) +
-           check<4, 2, 6>(1500, 52, {1, 1}, true, 6, 1, 256) +
-           check<4, 4, 4>(1024, 16, {1}, true, 2, 0, 64);
+           check<4, 1, 2, 4>(1100, 40, {1, 1, 0}, false, 5, 0, 32) +
+           check<4, 1, 4, 3>(2048 + 24, 36, {1, 1}, true, 3, 0, 64) +
+           check<4, 1, 4, 2>(2100, 44, {1, 1}, false, 4, 0, 128) +
+           check<4, 1, 2, 6>(1500, 52, {1, 1}, true, 6, 1, 256) +
+           check<4, 1, 4, 4>(1024, 16, {1}, true, 2, 0, 64) +
+           // up to 4 rows per job (two n-tiles of 12 columns), jobs of 0 to 4 rows
+           check<2, 4, 2, 4>(1100, 40, {4, 1, 0, 3}, false, 5) +
+           check<2, 4, 4, 3>(2048 + 24, 36, {2, 4}, false, 3, 1) +
+           check<4, 4, 4, 3>(2100, 44, {4, 3}, false, 4, 0, 64) +
+           check<4, 4, 2, 4>(1100, 52, {1, 4, 2}, false, 6, 0, 32);
 }
 """
 
