@@ -1,13 +1,14 @@
 """moe_wq (moe_wq.cuh: the decode expert group of 1 to 4 rows per expert, fmt 2 and fmt 4
-with group sizes 32 to 256, one warp per item with its own cp.async ring) against the float64 reference, driven
-through ``moe_launch`` with the job tables of test_moe_tc.py, in every form of
-``matmul.WQ_FORMS``.
+with group sizes 32 to 256, one warp per item with its own cp.async ring) against the float64
+reference, driven through ``moe_launch`` with the job tables of test_moe_tc.py, in every form
+of ``matmul.WQ_FORMS``.
 
 moe_wq sums K in one accumulator per row where moe_tc sums four k slices, so its bits are its
 own: each output within ``TC_TOL`` of float64, every output written, the same bits on every
 call and from a replayed graph. Shapes: GLM-5.2's decode group (8 experts, D = 6144,
 I = 2048) at 1, 4 and mixed rows, small widths (outputs not a multiple of the 16- and 32-row
-items, K ending inside a stage), activations over 16 decades; widths it does not serve fall back to moe_tc_f."""
+items, K ending inside a stage), activations over 16 decades; widths it does not serve fall
+back to moe_tc_f."""
 
 from __future__ import annotations
 
