@@ -124,8 +124,9 @@ __device__ __forceinline__ void wq_issue(unsigned char *smem, int slot, int i, c
         const int per = 1024 >> g.gs_shift, cpr = per >> 2, blk = (i * S) >> 3;
         for (int k = lane; k < 32 * cpr; k += 32) {
             const int m = k / (16 * cpr), r = (k / cpr) & 15, c = k % cpr;
-            const int row = min(a.row0[m] + r, a.out_rows - 1);
-            const float *src = a.sc[m] + (size_t)row * g.ngp + blk * per + c * 4;
+            // (m is not known at compile time: selects, not an indexed WqSrc in local memory)
+            const int row = min((m ? a.row0[1] : a.row0[0]) + r, a.out_rows - 1);
+            const float *src = (m ? a.sc[1] : a.sc[0]) + (size_t)row * g.ngp + blk * per + c * 4;
             unsigned char *dst = st + P::W_BYTES + P::X_BYTES + (m * 16 + r) * WQ_SCROW + c * 16;
             if ((reinterpret_cast<size_t>(src) & 15) == 0) {
                 wq_cp16(dst, src, 16);
