@@ -364,4 +364,3 @@ moe_tc(const MoeJob *__restrict__ jobs, int *ctr, int n_jobs, int ntiles_a_row,
 
 #include "moe_tc_fast.cuh"
 #include "gemv_stream.cuh"
-#include "moe_wq.cuh"

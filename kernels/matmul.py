@@ -92,7 +92,7 @@ SK_BLOCK_COST = 16  # a block's fixed cost (launch, staging, reductions) in 64-b
 # per setting, and the plans a backend keeps per arena are keyed by ``settings()``;
 # COLIWORKER_MOE_TC_FAST=0 in the environment sets it off from the start.
 MOE_TC_FAST = os.environ.get("COLIWORKER_MOE_TC_FAST", "1") != "0"
-# moe_wq (moe_wq.cuh): the decode expert group at 1-4 rows (fmt 2, fmt 4 with gs 32..256) with
+# moe_wq (moe_wq.cu): the decode expert group at 1-4 rows (fmt 2, fmt 4 with gs 32..256) with
 # every warp its own queue client and cp.async ring (16 hidden rows of gate and up, or 32 of
 # down, per item; no block barriers). Not moe_tc's bits (one accumulator over K instead of four
 # k slices), within the same error of float64. ``WQ_SD`` = (S, D): 64-byte steps per stage
@@ -121,8 +121,6 @@ TC_VARIANTS = (
             for d in ("false", "true") for mw in (8, 16))
     + tuple(f"gemv_st<{f}, {sb}, {d}, {mw}, true>" for f in (2, 4) for sb in (1, 4)
             for d in ("false", "true") for mw in (8, 16))
-    + tuple(f"moe_wq<{f}, {r}, {s}, {d}>" for f in (2, 4) for r in (1, 4)
-            for s, d in sorted({(s2, d) for s, d in WQ_FORMS for s2 in (2, s)}))
 )  # fmt: skip
 
 
@@ -415,6 +413,12 @@ def _moe_tc(
     return Launch(fn, (blocks,), (WARPS * 32,), tail, smem)
 
 
+WQ_VARIANTS = tuple(
+    f"moe_wq<{f}, {r}, {s}, {d}>" for f in (2, 4) for r in (1, 4)
+    for s, d in sorted({(s2, d) for s, d in WQ_FORMS for s2 in (2, s)})
+)  # fmt: skip
+
+
 def wq_eligible(gu: WeightSpec, dn: WeightSpec, max_rows: int) -> bool:
     """moe_wq serves up to 4 activation rows per job, fmt 2 or fmt 4 with one power of two
     group size of 32 to 256, and widths that keep every activation row's float4 copies
@@ -436,7 +440,7 @@ def wq_form(fmt: int, gs: int) -> tuple[int, int]:
 
 
 def wq_smem(fmt: int, r: int, s: int, d: int) -> int:
-    """moe_wq<F, R, S, D>'s shared memory (MoeWq::SMEM in moe_wq.cuh)."""
+    """moe_wq<F, R, S, D>'s shared memory (MoeWq::SMEM in moe_wq.cu)."""
     stage = 2 * 16 * s * 64 + r * s * 512 + (2 * 16 * 144 if fmt == 4 else 0)
     nt = (3 * r + 7) // 8
     return d * stage + max(s * 3 * r * 144 * 2, 2 * 16 * 8 * nt * 4)
@@ -453,7 +457,7 @@ def _moe_wq(
     r = 1 if max_rows == 1 else 4
     smem = wq_smem(gu.fmt, r, s, d)
     name = f"moe_wq<{gu.fmt}, {r}, {s}, {d}>"
-    fn = get_function("gemv_tc.cu", name, TC_VARIANTS, smem)
+    fn = get_function("moe_wq.cu", name, WQ_VARIANTS, smem)
     ta, tb = -(-max_ie // 16), -(-max_dout // 32)
     total = (ta + tb) * n_jobs
     if total <= 0:

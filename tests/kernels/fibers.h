@@ -97,6 +97,27 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
     tl_warp->bar->arrive_and_wait();
     return r;
 }
+// Lane src's value (__shfl_sync) and lane + d's (__shfl_down_sync: its own past lane 31),
+// through the same slots.
+inline float shfl_at(float v, int src) {
+    const int lane = threadIdx.x & 31;
+    tl_warp->f[lane] = v;
+    tl_warp->bar->arrive_and_wait();
+    const float r = tl_warp->f[src & 31];
+    tl_warp->bar->arrive_and_wait();
+    return r;
+}
+inline int __shfl_sync(unsigned, int v, int src) {
+    float f;
+    std::memcpy(&f, &v, 4);
+    f = shfl_at(f, src);
+    std::memcpy(&v, &f, 4);
+    return v;
+}
+inline float __shfl_down_sync(unsigned, float v, int d) {
+    const int lane = threadIdx.x & 31;
+    return shfl_at(v, lane + d < 32 ? lane + d : lane);
+}
 inline int __all_sync(unsigned, int pred) {  // a vote through the warp's float slots
     const int lane = threadIdx.x & 31;
     tl_warp->f[lane] = pred ? 1.f : 0.f;

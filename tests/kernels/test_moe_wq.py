@@ -1,4 +1,4 @@
-"""moe_wq (moe_wq.cuh: the decode expert group of 1 to 4 rows per expert, fmt 2 and fmt 4
+"""moe_wq (moe_wq.cu: the decode expert group of 1 to 4 rows per expert, fmt 2 and fmt 4
 with group sizes 32 to 256, one warp per item with its own cp.async ring) against the float64
 reference, driven through ``moe_launch`` with the job tables of test_moe_tc.py, in every form
 of ``matmul.WQ_FORMS``.

@@ -1,9 +1,9 @@
-"""moe_wq (moe_wq.cuh) on the CPU, no GPU needed (CI runs it): its CUDA source under g++
+"""moe_wq (moe_wq.cu) on the CPU, no GPU needed (CI runs it): its CUDA source under g++
 through fibers.h, every block of a launch run together (one warp each), with its inline PTX
 replaced by models: cp.async copies that land one to three scheduler rounds after they are
 issued, in random order, zero-filling past their source bytes (a stage read before its bytes
-land, or refilled while it is read, gives wrong sums), their commit groups and waits, the
-warp shuffles, and tc.cuh's tensor-core pieces (tc_models.h). The down items spin on their
+land, or refilled while it is read, gives wrong sums), their commit groups and waits, and
+tc.cuh's tensor-core pieces (tc_models.h). The down items spin on their
 expert's counter until every gate+up item of it is done (a wait that yields). Ragged tables
 (jobs of no rows, hidden and output rows not multiples of the 16- and 32-row items, K ending
 inside a stage and inside a 1024-element block, one x shared by all jobs as a routed token's
@@ -29,26 +29,6 @@ _SHIM = r"""
 #include "fibers.h"
 #include <map>
 #include "tc_models.h"
-// Warp shuffles through the warp's float slots (fibers.h), bit for bit.
-inline float shfl_at(float v, int src) {
-    const int lane = threadIdx.x & 31;
-    tl_warp->f[lane] = v;
-    tl_warp->bar->arrive_and_wait();
-    const float r = tl_warp->f[src & 31];
-    tl_warp->bar->arrive_and_wait();
-    return r;
-}
-inline int __shfl_sync(unsigned, int v, int src) {
-    float f;
-    std::memcpy(&f, &v, 4);
-    f = shfl_at(f, src);
-    std::memcpy(&v, &f, 4);
-    return v;
-}
-inline float __shfl_down_sync(unsigned, float v, int d) {
-    const int lane = threadIdx.x & 31;
-    return shfl_at(v, lane + d < 32 ? lane + d : lane);
-}
 // cp.async: each copy lands 1 to 3 rounds after it is issued (random order), n bytes read and
 // the rest of the 16 zeroed; a thread's groups are numbered by its commits (empty ones too).
 struct Cp { void *dst; const void *src; int n; Fiber *f; long group, round; };
@@ -206,4 +186,4 @@ int main() {
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
 def test_moe_wq_on_cpu(tmp_path):
-    build_and_run(tmp_path, _SHIM, without_ptx(sources.source("gemv_tc.cu"), _ASM), 600)
+    build_and_run(tmp_path, _SHIM, without_ptx(sources.source("moe_wq.cu"), _ASM), 600)

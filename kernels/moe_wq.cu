@@ -1,7 +1,7 @@
 // moe_wq: the decode expert group (up to R = 1 or 4 activation rows per expert; fmt 2, and
 // fmt 4 with power of two group sizes of 32 to 256) with every warp its own work queue client
-// and its own copy ring (host side: kernels/matmul.py, MOE_WQ).
-// gemv_tc.cu includes this after tc.cuh and jobs.cuh, whose helpers it uses.
+// and its own copy ring (host side: kernels/matmul.py, MOE_WQ). Its own module: the products
+// and activation split of tc.cuh, the job records and geometry of jobs.cuh.
 //
 // Why: moe_tc / moe_tc_f stage the activations per block tile and meet at block barriers
 // twice per tile; ncu puts them at 25-48% of DRAM bandwidth, waiting on loads and barriers
@@ -27,7 +27,9 @@
 // A phase-A item stores h = silu(gate) * up for its 16 rows, fences, and adds one to its
 // expert's counter; a phase-B item lets lane 0 spin until the counter holds every A item of
 // its expert (ta), then reads h through cp.async.cg (L2: h was written in this launch).
-#pragma once
+#include "common.cuh"
+#include "jobs.cuh"
+#include "tc.cuh"
 
 #define WQ_COLS 144  // bf16 per split column of one step: 128 + 16 (conflict-free reads)
 #define WQ_PF 512    // bytes per row a waiting B item asks L2 for
