@@ -77,13 +77,13 @@ class Group:
     def launch(self, fast: bool):
         from coliworker.kernels import matmul
 
-        saved = matmul.MOE_TC_FAST
-        matmul.MOE_TC_FAST = fast
+        saved = matmul.MOE_TC_FAST, matmul.MOE_WQ
+        matmul.MOE_TC_FAST, matmul.MOE_WQ = fast, False  # moe_tc / moe_tc_f, never moe_wq
         try:
             n_sm = matmul._sm_count(0)
             ln = matmul.moe_launch(self.gu, self.dn, self.n, max(self.rows), self.ie, self.d, n_sm)
         finally:
-            matmul.MOE_TC_FAST = saved
+            matmul.MOE_TC_FAST, matmul.MOE_WQ = saved
         assert ln is not None
         assert ln.fn is not None
         return ln
