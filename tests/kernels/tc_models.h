@@ -1,9 +1,15 @@
 // Models of tc.cuh's inline PTX for the tests that run an int4 tensor-core kernel's source on
-// the CPU (test_gemv_stream_cpu.py, test_prefill_tc_cpu.py): bf16 rounding, prmt, the nibble
+// the CPU (test_gemv_stream_cpu.py, test_prefill_tc_cpu.py, test_moe_wq_cpu.py): bf16 rounding, prmt, the nibble
 // magic, and mma.m16n8k16 bf16 / m16n8k32 s8 by the PTX manual's fragment layouts, each mma
-// summed in float64 (int64 for s8) across the warp's lanes (fibers.h: warp_mma).
+// summed in float64 (int64 for s8) across the warp's lanes (fibers.h: warp_mma); and the
+// resident int4 layout's decoder their float64 checks use.
 #pragma once
 #include "fibers.h"
+// The resident int4 layout's element e of a row (common.cuh: load_elem), nibble - 8.
+inline int code(const unsigned char *row, int e) {
+    const int b = e / 1024, r = e % 1024, q = r >> 7, l = (r >> 2) & 31, k = r & 3, j = 4 * q + k;
+    return ((row[b * 512 + l * 16 + (j >> 1)] >> (4 * (j & 1))) & 15) - 8;
+}
 inline unsigned short tc_bf16(float v) {  // cvt.rn.bf16.f32: round to nearest even
     const unsigned u = __float_as_uint(v);
     return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);

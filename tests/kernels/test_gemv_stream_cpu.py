@@ -79,11 +79,6 @@ bool land() {  // copies whose round has come, in random order
 }
 #include "kernel.inc"
 
-// The resident int4 layout's element e of a row (common.cuh: load_elem), nibble - 8.
-inline int code(const unsigned char *row, int e) {
-    const int b = e / 1024, r = e % 1024, q = r >> 7, l = (r >> 2) & 31, k = r & 3, j = 4 * q + k;
-    return ((row[b * 512 + l * 16 + (j >> 1)] >> (4 * (j & 1))) & 15) - 8;
-}
 
 // Jobs of out_rows[j] rows and rows[j] activation rows (same_x: all jobs read one x), K inputs;
 // DUAL: each job an expert's gate (w0, s0) and up (w1, s1), y = silu(gate x) * (up x).

@@ -69,11 +69,6 @@ bool land() {
 #define __nanosleep(x) yield_()
 #include "kernel.inc"
 
-// The resident int4 layout's element e of a row (common.cuh: load_elem), nibble - 8.
-inline int code(const unsigned char *row, int e) {
-    const int b = e / 1024, r = e % 1024, q = r >> 7, l = (r >> 2) & 31, k = r & 3, j = 4 * q + k;
-    return ((row[b * 512 + l * 16 + (j >> 1)] >> (4 * (j & 1))) & 15) - 8;
-}
 inline int padded(int k) { return (k + 1023) / 1024 * 1024; }
 
 // nj experts of hidden size ie and width d, rows[j] (0 to R) activation rows each; one x for

@@ -27,11 +27,6 @@ _SHIM = r"""
 #include "cluster_models.h"
 #include "kernel.inc"
 
-// The resident int4 layout's element e of a row (common.cuh: load_elem), nibble - 8.
-inline int code(const unsigned char *row, int e) {
-    const int b = e / 1024, r = e % 1024, q = r >> 7, l = (r >> 2) & 31, k = r & 3, j = 4 * q + k;
-    return ((row[b * 512 + l * 16 + (j >> 1)] >> (4 * (j & 1))) & 15) - 8;
-}
 
 // Jobs of out_rows[j] weight rows and rows[j] activation rows, K inputs, through gemv_pf<FMT,
 // KS> (C = 1) or gemv_pf_sk<FMT, KS, C>; FMT 4: grouped scales of gs. Checked against float64.
