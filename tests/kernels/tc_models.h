@@ -1,8 +1,8 @@
 // Models of tc.cuh's inline PTX for the tests that run an int4 tensor-core kernel's source on
-// the CPU (test_gemv_stream_cpu.py, test_prefill_tc_cpu.py, test_moe_wq_cpu.py): bf16 rounding, prmt, the nibble
-// magic, and mma.m16n8k16 bf16 / m16n8k32 s8 by the PTX manual's fragment layouts, each mma
-// summed in float64 (int64 for s8) across the warp's lanes (fibers.h: warp_mma); and the
-// resident int4 layout's decoder their float64 checks use.
+// the CPU (test_gemv_stream_cpu.py, test_prefill_tc_cpu.py, test_moe_wq_cpu.py): bf16
+// rounding, prmt, the nibble magic, and mma.m16n8k16 bf16 / m16n8k32 s8 by the PTX manual's
+// fragment layouts, each mma summed in float64 (int64 for s8) across the warp's lanes
+// (fibers.h: warp_mma); and the resident int4 layout's decoder their float64 checks use.
 #pragma once
 #include "fibers.h"
 // The resident int4 layout's element e of a row (common.cuh: load_elem), nibble - 8.
