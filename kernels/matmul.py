@@ -431,11 +431,13 @@ def wq_eligible(gu: WeightSpec, dn: WeightSpec, max_rows: int) -> bool:
     return 1 <= max_rows <= 4 and fmt_ok and gu.in_features % 4 == 0 and dn.in_features % 4 == 0
 
 
-def wq_form(fmt: int, gs: int) -> tuple[int, int]:
-    """moe_wq's (S, D) for a format: ``WQ_SD``, S at most gs / 16 for fmt 4."""
+def wq_form(fmt: int, gs: int, r: int) -> tuple[int, int]:
+    """moe_wq's (S, D) for a format and R: ``WQ_SD``, S at most gs / 16 for fmt 4, and 2 for
+    fmt 4 at R = 4 (at S = 4 its 8 weight chunks per step and two n-tiles spill: ptxas, nvcc
+    13.0, sm_90, 128 bytes)."""
     s, d = WQ_SD
     if fmt == 4:
-        s = min(s, gs // 16)
+        s = min(s, gs // 16, 2 if r == 4 else 4)
     return s, d
 
 
@@ -453,8 +455,8 @@ def _moe_wq(
     """moe_launch's launch on moe_wq<F, R, S, D> (one warp per block, every resident one, at
     most one per item; R = 1 at one row, else 4): ceil(ie / 16) gate+up items and ceil(dout /
     32) down items per job."""
-    s, d = wq_form(gu.fmt, gu.group_size)
     r = 1 if max_rows == 1 else 4
+    s, d = wq_form(gu.fmt, gu.group_size, r)
     smem = wq_smem(gu.fmt, r, s, d)
     name = f"moe_wq<{gu.fmt}, {r}, {s}, {d}>"
     fn = get_function("moe_wq.cu", name, WQ_VARIANTS, smem)

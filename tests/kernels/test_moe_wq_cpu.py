@@ -180,5 +180,53 @@ int main() {
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++")
-def test_moe_wq_on_cpu(tmp_path):
-    build_and_run(tmp_path, _SHIM, without_ptx(sources.source("moe_wq.cu"), _ASM), 600)
+def test_moe_wq_on_cpu(tmp_path, host_module):
+    # Also: the host's shared-memory size of every compiled form is the kernel's MoeWq::SMEM.
+    mm = host_module("matmul")
+    forms = [tuple(int(v) for v in n[n.index("<") + 1 : -1].split(",")) for n in mm.WQ_VARIANTS]
+    smem = "".join(
+        f"    if (MoeWq<{f}, {r}, {s}, {d}>::SMEM != {mm.wq_smem(f, r, s, d)}) "
+        f'{{ std::printf("SMEM of <{f}, {r}, {s}, {d}>\\n"); return 1; }}\n'
+        for f, r, s, d in forms
+    )
+    shim = _SHIM.replace("int main() {\n", "int main() {\n" + smem, 1)
+    assert smem and shim != _SHIM
+    build_and_run(tmp_path, shim, without_ptx(sources.source("moe_wq.cu"), _ASM), 600)
+
+
+@pytest.mark.parametrize(
+    "fmt,gs,d,ie,rows,served",
+    [
+        (2, 0, 6144, 2048, 1, True),
+        (2, 0, 6144, 2048, 4, True),
+        (2, 0, 6144, 2048, 5, False),  # more rows than R = 4
+        (4, 32, 6144, 2048, 1, True),
+        (4, 256, 6144, 2048, 3, True),
+        (4, 16, 6144, 2048, 1, False),  # a stage of 2 steps spans two groups
+        (4, 48, 6144, 2048, 1, False),  # not a power of two
+        (4, 512, 6144, 2048, 1, False),  # under one 16-byte copy of scales per block
+        (2, 0, 6146, 2048, 1, False),  # x rows not 16-byte aligned
+        (2, 0, 6144, 2050, 1, False),  # h rows not 16-byte aligned
+        (1, 0, 6144, 2048, 1, False),  # int8
+    ],
+)
+def test_where_moe_wq_serves(host_module, fmt, gs, d, ie, rows, served):
+    mm = host_module("matmul")
+    gu, dn = mm.WeightSpec.of(fmt, d, gs), mm.WeightSpec.of(fmt, ie, gs)
+    assert mm.wq_eligible(gu, dn, rows) == served
+
+
+@pytest.mark.parametrize("sd", [(2, 4), (2, 6), (4, 3), (4, 4)])
+@pytest.mark.parametrize("fmt,gs,r", [(2, 0, 1), (2, 0, 4), (4, 32, 1), (4, 64, 1), (4, 64, 4)])
+def test_moe_wq_forms(host_module, monkeypatch, sd, fmt, gs, r):
+    # Every form a launch can ask for is compiled (WQ_VARIANTS), fmt 4's stages lie inside one
+    # group (16 S <= gs) and R = 4 at fmt 4 keeps S = 2; one block fits an SM's shared memory
+    # (the kernel's own size: test_moe_wq_on_cpu).
+    mm = host_module("matmul")
+    monkeypatch.setattr(mm, "WQ_SD", sd)
+    s, d = mm.wq_form(fmt, gs, r)
+    assert f"moe_wq<{fmt}, {r}, {s}, {d}>" in mm.WQ_VARIANTS
+    assert d == sd[1] and s <= sd[0]
+    if fmt == 4:
+        assert 16 * s <= gs and (r == 1 or s == 2)
+    assert mm.wq_smem(fmt, r, s, d) + 1024 <= 227 * 1024
