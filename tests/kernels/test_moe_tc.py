@@ -74,16 +74,18 @@ class Group:
     def reference(self) -> np.ndarray:
         return reference.expert_group(self.host, self.rows, self.xh)
 
-    def launch(self, fast: bool):
+    def launch(self, fast: bool, wq: tuple[int, int] | None = None):
+        """moe_tc_f (fast) or moe_tc; with ``wq`` = (S, D), moe_wq in that form where it
+        serves (test_moe_wq.py), else never."""
         from coliworker.kernels import matmul
 
-        saved = matmul.MOE_TC_FAST, matmul.MOE_WQ
-        matmul.MOE_TC_FAST, matmul.MOE_WQ = fast, False  # moe_tc / moe_tc_f, never moe_wq
+        saved = matmul.MOE_TC_FAST, matmul.MOE_WQ, matmul.WQ_SD
+        matmul.MOE_TC_FAST, matmul.MOE_WQ, matmul.WQ_SD = fast, wq is not None, wq or saved[2]
         try:
             n_sm = matmul._sm_count(0)
             ln = matmul.moe_launch(self.gu, self.dn, self.n, max(self.rows), self.ie, self.d, n_sm)
         finally:
-            matmul.MOE_TC_FAST, matmul.MOE_WQ = saved
+            matmul.MOE_TC_FAST, matmul.MOE_WQ, matmul.WQ_SD = saved
         assert ln is not None
         assert ln.fn is not None
         return ln
@@ -185,29 +187,32 @@ def test_wide_range_activations(rng, fmt, gs):
     check_both(g)
 
 
-@pytest.mark.parametrize("fmt,gs,r", [(2, 0, 1), (4, 64, 1), (2, 0, 4)])
-def test_graph_replay(rng, fmt, gs, r):
-    # Counter reset (table copy) and launch captured once and replayed: the same bits as the
-    # direct launch of moe_tc_f and of moe_tc, with new activations between replays.
+def check_replay(rng, g: Group, ln, want) -> None:
+    """Counter reset (table copy) and launch ``ln`` captured once and replayed with new
+    activations between replays: each replay the same bits as ``want()`` on those."""
     import cupy
 
-    rows = [r] * 8
-    g = Group(rng, fmt, gs, 6144, 2048, rows)
-    ln = g.launch(True)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        g.set_x(rng.standard_normal((sum(rows), 6144)).astype(np.float32))
+        g.set_x(rng.standard_normal((sum(g.rows), g.d)).astype(np.float32))
         g.run(ln)  # a direct launch first (module and parameter block ready before capture)
         stream.begin_capture()
         g.issue(ln)
         graph = stream.end_capture()
         for _ in range(3):
-            g.set_x(rng.standard_normal((sum(rows), 6144)).astype(np.float32))
-            want = g.run(g.launch(False))
+            g.set_x(rng.standard_normal((sum(g.rows), g.d)).astype(np.float32))
+            expect = want()
             g.y.fill(np.nan)
             graph.launch(stream)
             stream.synchronize()
-            assert np.array_equal(g.y.get().view(np.uint32), want.view(np.uint32))
+            assert np.array_equal(g.y.get().view(np.uint32), expect.view(np.uint32))
+
+
+@pytest.mark.parametrize("fmt,gs,r", [(2, 0, 1), (4, 64, 1), (2, 0, 4)])
+def test_graph_replay(rng, fmt, gs, r):
+    # moe_tc_f replayed: the same bits as the direct launch of moe_tc.
+    g = Group(rng, fmt, gs, 6144, 2048, [r] * 8)
+    check_replay(rng, g, g.launch(True), lambda: g.run(g.launch(False)))
 
 
 @pytest.fixture

@@ -15,21 +15,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _kern import TC_TOL, row_rel_err
-from test_moe_tc import Group, _rebuild
+from test_moe_tc import Group, _rebuild, check_replay
 
 pytestmark = pytest.mark.gpu
-
-
-def wq_launch(g: Group, sd: tuple[int, int]):
-    from coliworker.kernels import matmul
-
-    saved = matmul.MOE_WQ, matmul.WQ_SD
-    matmul.MOE_WQ, matmul.WQ_SD = True, sd
-    try:
-        n_sm = matmul._sm_count(0)
-        return matmul.moe_launch(g.gu, g.dn, g.n, max(g.rows), g.ie, g.d, n_sm)
-    finally:
-        matmul.MOE_WQ, matmul.WQ_SD = saved
 
 
 def check_wq(g: Group, calls: int = 3) -> None:
@@ -37,7 +25,7 @@ def check_wq(g: Group, calls: int = 3) -> None:
 
     ref = g.reference()
     for sd in matmul.WQ_FORMS:
-        ln = wq_launch(g, sd)
+        ln = g.launch(True, sd)
         assert ln.block == (32,), ln.block  # moe_wq, not moe_tc_f
         y = g.run(ln)
         assert not np.isnan(y).any(), f"moe_wq<{sd}> left outputs unwritten"
@@ -93,25 +81,11 @@ def test_not_served_falls_back(rng, fmt, gs, d, ie, rows):
     # Groups of 16 or not a power of two, more than four rows, or a width that is not a
     # multiple of 4: moe_tc_f's launch.
     g = Group(rng, fmt, gs, d, ie, rows)
-    assert wq_launch(g, (2, 4)).block != (32,)
+    assert g.launch(True, (2, 4)).block != (32,)
 
 
 def test_graph_replay(rng):
-    import cupy
-
+    # moe_wq replayed: the same bits as its direct launch.
     g = Group(rng, 2, 0, 6144, 2048, [1] * 8)
-    ln = wq_launch(g, (2, 4))
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
-        g.set_x(rng.standard_normal((8, 6144)).astype(np.float32))
-        g.run(ln)
-        stream.begin_capture()
-        g.issue(ln)
-        graph = stream.end_capture()
-        for _ in range(3):
-            g.set_x(rng.standard_normal((8, 6144)).astype(np.float32))
-            want = g.run(ln)
-            g.y.fill(np.nan)
-            graph.launch(stream)
-            stream.synchronize()
-            assert np.array_equal(g.y.get().view(np.uint32), want.view(np.uint32))
+    ln = g.launch(True, (2, 4))
+    check_replay(rng, g, ln, lambda: g.run(ln))
