@@ -325,16 +325,20 @@ def launch_gemv(
 _occupancy: dict[tuple[int, str], int] = {}
 
 
-def _resident_blocks(fn: cupy.RawKernel, name: str, smem: int, n_sm: int) -> int:
-    """Blocks of ``fn`` that fit on the device at once (registers, shared memory, threads)."""
+def _resident_blocks(
+    fn: cupy.RawKernel, name: str, smem: int, n_sm: int, warps: int = WARPS, static: int = 16
+) -> int:
+    """Blocks of ``fn`` (``warps`` warps each, ``static`` bytes of static shared memory beside
+    ``smem``) that fit on the device at once: registers, shared memory, threads, and at most
+    32 blocks per SM."""
     dev = cupy.cuda.Device().id
     key = (dev, f"{name}/{smem}")
     occ = _occupancy.get(key)
     if occ is None:
         regs = max(int(fn.num_regs), 1)
-        by_regs = 65536 // (((regs * 32 + 255) // 256 * 256) * WARPS)
-        by_smem = (227 * 1024) // (smem + 1024 + 16)
-        occ = _occupancy[key] = max(1, min(2048 // (WARPS * 32), by_regs, by_smem))
+        by_regs = 65536 // (((regs * 32 + 255) // 256 * 256) * warps)
+        by_smem = (227 * 1024) // (smem + 1024 + static)
+        occ = _occupancy[key] = max(1, min(2048 // (warps * 32), 32, by_regs, by_smem))
     return occ * n_sm
 
 
@@ -464,10 +468,9 @@ def _moe_wq(
     total = (ta + tb) * n_jobs
     if total <= 0:
         return None
-    regs = max(int(fn.num_regs), 1)
-    per_sm = max(1, min(32, (227 * 1024) // (smem + 1024), 65536 // (-(-regs * 32 // 256) * 256)))
+    blocks = min(total, _resident_blocks(fn, name, smem, n_sm, warps=1, static=0))
     tail = (np.int32(n_jobs), np.int32(ta), np.int32(tb), *gu.geom(), *dn.geom())
-    return Launch(fn, (min(total, per_sm * n_sm),), (32,), tail, smem)
+    return Launch(fn, (blocks,), (32,), tail, smem)
 
 
 def run(call: Any, w: Any, x: np.ndarray) -> Any:
