@@ -38,7 +38,7 @@ from bench import gpu_timing, harness  # noqa: E402
 PATTERNS = ("linear", "frag", "rowline")
 
 _SRC = r"""
-template <int PAT, int NL>
+template <int PAT>
 __device__ __forceinline__ const uint4 *pat_addr(const unsigned char *base, int rb, int i,
                                                  int lane) {
     if (PAT == 0) return reinterpret_cast<const uint4 *>(base + (size_t)i * 512 + lane * 16);
@@ -67,7 +67,7 @@ pat_read(const unsigned long long *__restrict__ ptrs, const int *__restrict__ rb
             uint4 v[NL];
 #pragma unroll
             for (int j = 0; j < NL; ++j)
-                v[j] = i0 + j < nld ? __ldcs(pat_addr<PAT, NL>(base, rb, i0 + j, lane))
+                v[j] = i0 + j < nld ? __ldcs(pat_addr<PAT>(base, rb, i0 + j, lane))
                                     : make_uint4(0, 0, 0, 0);
 #pragma unroll
             for (int j = 0; j < NL; ++j) acc ^= v[j].x ^ v[j].y ^ v[j].z ^ v[j].w;
