@@ -2,8 +2,9 @@
 variant the host side can ask for: each name in the wrappers' variant tuples (``VARIANTS``,
 ``TC_VARIANTS``, ``WQ_VARIANTS``, ``PF_VARIANTS``, read over ``bench/host_python.py``'s
 stand-in CuPy in a subprocess) is among the names check-cuda lists for its ``.cu`` file, or is
-a kernel that is not a template (built with its file). The script lists them by hand (it imports nothing from the package), so a form added to a wrapper
-and not to the script would otherwise reach a GPU unbuilt."""
+a kernel that is not a template (built with its file). The script lists them by hand (it
+imports nothing from the package), so a form added to a wrapper and not to the script would
+otherwise reach a GPU unbuilt."""
 
 from __future__ import annotations
 
