@@ -14,6 +14,8 @@ import textwrap
 
 from _stand_in import ROOT, last_dict
 
+from coliworker.kernels import sources
+
 #: (module, its variant tuple, the .cu file the names are compiled from)
 TUPLES = (
     ("attention", "VARIANTS", "attention.cu"),
@@ -55,22 +57,17 @@ def _check_cuda_variants() -> dict[str, list[str]]:
 def test_every_wrapper_variant_is_built_by_check_cuda():
     wanted = last_dict(SCRIPT)
     built = {cu: {_norm(v) for v in names} for cu, names in _check_cuda_variants().items()}
-    kdir = os.path.join(ROOT, "kernels")
-    # a .cu file and the headers beside it (what it may include)
-    heads = "".join(
-        open(os.path.join(kdir, f)).read() for f in os.listdir(kdir) if f.endswith(".cuh")
-    )
-    src = {cu: open(os.path.join(kdir, cu)).read() + heads for cu in wanted}
+    src = {cu: sources.source(cu) for cu in wanted}  # each with the headers it includes
 
     def is_built(cu: str, name: str) -> bool:
         if "<" not in name:  # not a template: compiled with its file where it is defined
             return re.search(rf"__global__[^;{{}}]*?\b{name}\s*\(", src[cu]) is not None
         return name in built.get(cu, set())
 
-    missing = {
-        cu: sorted(n for n in {_norm(v) for v in names} if not is_built(cu, n))
-        for cu, names in wanted.items()
-    }
-    missing = {cu: names for cu, names in missing.items() if names}
+    missing = {}
+    for cu, names in wanted.items():
+        lost = sorted(n for n in set(map(_norm, names)) if not is_built(cu, n))
+        if lost:
+            missing[cu] = lost
     assert not missing, f"named by the wrappers, not built by scripts/check-cuda: {missing}"
     assert all(wanted.values()), wanted  # the tuples were found and are not empty
