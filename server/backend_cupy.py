@@ -31,6 +31,7 @@ from coliworker.kernels import attention as att
 from coliworker.kernels import attention_call, expert_group, layout
 from coliworker.kernels import matmul as mm
 from coliworker.kernels.qtensor import QTensor
+from coliworker.server import kept
 from coliworker.server.backend import DeviceInfo, ExpertTriple, Result
 from coliworker.server.cupy_calls import (
     DIRECT_BYTES,
@@ -67,6 +68,8 @@ class CupyBackend:
         }
         self._names: dict[int, str] = {}
         self._segments = HostSegments(self._devices)
+        # the compiled twins of the kept decode calls (server/kept.c), or None: the Python
+        self._compiled = kept.twins()
 
     # -- shared-memory segments --------------------------------------------------------------
 
@@ -99,14 +102,20 @@ class CupyBackend:
         """A decode call of a kept plan made without a ``Call``: ``find(pool, *args, ready)`` (the
         op's ``expert_group.routed_kept``, ``group_kept`` or ``attention_call.run_kept``) takes
         this thread's top arena and writes the call's inputs, the same bytes as through a
-        ``Call``, and ``cupy_calls.rerun`` launches the plan's graph. None (nothing done) where
+        ``Call``, and ``cupy_calls.rerun`` launches the plan's graph (compiled where ``server/kept.c`` is
+        built, ``server/kept.py``: routed_kept with its rerun, and rerun). None (nothing done) where
         the device is not current, the input (``nbytes``) would be read from a registered
         segment, or ``find`` has no such plan: the caller makes the call through a ``Call``."""
         stream, pool = self._thread(device)
         if not pool or nbytes >= DIRECT_BYTES or cupy.cuda.runtime.getDevice() != device:
             return None
-        kept = find(pool, *args, rerunnable)
-        return None if kept is None else rerun(*kept, stream, device, what)
+        run = rerun
+        if self._compiled is not None:  # server/kept.c: routed_kept + rerun, and rerun
+            if find is self._compiled[0]:
+                return self._compiled[1](pool, *args, stream, device, what)
+            run = self._compiled[2]
+        got = find(pool, *args, rerunnable)
+        return None if got is None else run(*got, stream, device, what)
 
     def _stream(self, device: int) -> cupy.cuda.Stream:
         """This thread's stream on ``device``."""

@@ -32,7 +32,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import cupy
 import cupyx
@@ -142,7 +142,7 @@ class Arena:
     size (several in flight) get fresh arenas."""
 
     __slots__ = ("dev", "dptr", "host", "hmv", "hptr", "events", "eptr", "home", "graphs", "plans",
-                 "last", "side", "pipe", "pptr", "stamp_dev", "stamps", "h2d_stamp",
+                 "last", "side", "pipe", "pptr", "stamp_dev", "stamps", "sptr", "h2d_stamp",
                  "d2h_stamp")  # fmt: skip
 
     def __init__(self, home: list[Arena]) -> None:
@@ -172,6 +172,7 @@ class Arena:
         self.stamps = pinned(32, "call stamps").view(np.uint64)
         self.stamps[:] = 0
         sd, sh = self.stamp_dev.data.ptr, self.stamps.ctypes.data
+        self.sptr = sh  # where the stamps lie (server/kept.c reads them there)
         self.h2d_stamp = (np.uint64(sd), np.uint64(sh))
         self.d2h_stamp = (np.uint64(sd + 24), np.uint64(sh + 16))
 
@@ -303,16 +304,22 @@ def rerun(a: Arena, rep: Replay, stream: Any, device: int, what: str) -> Result:
         rt.graphLaunch(rep.exec.ptr, stream.ptr)
         wait(a, rep.stamped, a.eptr[3])
     except Exception as exc:
-        with contextlib.suppress(Exception):
-            stream.synchronize()
-        err = oom_error(exc, device, what)
-        if err is not None:
-            raise err from None
-        raise
+        rerun_failed(exc, stream, device, what)
     out = rep.view.copy()
     phases = _stamp_phases(a) if rep.stamped else _event_phases(a)
     a.give_back()
     return Result(out, phases)
+
+
+def rerun_failed(exc: Exception, stream: Any, device: int, what: str) -> NoReturn:
+    """Raise what a kept call's failed launch or wait (``exc``) becomes, once the GPU has
+    finished what it can (``rerun`` and its compiled twin, ``server/kept.c``)."""
+    with contextlib.suppress(Exception):
+        stream.synchronize()
+    err = oom_error(exc, device, what)
+    if err is not None:
+        raise err from None
+    raise exc
 
 
 def _stamp_phases(a: Arena) -> Phases:

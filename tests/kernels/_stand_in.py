@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -26,3 +28,16 @@ def run(script: str, timeout: int = 300) -> str:
 def last_dict(script: str, timeout: int = 300) -> dict:
     """The dict ``script`` printed last (its repr, read as a literal)."""
     return ast.literal_eval(run(script, timeout).strip().splitlines()[-1])
+
+
+def need_compiled(compiled: str, monkeypatch) -> None:
+    """Run the scripts with the compiled kept calls (``server/kept.c``) off ("0") or on ("1");
+    on, the test is skipped where they cannot be built here (no C compiler or Python headers)."""
+    monkeypatch.setenv("COLIWORKER_KEPT_C", compiled)
+    if compiled == "1":
+        from coliworker.server import kept
+
+        try:
+            kept.build()
+        except RuntimeError as exc:
+            pytest.skip(f"server/kept.c does not build here: {str(exc)[:300]}")

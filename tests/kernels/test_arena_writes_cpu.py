@@ -7,8 +7,9 @@ A kept plan skips rewriting its constant bytes (job tables, a routed shape's tab
 the new experts' addresses are patched in) where its own last call left them (``Arena.keep``,
 through ``Call.kept`` or, for a routed group, ragged attention or expert group call of a kept
 plan made without a ``Call``, ``expert_group.routed_kept``, ``attention_call.run_kept`` and
-``expert_group.group_kept``), and those calls must leave it as the same calls made through a
-``Call`` do.
+``expert_group.group_kept``; the routed one and the rerun compiled where ``server/kept.c`` is
+built: both are run), and those calls must leave it as the same calls made through a ``Call``
+do.
 Interleaved calls of every decode op (matmul of two weights, routed groups whose experts
 change, the same experts again, an expert group, ragged attention) must leave the arena byte
 for byte as the same calls do with every plan's constant bytes written on every call.
@@ -18,7 +19,8 @@ from __future__ import annotations
 
 import textwrap
 
-from _stand_in import run
+import pytest
+from _stand_in import need_compiled, run
 
 SCRIPT = textwrap.dedent(
     """
@@ -51,6 +53,14 @@ SCRIPT = textwrap.dedent(
     graphs._record_fn = lambda *a: 0
     g = hp.GLM
     b = CupyBackend((0,))
+    if b._compiled is not None:  # server/kept.c: its routed call counted in place of the Python
+        _, c_routed, c_rerun = b._compiled
+        def c_counted(*a, **k):
+            got = c_routed(*a, **k)
+            n_fast[0] += got is not None
+            return got
+        b._compiled = (expert_group.routed_kept, c_counted, c_rerun)
+    print("compiled", b._compiled is not None)
     pool = [(hp.Resident(2, g["D"], g["I"]), hp.Resident(2, g["D"], g["I"]),
              hp.Resident(2, g["I"], g["D"])) for _ in range(24)]
     dense = [hp.Resident(2, 6144, 6144), hp.Resident(2, 2048, 6144)]
@@ -129,8 +139,13 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_kept_plans_leave_the_arena_as_fresh_plans_do():
-    assert "differ []" in run(SCRIPT)
+@pytest.mark.parametrize("compiled", ["0", "1"], ids=["python", "compiled"])
+def test_kept_plans_leave_the_arena_as_fresh_plans_do(compiled, monkeypatch):
+    """Both with the Python kept calls and with their compiled twins (``server/kept.c``)."""
+    need_compiled(compiled, monkeypatch)
+    out = run(SCRIPT)
+    assert f"compiled {compiled == '1'}" in out
+    assert "differ []" in out
 
 
 ROUTE_ORDER_SCRIPT = textwrap.dedent(

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import textwrap
 
-from _stand_in import last_dict
+import pytest
+from _stand_in import last_dict, need_compiled
 
 SCRIPT = textwrap.dedent(
     """
@@ -42,6 +43,14 @@ SCRIPT = textwrap.dedent(
             fast.append((_name, got is not None))
             return got
         setattr(mod, name, counted)
+    if b._compiled is not None:  # server/kept.c: its routed call counted in place of the Python
+        _, c_routed, c_rerun = b._compiled
+        def c_counted(*a, **k):
+            got = c_routed(*a, **k)
+            fast.append(("routed_kept", got is not None))
+            return got
+        b._compiled = (expert_group.routed_kept, c_counted, c_rerun)
+    print("compiled", b._compiled is not None)
 
     def routed(routes=None, tokens=1):
         routes = r.permutation(8)[:8].astype(np.int32).reshape(1, 8) if routes is None else routes
@@ -103,13 +112,18 @@ SCRIPT = textwrap.dedent(
     out["arena dropped"] = len(free) == len(before) - 1 and before[-1] not in free
     res = routed()
     out["next call"] = res.out.shape == (1, g["D"])
+    out["compiled"] = b._compiled is not None
     print(repr(out))
     """
 )
 
 
-def test_which_calls_are_made_without_a_call_and_a_failed_launch():
+@pytest.mark.parametrize("compiled", ["0", "1"], ids=["python", "compiled"])
+def test_which_calls_are_made_without_a_call_and_a_failed_launch(compiled, monkeypatch):
+    """Both with the Python kept calls and with their compiled twins (``server/kept.c``)."""
+    need_compiled(compiled, monkeypatch)
     out = last_dict(SCRIPT)
+    assert out["compiled"] == (compiled == "1")
     # direct (the first call may find no arena at all), captured, then without a Call
     assert out["routed"][-3:] == [True, True, True] and not any(out["routed"][:-3])
     assert out["attention"][-3:] == [True, True, True] and not any(out["attention"][:-3])

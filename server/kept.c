@@ -1,0 +1,600 @@
+/* The CuPy backend's kept decode calls, compiled: C twins of the Python that makes a kept
+ * plan's call without a ``Call`` (server/kept.py builds and loads this module).
+ *
+ *   routed(pool, experts, x, routes, weights, stream, device, what)
+ *       ``expert_group.routed_kept`` then ``cupy_calls.rerun``: a one-token routed group of K
+ *       other experts whose plan the thread's top arena keeps (by its experts, or by the
+ *       group's shape with the tables made for these experts), its graph launched and waited
+ *       for; the call's ``Result``, or None where the Python twin would find no such plan or
+ *       where an input is not the plain float32 / integer array this path reads (nothing taken
+ *       or written: the caller makes the call through a ``Call``).
+ *   rerun(a, rep, stream, device, what)
+ *       ``cupy_calls.rerun``: a kept plan's graph launched on ``stream``, waited for (polling
+ *       the D2H stamp with the GIL released, then the event), its output copied, the arena
+ *       given back.
+ *
+ * The Python twins stay the reference and the definition of every rule: this module reads the
+ * same objects (the arena's plans, the plan tuples and views, ``group_tables._triples``, the
+ * ``TablePatch``) and calls back into Python for everything but the per-call glue (the
+ * settings, ``rerunnable``, ``Arena.take`` / ``keep`` / ``give_back``, a missed triple, the
+ * event's wait and phases, an error's mapping). tests/server/test_kept_c_cpu.py compares the
+ * bytes both write, call by call. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <sched.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+/* What setup() hands over: Python objects read on every call. */
+static PyObject *eg_mod;        /* kernels.expert_group: ROUTE_ORDER */
+static PyObject *cc_mod;        /* server.cupy_calls: POLL, POLL_NS */
+static PyObject *settings_fn;   /* kernels.matmul.settings */
+static PyObject *rerunnable_fn; /* cupy_calls.rerunnable */
+static PyObject *triples_d;     /* group_tables._triples */
+static PyObject *triples_of_fn; /* group_tables.triples_of */
+static PyObject *zeros_t;       /* expert_group._ZEROS_T */
+static PyObject *result_t, *phases_t;
+static PyObject *rt_mod; /* cupy.cuda.runtime: graphLaunch, eventSynchronize (read per call) */
+static PyObject *event_phases_fn, *rerun_failed_fn;
+static PyObject *s_group, *s_group_shape, *k_routes, *k_xv;
+static PyObject *one_int;
+static PyObject *a_plans, *a_hmv, *a_take, *a_keep, *a_give_back, *a_sptr, *a_eptr;
+static PyObject *r_exec, *r_stamped, *r_view, *r_ptr, *m_copy, *m_route_order, *m_poll,
+    *m_poll_ns, *m_graph_launch, *m_event_sync, *t_parts, *t_cs, *t_cuts, *t_nbytes, *s_out_features;
+
+#define MAX_K 256
+
+static int get(PyObject *ns, const char *name, PyObject **into) {
+    PyObject *v = PyDict_GetItemString(ns, name); /* borrowed */
+    if (v == NULL) {
+        PyErr_Format(PyExc_KeyError, "kept.setup: %s missing", name);
+        return -1;
+    }
+    Py_XSETREF(*into, Py_NewRef(v));
+    return 0;
+}
+
+static PyObject *setup(PyObject *self, PyObject *ns) {
+    if (!PyDict_Check(ns)) {
+        PyErr_SetString(PyExc_TypeError, "kept.setup: a dict");
+        return NULL;
+    }
+    if (get(ns, "expert_group", &eg_mod) || get(ns, "cupy_calls", &cc_mod) ||
+        get(ns, "settings", &settings_fn) || get(ns, "rerunnable", &rerunnable_fn) ||
+        get(ns, "triples", &triples_d) || get(ns, "triples_of", &triples_of_fn) ||
+        get(ns, "zeros_t", &zeros_t) || get(ns, "Result", &result_t) ||
+        get(ns, "Phases", &phases_t) || get(ns, "runtime", &rt_mod) ||
+        get(ns, "event_phases", &event_phases_fn) ||
+        get(ns, "rerun_failed", &rerun_failed_fn))
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* The data of a C-contiguous array of ``n`` items of one of ``fmts`` (its buffer), or NULL
+ * with no error set where it is not one (the call goes through a ``Call``). */
+static int plain(PyObject *o, Py_buffer *b, const char *fmts, Py_ssize_t n, int writable) {
+    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT |
+                                     (writable ? PyBUF_WRITABLE : 0)) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    const char *f = b->format ? b->format : "B";
+    if (f[0] == '<' || f[0] == '=' || f[0] == '@') f++;
+    if (f[0] == '\0' || f[1] != '\0' || strchr(fmts, f[0]) == NULL ||
+        (n >= 0 && b->len != n * b->itemsize)) {
+        PyBuffer_Release(b);
+        return 0;
+    }
+    return 1;
+}
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* ``cupy_calls.wait``: poll the arena's D2H stamp (``POLL``, for a stamped call) with the GIL
+ * released, then, past ``POLL_NS`` or without polling, the event's wait. */
+static int wait_call(PyObject *a, int stamped) {
+    if (stamped) {
+        PyObject *poll = PyObject_GetAttr(cc_mod, m_poll);
+        if (poll == NULL) return -1;
+        int on = PyObject_IsTrue(poll);
+        Py_DECREF(poll);
+        if (on < 0) return -1;
+        if (on) {
+            PyObject *p = PyObject_GetAttr(a, a_sptr), *pn = PyObject_GetAttr(cc_mod, m_poll_ns);
+            if (p == NULL || pn == NULL) {
+                Py_XDECREF(p);
+                Py_XDECREF(pn);
+                return -1;
+            }
+            volatile uint64_t *st = (volatile uint64_t *)PyLong_AsVoidPtr(p);
+            long long limit = PyLong_AsLongLong(pn);
+            Py_DECREF(p);
+            Py_DECREF(pn);
+            if (PyErr_Occurred()) return -1;
+            if (st[3]) return 0;
+            int done = 0;
+            Py_BEGIN_ALLOW_THREADS;
+            int64_t end = now_ns() + limit;
+            for (;;) {
+                sched_yield();
+                if (st[3]) {
+                    done = 1;
+                    break;
+                }
+                if (now_ns() > end) break;
+            }
+            Py_END_ALLOW_THREADS;
+            if (done) return 0;
+        }
+    }
+    PyObject *ev = PyObject_GetAttr(a, a_eptr);
+    if (ev == NULL) return -1;
+    PyObject *e3 = PySequence_GetItem(ev, 3);
+    Py_DECREF(ev);
+    if (e3 == NULL) return -1;
+    PyObject *r = PyObject_CallMethodOneArg(rt_mod, m_event_sync, e3);
+    Py_DECREF(e3);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* ``cupy_calls.rerun`` on a taken arena ``a`` whose inputs are written. */
+static PyObject *rerun_taken(PyObject *a, PyObject *rep, PyObject *stream, PyObject *device,
+                             PyObject *what) {
+    PyObject *out = NULL, *phases = NULL, *res = NULL;
+    int stamped = 0, failed = 1;
+    PyObject *ex = PyObject_GetAttr(rep, r_exec);
+    PyObject *ep = ex ? PyObject_GetAttr(ex, r_ptr) : NULL;
+    PyObject *sp = ep ? PyObject_GetAttr(stream, r_ptr) : NULL;
+    PyObject *st = sp ? PyObject_GetAttr(rep, r_stamped) : NULL;
+    if (st != NULL && (stamped = PyObject_IsTrue(st)) >= 0) {
+        PyObject *args[3] = {rt_mod, ep, sp};
+        PyObject *r = PyObject_VectorcallMethod(m_graph_launch, args, 3, NULL);
+        if (r != NULL) {
+            Py_DECREF(r);
+            failed = wait_call(a, stamped) < 0;
+        }
+    }
+    Py_XDECREF(ex);
+    Py_XDECREF(ep);
+    Py_XDECREF(sp);
+    Py_XDECREF(st);
+    if (failed) { /* the GPU let finish, the error mapped (cupy_calls.rerun_failed) */
+        PyObject *type, *exc, *tb;
+        PyErr_Fetch(&type, &exc, &tb);
+        PyErr_NormalizeException(&type, &exc, &tb);
+        if (exc == NULL || !PyErr_GivenExceptionMatches(type, PyExc_Exception)) {
+            PyErr_Restore(type, exc, tb);
+            return NULL;
+        }
+        if (tb != NULL) PyException_SetTraceback(exc, tb);
+        Py_XDECREF(type);
+        Py_XDECREF(tb);
+        PyObject *args[4] = {exc, stream, device, what};
+        PyObject *r = PyObject_Vectorcall(rerun_failed_fn, args, 4, NULL);
+        Py_DECREF(exc);
+        if (r != NULL) { /* it returns only where it has nothing to raise: a bug */
+            Py_DECREF(r);
+            PyErr_SetString(PyExc_SystemError, "kept: rerun_failed returned");
+        }
+        return NULL;
+    }
+    PyObject *view = PyObject_GetAttr(rep, r_view);
+    if (view == NULL) return NULL;
+    out = PyObject_CallMethodNoArgs(view, m_copy);
+    Py_DECREF(view);
+    if (out == NULL) return NULL;
+    if (stamped) { /* _stamp_phases */
+        PyObject *p = PyObject_GetAttr(a, a_sptr);
+        if (p == NULL) goto done;
+        const volatile uint64_t *s = (const volatile uint64_t *)PyLong_AsVoidPtr(p);
+        Py_DECREF(p);
+        if (PyErr_Occurred()) goto done;
+        uint64_t h0 = s[0], h1 = s[1], d0 = s[2], d1 = s[3];
+        int64_t k = (int64_t)(d0 - h1);
+        phases = PyObject_CallFunction(phases_t, "LLL", (long long)(int64_t)(h1 - h0),
+                                       (long long)(k > 0 ? k : 0),
+                                       (long long)(int64_t)(d1 - d0));
+    } else {
+        phases = PyObject_CallOneArg(event_phases_fn, a);
+    }
+    if (phases == NULL) goto done;
+    PyObject *g = PyObject_CallMethodNoArgs(a, a_give_back);
+    if (g == NULL) goto done;
+    Py_DECREF(g);
+    PyObject *args[2] = {out, phases};
+    res = PyObject_Vectorcall(result_t, args, 2, NULL);
+done:
+    Py_DECREF(out);
+    Py_XDECREF(phases);
+    return res;
+}
+
+static PyObject *rerun(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (n != 5) {
+        PyErr_SetString(PyExc_TypeError, "kept.rerun(a, rep, stream, device, what)");
+        return NULL;
+    }
+    return rerun_taken(args[0], args[1], args[2], args[3], args[4]);
+}
+
+/* The tables of a group-shape plan for these experts, written at ``dst`` (``TablePatch.fill``:
+ * the shape's constant runs and the experts' packed addresses, or a range of them). */
+static int fill_tables(PyObject *where, PyObject *triples, char *dst, Py_ssize_t room) {
+    PyObject *parts = PyObject_GetAttr(where, t_parts), *cs = PyObject_GetAttr(where, t_cs),
+             *cuts = PyObject_GetAttr(where, t_cuts), *nb = PyObject_GetAttr(where, t_nbytes);
+    int rc = -1;
+    if (parts == NULL || cs == NULL || cuts == NULL || nb == NULL) goto out;
+    Py_ssize_t nbytes = PyLong_AsSsize_t(nb);
+    if (nbytes == -1 && PyErr_Occurred()) goto out;
+    if (nbytes > room) goto short_room;
+    room = nbytes; /* the slice fill() is written to: as long as its result must be */
+    if (!PyList_Check(parts) || !PyList_Check(cs) || !PyList_Check(cuts) ||
+        PyList_GET_SIZE(parts) != 2 * PyList_GET_SIZE(cs) + 1 ||
+        PyList_GET_SIZE(cuts) != PyList_GET_SIZE(cs)) {
+        PyErr_SetString(PyExc_TypeError, "kept: a TablePatch of another layout");
+        goto out;
+    }
+    Py_ssize_t at = 0, nslots = PyList_GET_SIZE(cs);
+    for (Py_ssize_t i = 0; i <= nslots; i++) {
+        PyObject *run = PyList_GET_ITEM(parts, 2 * i);
+        if (!PyBytes_Check(run)) {
+            PyErr_SetString(PyExc_TypeError, "kept: a TablePatch part is not bytes");
+            goto out;
+        }
+        Py_ssize_t len = PyBytes_GET_SIZE(run);
+        if (at + len > room) goto short_room;
+        memcpy(dst + at, PyBytes_AS_STRING(run), len);
+        at += len;
+        if (i == nslots) break;
+        Py_ssize_t c = PyLong_AsSsize_t(PyList_GET_ITEM(cs, i));
+        if (c == -1 && PyErr_Occurred()) goto out;
+        PyObject *e = PySequence_GetItem(triples, c); /* IndexError as fill's */
+        if (e == NULL) goto out;
+        PyObject *addrs = PyTuple_Check(e) && PyTuple_GET_SIZE(e) == 3 ? PyTuple_GET_ITEM(e, 2)
+                                                                       : NULL;
+        if (addrs == NULL || !PyBytes_Check(addrs)) {
+            Py_DECREF(e);
+            PyErr_SetString(PyExc_TypeError, "kept: a triples_of entry of another layout");
+            goto out;
+        }
+        Py_ssize_t lo = 0, hi = PyBytes_GET_SIZE(addrs);
+        PyObject *cut = PyList_GET_ITEM(cuts, i);
+        if (cut != Py_None) {
+            if (!PyArg_ParseTuple(cut, "nn", &lo, &hi)) {
+                Py_DECREF(e);
+                goto out;
+            }
+            if (lo < 0) lo = 0;
+            if (hi > PyBytes_GET_SIZE(addrs)) hi = PyBytes_GET_SIZE(addrs);
+            if (hi < lo) hi = lo;
+        }
+        if (at + (hi - lo) > room) {
+            Py_DECREF(e);
+            goto short_room;
+        }
+        memcpy(dst + at, PyBytes_AS_STRING(addrs) + lo, hi - lo);
+        at += hi - lo;
+        Py_DECREF(e);
+    }
+    if (at != nbytes) goto short_room;
+    rc = 0;
+    goto out;
+short_room:
+    PyErr_SetString(PyExc_ValueError,
+                    "kept: a group's tables are not the length its TablePatch keeps room for");
+out:
+    Py_XDECREF(nb);
+    Py_XDECREF(parts);
+    Py_XDECREF(cs);
+    Py_XDECREF(cuts);
+    return rc;
+}
+
+/* ``_kept_plan``'s key (``kind`` "group" with the experts' ids, or "group shape" with the
+ * shape's tuple): (kind, settings, *ids or shape, 1 x K, T=1, D, extra_in, extra_out, xr). */
+static PyObject *plan_key(PyObject *kind, PyObject *settings, PyObject **ids, Py_ssize_t n_ids,
+                          Py_ssize_t K, PyObject *D, PyObject *extra_in, PyObject *extra_out,
+                          PyObject *xr) {
+    PyObject *key = PyTuple_New(2 + n_ids + K + 5);
+    if (key == NULL) return NULL;
+    Py_ssize_t i = 0;
+    PyTuple_SET_ITEM(key, i++, Py_NewRef(kind));
+    PyTuple_SET_ITEM(key, i++, Py_NewRef(settings));
+    for (Py_ssize_t j = 0; j < n_ids; j++) PyTuple_SET_ITEM(key, i++, Py_NewRef(ids[j]));
+    for (Py_ssize_t j = 0; j < K; j++) PyTuple_SET_ITEM(key, i++, Py_NewRef(one_int));
+    PyTuple_SET_ITEM(key, i++, Py_NewRef(one_int));
+    PyTuple_SET_ITEM(key, i++, Py_NewRef(D));
+    PyTuple_SET_ITEM(key, i++, Py_NewRef(extra_in));
+    PyTuple_SET_ITEM(key, i++, Py_NewRef(extra_out));
+    PyTuple_SET_ITEM(key, i++, Py_NewRef(xr));
+    return key;
+}
+
+/* ``triples_of``'s entries of ``sel`` (kept ones looked up here; where one is missing, the
+ * Python function makes them), as a new list. */
+static PyObject *triples_of(PyObject **sel, PyObject **ids, Py_ssize_t K) {
+    PyObject *out = PyList_New(K);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t j = 0; j < K; j++) {
+        PyObject *t = PyDict_GetItemWithError(triples_d, ids[j]);
+        if (t == NULL) {
+            Py_DECREF(out);
+            if (PyErr_Occurred()) return NULL;
+            PyObject *seq = PyList_New(K);
+            if (seq == NULL) return NULL;
+            for (Py_ssize_t i = 0; i < K; i++) PyList_SET_ITEM(seq, i, Py_NewRef(sel[i]));
+            out = PyObject_CallOneArg(triples_of_fn, seq);
+            Py_DECREF(seq);
+            return out;
+        }
+        PyList_SET_ITEM(out, j, Py_NewRef(t));
+    }
+    return out;
+}
+
+/* A writable view's buffer of exactly ``nbytes`` bytes of one of ``fmts`` (0: not one). */
+static int span(PyObject *o, Py_buffer *b, const char *fmts, Py_ssize_t nbytes) {
+    if (!plain(o, b, fmts, -1, 1)) return 0;
+    if (b->len != nbytes) {
+        PyBuffer_Release(b);
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *routed(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (n != 8) {
+        PyErr_SetString(PyExc_TypeError,
+                        "kept.routed(pool, experts, x, routes, weights, stream, device, what)");
+        return NULL;
+    }
+    PyObject *pool = args[0], *experts = args[1], *x = args[2], *routes = args[3],
+             *weights = args[4];
+    PyObject *res = NULL, *settings = NULL, *key = NULL, *sel[MAX_K], *ids[MAX_K];
+    PyObject *triples = NULL, *a = NULL, *plans = NULL, *shape = NULL, *last = NULL;
+    PyObject *D = NULL, *extra_in = NULL, *extra_out = NULL, *hit = NULL, *views = NULL;
+    PyObject *hmv = NULL;
+    Py_buffer xb, rb, wb, xv, pv, wv, hb;
+    Py_ssize_t K = 0, got = 0;
+    int have_x = 0, have_r = 0, have_w = 0, have_xv = 0, have_pv = 0, have_wv = 0, have_h = 0;
+    long long e[MAX_K];
+
+    /* _one_token: ROUTE_ORDER on, one token, K other experts; the inputs plain arrays */
+    PyObject *order = PyObject_GetAttr(eg_mod, m_route_order);
+    if (order == NULL) return NULL;
+    int on = PyObject_IsTrue(order);
+    Py_DECREF(order);
+    if (on <= 0) return on < 0 ? NULL : Py_NewRef(Py_None);
+    if (!(have_r = plain(routes, &rb, "ilq", -1, 0)) || rb.ndim != 2 || rb.shape[0] != 1 ||
+        (rb.itemsize != 4 && rb.itemsize != 8))
+        goto none;
+    K = rb.shape[1];
+    if (K < 1 || K > MAX_K) goto none;
+    if (!(have_x = plain(x, &xb, "f", -1, 0)) || xb.ndim != 2 || xb.shape[0] != 1) goto none;
+    if (!(have_w = plain(weights, &wb, "f", K, 0)) || wb.ndim != 2 || wb.shape[0] != 1)
+        goto none;
+    for (Py_ssize_t j = 0; j < K; j++) {
+        e[j] = rb.itemsize == 4 ? ((int32_t *)rb.buf)[j] : ((int64_t *)rb.buf)[j];
+        for (Py_ssize_t i = 0; i < j; i++)
+            if (e[i] == e[j]) goto none; /* a repeated expert: route_plan's way */
+    }
+    if (!PyList_Check(pool) || PyList_GET_SIZE(pool) == 0) goto none;
+
+    /* sel = experts[e] for e in the routes (the IndexError itemgetter raises) */
+    for (; got < K; got++) {
+        PyObject *idx = PyLong_FromLongLong(e[got]);
+        if (idx == NULL) goto fail;
+        sel[got] = PyObject_GetItem(experts, idx);
+        Py_DECREF(idx);
+        if (sel[got] == NULL) goto fail;
+        ids[got] = PyLong_FromVoidPtr(sel[got]);
+        if (ids[got] == NULL) {
+            Py_DECREF(sel[got]);
+            goto fail;
+        }
+    }
+
+    /* _kept_plan(a, sel, _ONES[K], 1, D, 2 * align(4K), 4 * experts[0][2].out_features,
+     * _ZEROS_T[K]) */
+    a = Py_NewRef(PyList_GET_ITEM(pool, PyList_GET_SIZE(pool) - 1));
+    {
+        PyObject *e0 = PySequence_GetItem(experts, 0), *down = NULL, *dout = NULL;
+        if (e0 != NULL) down = PySequence_GetItem(e0, 2);
+        if (down != NULL) dout = PyObject_GetAttr(down, s_out_features);
+        Py_XDECREF(e0);
+        Py_XDECREF(down);
+        if (dout == NULL) goto fail;
+        long long d = PyLong_AsLongLong(dout);
+        Py_DECREF(dout);
+        if (d == -1 && PyErr_Occurred()) goto fail;
+        extra_out = PyLong_FromLongLong(4 * d);
+    }
+    D = PyLong_FromSsize_t(xb.shape[1]);
+    extra_in = PyLong_FromSsize_t(2 * ((4 * K + 255) / 256 * 256));
+    if (extra_out == NULL || D == NULL || extra_in == NULL) goto fail;
+    PyObject *xr; /* borrowed */
+    {
+        PyObject *k = PyLong_FromSsize_t(K);
+        if (k == NULL) goto fail;
+        xr = PyDict_GetItemWithError(zeros_t, k);
+        Py_DECREF(k);
+        if (xr == NULL) {
+            if (!PyErr_Occurred()) goto none;
+            goto fail;
+        }
+    }
+    if ((settings = PyObject_CallNoArgs(settings_fn)) == NULL) goto fail;
+    if ((plans = PyObject_GetAttr(a, a_plans)) == NULL) goto fail;
+    if (!PyDict_Check(plans)) goto none;
+    key = plan_key(s_group, settings, ids, K, K, D, extra_in, extra_out, xr);
+    if (key == NULL) goto fail;
+    hit = Py_XNewRef(PyDict_GetItemWithError(plans, key));
+    if (hit == NULL) {
+        if (PyErr_Occurred()) goto fail;
+        if ((triples = triples_of(sel, ids, K)) == NULL) goto fail;
+        if (!PyList_Check(triples) || PyList_GET_SIZE(triples) != K) goto none;
+        if ((shape = PyTuple_New(K)) == NULL) goto fail;
+        for (Py_ssize_t j = 0; j < K; j++) {
+            PyObject *t = PyList_GET_ITEM(triples, j);
+            if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 3) goto none;
+            PyTuple_SET_ITEM(shape, j, Py_NewRef(PyTuple_GET_ITEM(t, 1)));
+        }
+        Py_SETREF(key, plan_key(s_group_shape, settings, &shape, 1, K, D, extra_in, extra_out,
+                                xr));
+        if (key == NULL) goto fail;
+        hit = Py_XNewRef(PyDict_GetItemWithError(plans, key));
+        if (hit == NULL) {
+            if (PyErr_Occurred()) goto fail;
+            goto none;
+        }
+    }
+    if (!PyTuple_Check(hit) || PyTuple_GET_SIZE(hit) < 9) goto none;
+    PyObject *off = PyTuple_GET_ITEM(hit, 7), *rep = PyTuple_GET_ITEM(hit, 8);
+    if (rep == Py_None || !PyDict_Check(off)) goto none;
+    views = Py_XNewRef(PyDict_GetItemWithError(off, k_routes));
+    if (views == NULL) {
+        if (PyErr_Occurred()) goto fail;
+        goto none;
+    }
+    {
+        PyObject *ready = PyObject_CallOneArg(rerunnable_fn, rep);
+        if (ready == NULL) goto fail;
+        int r = PyObject_IsTrue(ready);
+        Py_DECREF(ready);
+        if (r < 0) goto fail;
+        if (!r) goto none;
+    }
+    /* where the inputs go: x's view, pos and w (the plan's views), the host half */
+    PyObject *xview = PyDict_GetItemWithError(off, k_xv);
+    if (xview == NULL) {
+        if (PyErr_Occurred()) goto fail;
+        goto none;
+    }
+    if (!PyTuple_Check(views) || PyTuple_GET_SIZE(views) < 2) goto none;
+    if (!(have_xv = span(xview, &xv, "f", xb.len)) ||
+        !(have_pv = span(PyTuple_GET_ITEM(views, 0), &pv, "i", 4 * K)) ||
+        !(have_wv = span(PyTuple_GET_ITEM(views, 1), &wv, "f", 4 * K)))
+        goto none;
+    PyObject *t_off_o = PyTuple_GET_ITEM(hit, 3), *table = PyTuple_GET_ITEM(hit, 4),
+             *where = PyTuple_GET_ITEM(hit, 5);
+    Py_ssize_t t_off = PyLong_AsSsize_t(t_off_o);
+    if (t_off == -1 && PyErr_Occurred()) goto fail;
+    if ((hmv = PyObject_GetAttr(a, a_hmv)) == NULL) goto fail;
+    if (PyObject_GetBuffer(hmv, &hb, PyBUF_WRITABLE) < 0) goto fail;
+    have_h = 1;
+    if (t_off < 0 || t_off > hb.len) goto none;
+
+    /* the call: the arena taken (Arena.take), its inputs written as routed_kept writes them */
+    if ((last = PyObject_CallMethodNoArgs(a, a_take)) == NULL) goto fail;
+    memcpy(xv.buf, xb.buf, xb.len);
+    if (where == Py_None) { /* _kept_tables: the plan's own, in place unless another's lie */
+        PyObject *args2[3] = {a, last, hit};
+        PyObject *kept = PyObject_VectorcallMethod(a_keep, args2, 3, NULL);
+        if (kept == NULL) goto fail;
+        int same = PyObject_IsTrue(kept);
+        Py_DECREF(kept);
+        if (same < 0) goto fail;
+        if (!same) {
+            if (!PyBytes_Check(table) || PyBytes_GET_SIZE(table) > hb.len - t_off) {
+                PyErr_SetString(PyExc_ValueError, "kept: a plan's tables past its arena");
+                goto fail;
+            }
+            memcpy((char *)hb.buf + t_off, PyBytes_AS_STRING(table), PyBytes_GET_SIZE(table));
+        }
+    } else { /* a shape's: made for these experts (TablePatch.fill) */
+        if (triples == NULL) {
+            PyErr_SetString(PyExc_TypeError, "kept: an experts' plan with a shape's tables");
+            goto fail;
+        }
+        if (fill_tables(where, triples, (char *)hb.buf + t_off, hb.len - t_off) < 0) goto fail;
+    }
+    for (Py_ssize_t j = 0; j < K; j++) ((int32_t *)pv.buf)[j] = (int32_t)j;
+    memcpy(wv.buf, wb.buf, 4 * K);
+    res = rerun_taken(a, rep, args[5], args[6], args[7]);
+    goto out;
+none:
+    res = Py_NewRef(Py_None);
+    goto out;
+fail:
+    res = NULL;
+out:
+    for (Py_ssize_t j = 0; j < got; j++) {
+        Py_DECREF(sel[j]);
+        Py_DECREF(ids[j]);
+    }
+    if (have_r) PyBuffer_Release(&rb);
+    if (have_x) PyBuffer_Release(&xb);
+    if (have_w) PyBuffer_Release(&wb);
+    if (have_xv) PyBuffer_Release(&xv);
+    if (have_pv) PyBuffer_Release(&pv);
+    if (have_wv) PyBuffer_Release(&wv);
+    if (have_h) PyBuffer_Release(&hb);
+    Py_XDECREF(hmv);
+    Py_XDECREF(settings);
+    Py_XDECREF(key);
+    Py_XDECREF(triples);
+    Py_XDECREF(a);
+    Py_XDECREF(plans);
+    Py_XDECREF(shape);
+    Py_XDECREF(last);
+    Py_XDECREF(D);
+    Py_XDECREF(extra_in);
+    Py_XDECREF(extra_out);
+    Py_XDECREF(hit);
+    Py_XDECREF(views);
+    return res;
+}
+
+static PyMethodDef methods[] = {
+    {"setup", (PyCFunction)setup, METH_O, "Hand over the Python objects the calls read."},
+    {"routed", (PyCFunction)(void (*)(void))routed, METH_FASTCALL,
+     "routed(pool, experts, x, routes, weights, stream, device, what): a kept one-token "
+     "routed call's Result, or None."},
+    {"rerun", (PyCFunction)(void (*)(void))rerun, METH_FASTCALL,
+     "rerun(a, rep, stream, device, what): cupy_calls.rerun."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, .m_name = "_kept", .m_size = -1, .m_methods = methods};
+
+#define INTERN(var, text)                                                                   \
+    if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
+
+PyMODINIT_FUNC PyInit__kept(void) {
+    INTERN(s_group, "group");
+    INTERN(s_group_shape, "group shape");
+    INTERN(k_routes, "routes");
+    INTERN(k_xv, "xv");
+    INTERN(a_plans, "plans");
+    INTERN(a_hmv, "hmv");
+    INTERN(a_take, "take");
+    INTERN(a_keep, "keep");
+    INTERN(a_give_back, "give_back");
+    INTERN(a_sptr, "sptr");
+    INTERN(a_eptr, "eptr");
+    INTERN(r_exec, "exec");
+    INTERN(r_stamped, "stamped");
+    INTERN(r_view, "view");
+    INTERN(r_ptr, "ptr");
+    INTERN(m_copy, "copy");
+    INTERN(m_route_order, "ROUTE_ORDER");
+    INTERN(m_poll, "POLL");
+    INTERN(m_poll_ns, "POLL_NS");
+    INTERN(m_graph_launch, "graphLaunch");
+    INTERN(m_event_sync, "eventSynchronize");
+    INTERN(t_parts, "parts");
+    INTERN(t_cs, "cs");
+    INTERN(t_cuts, "cuts");
+    INTERN(t_nbytes, "nbytes");
+    INTERN(s_out_features, "out_features");
+    if ((one_int = PyLong_FromLong(1)) == NULL) return NULL;
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,154 @@
+"""The compiled kept decode calls (``server/kept.c``): built on first use with the host's C
+compiler into a cache directory, loaded, and handed the Python objects they read; the CuPy
+backend's ``_kept`` calls them in place of their Python twins.
+
+    twins()  ->  (expert_group.routed_kept, routed, rerun) or None
+
+``routed`` is ``expert_group.routed_kept`` followed by ``cupy_calls.rerun``; ``rerun`` is
+``cupy_calls.rerun``. Both write the same bytes and return the same results as their twins
+(tests/server/test_kept_c_cpu.py compares them call by call); the Python stays the reference
+and the fallback: where the module cannot be built (no compiler, no Python headers) the
+backend logs one warning and runs the Python.
+
+``COLIWORKER_KEPT_C=0`` turns the compiled calls off. ``COLIWORKER_KEPT_CACHE`` names the
+directory the built module is kept in (default ``$XDG_CACHE_HOME/coliworker`` or
+``~/.cache/coliworker``); a build is keyed by the source's hash and the interpreter's ABI, so
+a changed source or another Python builds afresh. ``python -m coliworker.server.kept`` builds
+it ahead (the Docker image does, at build time) and prints where it lies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from types import ModuleType
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ENABLED = os.environ.get("COLIWORKER_KEPT_C", "1") != "0"
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kept.c")
+
+_lock = threading.Lock()
+_built: list[ModuleType | None] = []  # [the module or None] once tried
+
+
+def cache_dir() -> str:
+    """Where built modules are kept (``COLIWORKER_KEPT_CACHE``, else the user's cache)."""
+    d = os.environ.get("COLIWORKER_KEPT_CACHE")
+    if d:
+        return d
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "coliworker")
+
+
+def build(out_dir: str | None = None) -> str:
+    """Compile ``kept.c`` for this interpreter (where not built already); the module's path.
+    Raises ``RuntimeError`` with the compiler's output where it fails."""
+    with open(SOURCE, "rb") as f:
+        src = f.read()
+    tag = hashlib.sha256(src + sys.version.encode()).hexdigest()[:16]
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    out_dir = out_dir or cache_dir()
+    path = os.path.join(out_dir, f"_kept-{tag}{suffix}")
+    if os.path.exists(path):
+        return path
+    os.makedirs(out_dir, exist_ok=True)
+    cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+    include = sysconfig.get_paths()["include"]
+    fd, tmp = tempfile.mkstemp(suffix=suffix, dir=out_dir)
+    os.close(fd)
+    # CFLAGS first: an -I there is searched before the interpreter's include directory
+    cmd = [*cc, *shlex.split(os.environ.get("CFLAGS", "")), "-O2", "-shared", "-fPIC",
+           "-std=c11", "-D_GNU_SOURCE", f"-I{include}", SOURCE, "-o", tmp]  # fmt: skip
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if r.returncode:
+            hint = ("" if os.path.exists(os.path.join(include, "Python.h")) else
+                    f" (no Python.h in {include}: install the Python development headers)")
+            raise RuntimeError(f"{' '.join(cmd)} failed{hint}:\n{r.stderr[-4000:]}")
+        os.replace(tmp, path)  # atomic: another process building at once loads either
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"{' '.join(cmd)}: {exc}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def _load(path: str) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader("_kept", path)
+    spec = importlib.util.spec_from_file_location("_kept", path, loader=loader)
+    assert spec is not None
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+def module() -> ModuleType | None:
+    """The built module, set up (once per process); None where it is switched off or cannot
+    be built (one warning logged)."""
+    if _built:
+        return _built[0]
+    with _lock:
+        if _built:
+            return _built[0]
+        mod = None
+        if ENABLED:
+            try:
+                mod = _load(build())
+                mod.setup(_objects())
+            except (RuntimeError, ImportError, OSError) as exc:
+                log.warning("compiled kept calls unavailable, the Python runs them: %s", exc)
+                mod = None
+        _built.append(mod)
+        return mod
+
+
+def _objects() -> dict[str, Any]:
+    """What the compiled calls read (``kept.c``'s ``setup``)."""
+    import cupy
+
+    from coliworker.kernels import expert_group, group_tables, matmul
+    from coliworker.server import cupy_calls
+    from coliworker.server.backend import Phases, Result
+
+    return {
+        "expert_group": expert_group,
+        "cupy_calls": cupy_calls,
+        "runtime": cupy.cuda.runtime,
+        "settings": matmul.settings,
+        "rerunnable": cupy_calls.rerunnable,
+        "triples": group_tables._triples,
+        "triples_of": group_tables.triples_of,
+        "zeros_t": expert_group._ZEROS_T,
+        "Result": Result,
+        "Phases": Phases,
+        "event_phases": cupy_calls._event_phases,
+        "rerun_failed": cupy_calls.rerun_failed,
+    }
+
+
+def twins() -> tuple[Any, Any, Any] | None:
+    """(``expert_group.routed_kept``, its compiled twin with the rerun, the compiled
+    ``rerun``), or None (the Python runs the calls). The backend runs the compiled routed call
+    where it is handed that very function (a stand-in put in its place runs as given)."""
+    mod = module()
+    if mod is None:
+        return None
+    from coliworker.kernels import expert_group
+
+    return expert_group.routed_kept, mod.routed, mod.rerun
+
+
+if __name__ == "__main__":
+    print(build())
