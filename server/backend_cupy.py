@@ -103,17 +103,22 @@ class CupyBackend:
         op's ``expert_group.routed_kept``, ``group_kept`` or ``attention_call.run_kept``) takes
         this thread's top arena and writes the call's inputs, the same bytes as through a
         ``Call``, and ``cupy_calls.rerun`` launches the plan's graph (compiled where ``server/kept.c`` is
-        built, ``server/kept.py``: routed_kept with its rerun, and rerun). None (nothing done) where
+        built, ``server/kept.py``). None (nothing done) where
         the device is not current, the input (``nbytes``) would be read from a registered
         segment, or ``find`` has no such plan: the caller makes the call through a ``Call``."""
         stream, pool = self._thread(device)
         if not pool or nbytes >= DIRECT_BYTES or cupy.cuda.runtime.getDevice() != device:
             return None
         run = rerun
-        if self._compiled is not None:  # server/kept.c: routed_kept + rerun, and rerun
-            if find is self._compiled[0]:
-                return self._compiled[1](pool, *args, stream, device, what)
-            run = self._compiled[2]
+        c = self._compiled
+        if c is not None:  # server/kept.c: each find with its rerun, or the rerun
+            if find is c.routed_kept:
+                return c.routed(pool, *args, stream, device, what)
+            if find is c.group_kept:
+                return c.group(pool, *args, stream, device, what)
+            if find is c.run_kept:
+                return c.ragged(pool, *args, stream, device, what)
+            run = c.rerun
         got = find(pool, *args, rerunnable)
         return None if got is None else run(*got, stream, device, what)
 

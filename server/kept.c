@@ -34,6 +34,8 @@ static PyObject *rerunnable_fn; /* cupy_calls.rerunnable */
 static PyObject *triples_d;     /* group_tables._triples */
 static PyObject *triples_of_fn; /* group_tables.triples_of */
 static PyObject *zeros_t;       /* expert_group._ZEROS_T */
+static PyObject *att_key_fn;    /* attention_call._key */
+static PyObject *att_inputs_fn; /* attention_call._inputs (the inputs this file does not write) */
 static PyObject *result_t, *phases_t;
 static PyObject *rt_mod; /* cupy.cuda.runtime: graphLaunch, eventSynchronize (read per call) */
 static PyObject *event_phases_fn, *rerun_failed_fn;
@@ -41,7 +43,8 @@ static PyObject *s_group, *s_group_shape, *k_routes, *k_xv;
 static PyObject *one_int;
 static PyObject *a_plans, *a_hmv, *a_take, *a_keep, *a_give_back, *a_sptr, *a_eptr;
 static PyObject *r_exec, *r_stamped, *r_view, *r_ptr, *m_copy, *m_route_order, *m_poll,
-    *m_poll_ns, *m_graph_launch, *m_event_sync, *t_parts, *t_cs, *t_cuts, *t_nbytes, *s_out_features;
+    *m_poll_ns, *m_pipeline, *m_pipe_bytes, *m_graph_launch, *m_event_sync, *t_parts, *t_cs, *t_cuts, *t_nbytes, *s_out_features,
+    *s_data, *s_latent, *s_rope, *s_length;
 
 #define MAX_K 256
 
@@ -66,8 +69,15 @@ static PyObject *setup(PyObject *self, PyObject *ns) {
         get(ns, "zeros_t", &zeros_t) || get(ns, "Result", &result_t) ||
         get(ns, "Phases", &phases_t) || get(ns, "runtime", &rt_mod) ||
         get(ns, "event_phases", &event_phases_fn) ||
-        get(ns, "rerun_failed", &rerun_failed_fn))
+        get(ns, "rerun_failed", &rerun_failed_fn) || get(ns, "attention_key", &att_key_fn) ||
+        get(ns, "attention_inputs", &att_inputs_fn))
         return NULL;
+    /* the KvDesc records written here are kernels/records.py's KV_DESC */
+    PyObject *fmt = PyDict_GetItemString(ns, "kv_desc_format");
+    if (fmt == NULL || !PyUnicode_Check(fmt) || PyUnicode_CompareWithASCIIString(fmt, "<QQii")) {
+        PyErr_SetString(PyExc_ImportError, "kept.setup: KV_DESC is not <QQii (kept.c's KvDesc)");
+        return NULL;
+    }
     Py_RETURN_NONE;
 }
 
@@ -297,19 +307,26 @@ out:
     return rc;
 }
 
-/* ``_kept_plan``'s key (``kind`` "group" with the experts' ids, or "group shape" with the
- * shape's tuple): (kind, settings, *ids or shape, 1 x K, T=1, D, extra_in, extra_out, xr). */
+/* A list or a tuple, read in place. */
+#define SEQ_CHECK(o) (PyList_Check(o) || PyTuple_Check(o))
+#define SEQ_SIZE(o) (PyList_Check(o) ? PyList_GET_SIZE(o) : PyTuple_GET_SIZE(o))
+#define SEQ_ITEM(o, i) (PyList_Check(o) ? PyList_GET_ITEM(o, i) : PyTuple_GET_ITEM(o, i))
+
+/* ``_kept_plan``'s key: (kind, settings, *ids or the shape, *rows, T, D, extra_in, extra_out,
+ * xr), ``kind`` "group" with the experts' ids or "group shape" with the shape's tuple;
+ * ``rows`` a list or tuple of K, or NULL: K ones (a one-token group's). */
 static PyObject *plan_key(PyObject *kind, PyObject *settings, PyObject **ids, Py_ssize_t n_ids,
-                          Py_ssize_t K, PyObject *D, PyObject *extra_in, PyObject *extra_out,
-                          PyObject *xr) {
+                          Py_ssize_t K, PyObject *rows, PyObject *T, PyObject *D,
+                          PyObject *extra_in, PyObject *extra_out, PyObject *xr) {
     PyObject *key = PyTuple_New(2 + n_ids + K + 5);
     if (key == NULL) return NULL;
     Py_ssize_t i = 0;
     PyTuple_SET_ITEM(key, i++, Py_NewRef(kind));
     PyTuple_SET_ITEM(key, i++, Py_NewRef(settings));
     for (Py_ssize_t j = 0; j < n_ids; j++) PyTuple_SET_ITEM(key, i++, Py_NewRef(ids[j]));
-    for (Py_ssize_t j = 0; j < K; j++) PyTuple_SET_ITEM(key, i++, Py_NewRef(one_int));
-    PyTuple_SET_ITEM(key, i++, Py_NewRef(one_int));
+    for (Py_ssize_t j = 0; j < K; j++)
+        PyTuple_SET_ITEM(key, i++, Py_NewRef(rows ? SEQ_ITEM(rows, j) : one_int));
+    PyTuple_SET_ITEM(key, i++, Py_NewRef(T));
     PyTuple_SET_ITEM(key, i++, Py_NewRef(D));
     PyTuple_SET_ITEM(key, i++, Py_NewRef(extra_in));
     PyTuple_SET_ITEM(key, i++, Py_NewRef(extra_out));
@@ -349,6 +366,106 @@ static int span(PyObject *o, Py_buffer *b, const char *fmts, Py_ssize_t nbytes) 
     return 1;
 }
 
+/* ``_kept_plan``: the plan arena ``a`` keeps for the group of ``sel`` (ids ``ids``), by the
+ * experts themselves, else by the group's shape (``*triples`` then set: the experts'
+ * ``triples_of`` entries). A new reference, or NULL: none (no error set) or an error. */
+static PyObject *find_plan(PyObject *a, PyObject **sel, PyObject **ids, Py_ssize_t K,
+                           PyObject *rows, PyObject *T, PyObject *D, PyObject *extra_in,
+                           PyObject *extra_out, PyObject *xr, PyObject **triples) {
+    PyObject *settings = NULL, *plans = NULL, *key = NULL, *shape = NULL, *hit = NULL;
+    if ((settings = PyObject_CallNoArgs(settings_fn)) == NULL) goto out;
+    if ((plans = PyObject_GetAttr(a, a_plans)) == NULL) goto out;
+    if (!PyDict_Check(plans)) goto out;
+    key = plan_key(s_group, settings, ids, K, K, rows, T, D, extra_in, extra_out, xr);
+    if (key == NULL) goto out;
+    hit = Py_XNewRef(PyDict_GetItemWithError(plans, key));
+    if (hit != NULL || PyErr_Occurred()) goto out;
+    if ((*triples = triples_of(sel, ids, K)) == NULL) goto out;
+    if (!PyList_Check(*triples) || PyList_GET_SIZE(*triples) != K) goto out;
+    if ((shape = PyTuple_New(K)) == NULL) goto out;
+    for (Py_ssize_t j = 0; j < K; j++) {
+        PyObject *t = PyList_GET_ITEM(*triples, j);
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 3) goto out;
+        PyTuple_SET_ITEM(shape, j, Py_NewRef(PyTuple_GET_ITEM(t, 1)));
+    }
+    Py_SETREF(key, plan_key(s_group_shape, settings, &shape, 1, K, rows, T, D, extra_in,
+                            extra_out, xr));
+    if (key != NULL) hit = Py_XNewRef(PyDict_GetItemWithError(plans, key));
+out:
+    Py_XDECREF(settings);
+    Py_XDECREF(plans);
+    Py_XDECREF(key);
+    Py_XDECREF(shape);
+    return hit;
+}
+
+/* ``_kept_tables``: a kept plan's tables in the arena's host half (``hb``), ``last`` being
+ * the plan whose constant bytes it held when the call took it. */
+static int write_tables(PyObject *a, PyObject *last, PyObject *hit, PyObject *triples,
+                        Py_buffer *hb) {
+    Py_ssize_t t_off = PyLong_AsSsize_t(PyTuple_GET_ITEM(hit, 3));
+    PyObject *table = PyTuple_GET_ITEM(hit, 4), *where = PyTuple_GET_ITEM(hit, 5);
+    if (t_off == -1 && PyErr_Occurred()) return -1;
+    if (t_off < 0 || t_off > hb->len) {
+        PyErr_SetString(PyExc_ValueError, "kept: a plan's tables past its arena");
+        return -1;
+    }
+    if (where == Py_None) { /* the plan's own: in place unless another plan's bytes lie */
+        PyObject *args[3] = {a, last, hit};
+        PyObject *kept = PyObject_VectorcallMethod(a_keep, args, 3, NULL);
+        if (kept == NULL) return -1;
+        int same = PyObject_IsTrue(kept);
+        Py_DECREF(kept);
+        if (same < 0) return -1;
+        if (!same) {
+            if (!PyBytes_Check(table) || PyBytes_GET_SIZE(table) > hb->len - t_off) {
+                PyErr_SetString(PyExc_ValueError, "kept: a plan's tables past its arena");
+                return -1;
+            }
+            memcpy((char *)hb->buf + t_off, PyBytes_AS_STRING(table), PyBytes_GET_SIZE(table));
+        }
+        return 0;
+    }
+    if (triples == NULL) { /* (a plan kept by its experts holds its tables made) */
+        PyErr_SetString(PyExc_TypeError, "kept: an experts' plan with a shape's tables");
+        return -1;
+    }
+    return fill_tables(where, triples, (char *)hb->buf + t_off, hb->len - t_off);
+}
+
+/* Whether ``rep`` may be rerun (``cupy_calls.rerunnable``): 1, 0, or -1 (an error). */
+static int ready(PyObject *rep) {
+    PyObject *r = PyObject_CallOneArg(rerunnable_fn, rep);
+    if (r == NULL) return -1;
+    int ok = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return ok;
+}
+
+/* experts[e] for each of ``K`` indices (the IndexError itemgetter raises), with their ids;
+ * the number got (== K, or fewer with an error set). */
+static Py_ssize_t select_experts(PyObject *experts, const long long *e, PyObject **sel,
+                                 PyObject **ids, Py_ssize_t K, PyObject *seq) {
+    Py_ssize_t got = 0;
+    for (; got < K; got++) {
+        if (seq != NULL) {
+            sel[got] = Py_NewRef(SEQ_ITEM(seq, got));
+        } else {
+            PyObject *idx = PyLong_FromLongLong(e[got]);
+            if (idx == NULL) break;
+            sel[got] = PyObject_GetItem(experts, idx);
+            Py_DECREF(idx);
+            if (sel[got] == NULL) break;
+        }
+        ids[got] = PyLong_FromVoidPtr(sel[got]);
+        if (ids[got] == NULL) {
+            Py_DECREF(sel[got]);
+            break;
+        }
+    }
+    return got;
+}
+
 static PyObject *routed(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     if (n != 8) {
         PyErr_SetString(PyExc_TypeError,
@@ -357,10 +474,9 @@ static PyObject *routed(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     }
     PyObject *pool = args[0], *experts = args[1], *x = args[2], *routes = args[3],
              *weights = args[4];
-    PyObject *res = NULL, *settings = NULL, *key = NULL, *sel[MAX_K], *ids[MAX_K];
-    PyObject *triples = NULL, *a = NULL, *plans = NULL, *shape = NULL, *last = NULL;
-    PyObject *D = NULL, *extra_in = NULL, *extra_out = NULL, *hit = NULL, *views = NULL;
-    PyObject *hmv = NULL;
+    PyObject *res = NULL, *sel[MAX_K], *ids[MAX_K], *triples = NULL, *a = NULL, *last = NULL;
+    PyObject *T = NULL, *D = NULL, *extra_in = NULL, *extra_out = NULL, *hit = NULL,
+             *views = NULL, *hmv = NULL;
     Py_buffer xb, rb, wb, xv, pv, wv, hb;
     Py_ssize_t K = 0, got = 0;
     int have_x = 0, have_r = 0, have_w = 0, have_xv = 0, have_pv = 0, have_wv = 0, have_h = 0;
@@ -386,20 +502,7 @@ static PyObject *routed(PyObject *self, PyObject *const *args, Py_ssize_t n) {
             if (e[i] == e[j]) goto none; /* a repeated expert: route_plan's way */
     }
     if (!PyList_Check(pool) || PyList_GET_SIZE(pool) == 0) goto none;
-
-    /* sel = experts[e] for e in the routes (the IndexError itemgetter raises) */
-    for (; got < K; got++) {
-        PyObject *idx = PyLong_FromLongLong(e[got]);
-        if (idx == NULL) goto fail;
-        sel[got] = PyObject_GetItem(experts, idx);
-        Py_DECREF(idx);
-        if (sel[got] == NULL) goto fail;
-        ids[got] = PyLong_FromVoidPtr(sel[got]);
-        if (ids[got] == NULL) {
-            Py_DECREF(sel[got]);
-            goto fail;
-        }
-    }
+    if ((got = select_experts(experts, e, sel, ids, K, NULL)) < K) goto fail;
 
     /* _kept_plan(a, sel, _ONES[K], 1, D, 2 * align(4K), 4 * experts[0][2].out_features,
      * _ZEROS_T[K]) */
@@ -416,6 +519,7 @@ static PyObject *routed(PyObject *self, PyObject *const *args, Py_ssize_t n) {
         if (d == -1 && PyErr_Occurred()) goto fail;
         extra_out = PyLong_FromLongLong(4 * d);
     }
+    T = Py_NewRef(one_int);
     D = PyLong_FromSsize_t(xb.shape[1]);
     extra_in = PyLong_FromSsize_t(2 * ((4 * K + 255) / 256 * 256));
     if (extra_out == NULL || D == NULL || extra_in == NULL) goto fail;
@@ -430,30 +534,10 @@ static PyObject *routed(PyObject *self, PyObject *const *args, Py_ssize_t n) {
             goto fail;
         }
     }
-    if ((settings = PyObject_CallNoArgs(settings_fn)) == NULL) goto fail;
-    if ((plans = PyObject_GetAttr(a, a_plans)) == NULL) goto fail;
-    if (!PyDict_Check(plans)) goto none;
-    key = plan_key(s_group, settings, ids, K, K, D, extra_in, extra_out, xr);
-    if (key == NULL) goto fail;
-    hit = Py_XNewRef(PyDict_GetItemWithError(plans, key));
+    hit = find_plan(a, sel, ids, K, NULL, T, D, extra_in, extra_out, xr, &triples);
     if (hit == NULL) {
         if (PyErr_Occurred()) goto fail;
-        if ((triples = triples_of(sel, ids, K)) == NULL) goto fail;
-        if (!PyList_Check(triples) || PyList_GET_SIZE(triples) != K) goto none;
-        if ((shape = PyTuple_New(K)) == NULL) goto fail;
-        for (Py_ssize_t j = 0; j < K; j++) {
-            PyObject *t = PyList_GET_ITEM(triples, j);
-            if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 3) goto none;
-            PyTuple_SET_ITEM(shape, j, Py_NewRef(PyTuple_GET_ITEM(t, 1)));
-        }
-        Py_SETREF(key, plan_key(s_group_shape, settings, &shape, 1, K, D, extra_in, extra_out,
-                                xr));
-        if (key == NULL) goto fail;
-        hit = Py_XNewRef(PyDict_GetItemWithError(plans, key));
-        if (hit == NULL) {
-            if (PyErr_Occurred()) goto fail;
-            goto none;
-        }
+        goto none;
     }
     if (!PyTuple_Check(hit) || PyTuple_GET_SIZE(hit) < 9) goto none;
     PyObject *off = PyTuple_GET_ITEM(hit, 7), *rep = PyTuple_GET_ITEM(hit, 8);
@@ -463,13 +547,10 @@ static PyObject *routed(PyObject *self, PyObject *const *args, Py_ssize_t n) {
         if (PyErr_Occurred()) goto fail;
         goto none;
     }
-    {
-        PyObject *ready = PyObject_CallOneArg(rerunnable_fn, rep);
-        if (ready == NULL) goto fail;
-        int r = PyObject_IsTrue(ready);
-        Py_DECREF(ready);
+    int r = ready(rep);
+    if (r <= 0) {
         if (r < 0) goto fail;
-        if (!r) goto none;
+        goto none;
     }
     /* where the inputs go: x's view, pos and w (the plan's views), the host half */
     PyObject *xview = PyDict_GetItemWithError(off, k_xv);
@@ -482,39 +563,14 @@ static PyObject *routed(PyObject *self, PyObject *const *args, Py_ssize_t n) {
         !(have_pv = span(PyTuple_GET_ITEM(views, 0), &pv, "i", 4 * K)) ||
         !(have_wv = span(PyTuple_GET_ITEM(views, 1), &wv, "f", 4 * K)))
         goto none;
-    PyObject *t_off_o = PyTuple_GET_ITEM(hit, 3), *table = PyTuple_GET_ITEM(hit, 4),
-             *where = PyTuple_GET_ITEM(hit, 5);
-    Py_ssize_t t_off = PyLong_AsSsize_t(t_off_o);
-    if (t_off == -1 && PyErr_Occurred()) goto fail;
     if ((hmv = PyObject_GetAttr(a, a_hmv)) == NULL) goto fail;
     if (PyObject_GetBuffer(hmv, &hb, PyBUF_WRITABLE) < 0) goto fail;
     have_h = 1;
-    if (t_off < 0 || t_off > hb.len) goto none;
 
     /* the call: the arena taken (Arena.take), its inputs written as routed_kept writes them */
     if ((last = PyObject_CallMethodNoArgs(a, a_take)) == NULL) goto fail;
     memcpy(xv.buf, xb.buf, xb.len);
-    if (where == Py_None) { /* _kept_tables: the plan's own, in place unless another's lie */
-        PyObject *args2[3] = {a, last, hit};
-        PyObject *kept = PyObject_VectorcallMethod(a_keep, args2, 3, NULL);
-        if (kept == NULL) goto fail;
-        int same = PyObject_IsTrue(kept);
-        Py_DECREF(kept);
-        if (same < 0) goto fail;
-        if (!same) {
-            if (!PyBytes_Check(table) || PyBytes_GET_SIZE(table) > hb.len - t_off) {
-                PyErr_SetString(PyExc_ValueError, "kept: a plan's tables past its arena");
-                goto fail;
-            }
-            memcpy((char *)hb.buf + t_off, PyBytes_AS_STRING(table), PyBytes_GET_SIZE(table));
-        }
-    } else { /* a shape's: made for these experts (TablePatch.fill) */
-        if (triples == NULL) {
-            PyErr_SetString(PyExc_TypeError, "kept: an experts' plan with a shape's tables");
-            goto fail;
-        }
-        if (fill_tables(where, triples, (char *)hb.buf + t_off, hb.len - t_off) < 0) goto fail;
-    }
+    if (write_tables(a, last, hit, triples, &hb) < 0) goto fail;
     for (Py_ssize_t j = 0; j < K; j++) ((int32_t *)pv.buf)[j] = (int32_t)j;
     memcpy(wv.buf, wb.buf, 4 * K);
     res = rerun_taken(a, rep, args[5], args[6], args[7]);
@@ -537,13 +593,10 @@ out:
     if (have_wv) PyBuffer_Release(&wv);
     if (have_h) PyBuffer_Release(&hb);
     Py_XDECREF(hmv);
-    Py_XDECREF(settings);
-    Py_XDECREF(key);
     Py_XDECREF(triples);
     Py_XDECREF(a);
-    Py_XDECREF(plans);
-    Py_XDECREF(shape);
     Py_XDECREF(last);
+    Py_XDECREF(T);
     Py_XDECREF(D);
     Py_XDECREF(extra_in);
     Py_XDECREF(extra_out);
@@ -552,11 +605,309 @@ out:
     return res;
 }
 
+/* ``expert_group.group_kept`` then ``cupy_calls.rerun``. */
+static PyObject *group(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (n != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "kept.group(pool, experts, rows, x, stream, device, what)");
+        return NULL;
+    }
+    PyObject *pool = args[0], *experts = args[1], *rows = args[2], *x = args[3];
+    PyObject *res = NULL, *sel[MAX_K], *ids[MAX_K], *triples = NULL, *a = NULL, *last = NULL;
+    PyObject *T = NULL, *D = NULL, *zero = NULL, *hit = NULL, *hmv = NULL;
+    Py_buffer xb, xv, hb;
+    Py_ssize_t K = 0, got = 0;
+    int have_x = 0, have_xv = 0, have_h = 0;
+    if (!PyList_Check(pool) || PyList_GET_SIZE(pool) == 0 || !SEQ_CHECK(experts) ||
+        !SEQ_CHECK(rows) || (K = SEQ_SIZE(experts)) < 1 || K > MAX_K || SEQ_SIZE(rows) != K)
+        return Py_NewRef(Py_None);
+    if (!(have_x = plain(x, &xb, "f", -1, 0)) || xb.ndim != 2) goto none;
+    { /* PIPELINE and 4 * x.size >= PIPE_BYTES: the pipelined call's */
+        PyObject *pipe = PyObject_GetAttr(eg_mod, m_pipeline), *pb = NULL;
+        if (pipe == NULL) goto fail;
+        int on = PyObject_IsTrue(pipe);
+        Py_DECREF(pipe);
+        if (on < 0) goto fail;
+        if (on) {
+            if ((pb = PyObject_GetAttr(eg_mod, m_pipe_bytes)) == NULL) goto fail;
+            long long lim = PyLong_AsLongLong(pb);
+            Py_DECREF(pb);
+            if (lim == -1 && PyErr_Occurred()) goto fail;
+            if ((long long)xb.len >= lim) goto none;
+        }
+    }
+    if ((got = select_experts(experts, NULL, sel, ids, K, experts)) < K) goto fail;
+    a = Py_NewRef(PyList_GET_ITEM(pool, PyList_GET_SIZE(pool) - 1));
+    T = PyLong_FromSsize_t(xb.shape[0]);
+    D = PyLong_FromSsize_t(xb.shape[1]);
+    zero = PyLong_FromLong(0);
+    if (T == NULL || D == NULL || zero == NULL) goto fail;
+    hit = find_plan(a, sel, ids, K, rows, T, D, zero, zero, Py_None, &triples);
+    if (hit == NULL) {
+        if (PyErr_Occurred()) goto fail;
+        goto none;
+    }
+    if (!PyTuple_Check(hit) || PyTuple_GET_SIZE(hit) < 9) goto none;
+    PyObject *off = PyTuple_GET_ITEM(hit, 7), *rep = PyTuple_GET_ITEM(hit, 8);
+    if (rep == Py_None || !PyDict_Check(off)) goto none;
+    int r = ready(rep);
+    if (r <= 0) {
+        if (r < 0) goto fail;
+        goto none;
+    }
+    PyObject *xview = PyDict_GetItemWithError(off, k_xv);
+    if (xview == NULL) {
+        if (PyErr_Occurred()) goto fail;
+        goto none;
+    }
+    if (!(have_xv = span(xview, &xv, "f", xb.len))) goto none;
+    if ((hmv = PyObject_GetAttr(a, a_hmv)) == NULL) goto fail;
+    if (PyObject_GetBuffer(hmv, &hb, PyBUF_WRITABLE) < 0) goto fail;
+    have_h = 1;
+
+    if ((last = PyObject_CallMethodNoArgs(a, a_take)) == NULL) goto fail;
+    memcpy(xv.buf, xb.buf, xb.len);
+    if (write_tables(a, last, hit, triples, &hb) < 0) goto fail;
+    res = rerun_taken(a, rep, args[4], args[5], args[6]);
+    goto out;
+none:
+    res = Py_NewRef(Py_None);
+    goto out;
+fail:
+    res = NULL;
+out:
+    for (Py_ssize_t j = 0; j < got; j++) {
+        Py_DECREF(sel[j]);
+        Py_DECREF(ids[j]);
+    }
+    if (have_x) PyBuffer_Release(&xb);
+    if (have_xv) PyBuffer_Release(&xv);
+    if (have_h) PyBuffer_Release(&hb);
+    Py_XDECREF(hmv);
+    Py_XDECREF(triples);
+    Py_XDECREF(a);
+    Py_XDECREF(last);
+    Py_XDECREF(T);
+    Py_XDECREF(D);
+    Py_XDECREF(zero);
+    Py_XDECREF(hit);
+    return res;
+}
+
+
+/* A KvDesc (kernels/records.py's KV_DESC, checked in setup). */
+struct KvDesc {
+    uint64_t latent, rope;
+    int32_t len, src;
+};
+
+/* The device address of a cache's ``which`` (``c.latent.data.ptr``); 0 with an error set
+ * where it cannot be read. */
+static uint64_t cache_ptr(PyObject *c, PyObject *which, int *err) {
+    PyObject *arr = PyObject_GetAttr(c, which), *data = NULL, *ptr = NULL;
+    uint64_t v = 0;
+    if (arr != NULL) data = PyObject_GetAttr(arr, s_data);
+    if (data != NULL) ptr = PyObject_GetAttr(data, r_ptr);
+    if (ptr != NULL) v = PyLong_AsUnsignedLongLong(ptr);
+    if (ptr == NULL || PyErr_Occurred()) *err = 1;
+    Py_XDECREF(arr);
+    Py_XDECREF(data);
+    Py_XDECREF(ptr);
+    return v;
+}
+
+/* The rows of ``parts`` (float32 blocks, contiguous) stacked into ``dst`` of ``room`` bytes
+ * (``pinned.stack_into``); 0: they are not such blocks filling it exactly (nothing written). */
+static int stackable(PyObject *parts, Py_ssize_t room) {
+    if (!SEQ_CHECK(parts)) return 0;
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < SEQ_SIZE(parts); i++) {
+        Py_buffer b;
+        if (!plain(SEQ_ITEM(parts, i), &b, "f", -1, 0)) return 0;
+        total += b.len;
+        PyBuffer_Release(&b);
+    }
+    return total == room;
+}
+
+static void stack(PyObject *parts, char *dst) {
+    for (Py_ssize_t i = 0; i < SEQ_SIZE(parts); i++) {
+        Py_buffer b;
+        if (plain(SEQ_ITEM(parts, i), &b, "f", -1, 0)) { /* (stackable checked) */
+            memcpy(dst, b.buf, b.len);
+            dst += b.len;
+            PyBuffer_Release(&b);
+        }
+    }
+}
+
+/* ``attention_call._inputs`` for a ragged call (caches given): the new rows, the KvDescs,
+ * the gemv jobs unless the arena holds them (``Arena.keep``). */
+static int ragged_inputs(PyObject *a, PyObject *last, PyObject *plan, char *host,
+                         Py_ssize_t hlen, PyObject *caches, PyObject *fresh, PyObject *latents,
+                         PyObject *ropes, Py_ssize_t n_up, Py_buffer *lv, Py_buffer *rv) {
+    Py_ssize_t d_off = PyLong_AsSsize_t(PyTuple_GET_ITEM(plan, 3));
+    Py_ssize_t j_off = PyLong_AsSsize_t(PyTuple_GET_ITEM(plan, 4));
+    if (PyErr_Occurred()) return -1;
+    if (n_up) {
+        stack(latents, lv->buf);
+        stack(ropes, rv->buf);
+    }
+    Py_ssize_t n = SEQ_SIZE(caches);
+    if (d_off < 0 || d_off + n * (Py_ssize_t)sizeof(struct KvDesc) > hlen) {
+        PyErr_SetString(PyExc_ValueError, "kept: a call's KvDescs past its arena");
+        return -1;
+    }
+    int32_t src = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *c = SEQ_ITEM(caches, i);
+        long long fr = PyLong_AsLongLong(SEQ_ITEM(fresh, i));
+        if (fr == -1 && PyErr_Occurred()) return -1;
+        struct KvDesc d = {0, 0, 0, src};
+        PyObject *lat = PyObject_GetAttr(c, s_latent);
+        if (lat == NULL) return -1;
+        int none = lat == Py_None, err = 0;
+        Py_DECREF(lat);
+        if (!none) {
+            PyObject *len = PyObject_GetAttr(c, s_length);
+            if (len == NULL) return -1;
+            long long l = PyLong_AsLongLong(len);
+            Py_DECREF(len);
+            if (l == -1 && PyErr_Occurred()) return -1;
+            d.latent = cache_ptr(c, s_latent, &err);
+            d.rope = cache_ptr(c, s_rope, &err);
+            if (err) return -1;
+            d.len = (int32_t)(l + fr);
+        }
+        memcpy(host + d_off + i * sizeof d, &d, sizeof d);
+        src += (int32_t)fr;
+    }
+    PyObject *jobs = PyTuple_GET_ITEM(plan, 11);
+    PyObject *args[3] = {a, last, plan};
+    PyObject *kept = PyObject_VectorcallMethod(a_keep, args, 3, NULL);
+    if (kept == NULL) return -1;
+    int same = PyObject_IsTrue(kept);
+    Py_DECREF(kept);
+    if (same < 0) return -1;
+    if (!same) {
+        if (!PyBytes_Check(jobs) || j_off < 0 || j_off + PyBytes_GET_SIZE(jobs) > hlen) {
+            PyErr_SetString(PyExc_ValueError, "kept: a call's gemv jobs past its arena");
+            return -1;
+        }
+        memcpy(host + j_off, PyBytes_AS_STRING(jobs), PyBytes_GET_SIZE(jobs));
+    }
+    return 0;
+}
+
+/* ``attention_call.run_kept`` then ``cupy_calls.rerun``. */
+static PyObject *ragged(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (n != 17) {
+        PyErr_SetString(PyExc_TypeError,
+                        "kept.ragged(pool, kv_b, o_proj, q, caches, fresh, t_max, q_dim, "
+                        "rope_dim, v_dim, scale, latents, ropes, n_sm, stream, device, what)");
+        return NULL;
+    }
+    PyObject *pool = args[0], *q = args[3], *caches = args[4], *fresh = args[5],
+             *latents = args[11], *ropes = args[12];
+    PyObject *res = NULL, *got = NULL, *a = NULL, *plans = NULL, *plan = NULL, *last = NULL,
+             *hmv = NULL;
+    Py_buffer qb, qv, lv, rv, hb;
+    int have_q = 0, have_qv = 0, have_lv = 0, have_rv = 0, have_h = 0;
+    if (!PyList_Check(pool) || PyList_GET_SIZE(pool) == 0 || !SEQ_CHECK(caches) ||
+        !SEQ_CHECK(fresh) || SEQ_SIZE(caches) != SEQ_SIZE(fresh))
+        return Py_NewRef(Py_None);
+    /* _key(kv_b, o_proj, q, False, t_max, q_dim, rope_dim, v_dim, scale, latents, n_sm) */
+    PyObject *kargs[11] = {args[1], args[2], q, Py_False, args[6], args[7], args[8], args[9],
+                           args[10], latents, args[13]};
+    got = PyObject_Vectorcall(att_key_fn, kargs, 11, NULL);
+    if (got == NULL) return NULL;
+    if (!PyTuple_Check(got) || PyTuple_GET_SIZE(got) != 4) goto none;
+    Py_ssize_t n_up = PyLong_AsSsize_t(PyTuple_GET_ITEM(got, 2));
+    if (n_up == -1 && PyErr_Occurred()) goto fail;
+    a = Py_NewRef(PyList_GET_ITEM(pool, PyList_GET_SIZE(pool) - 1));
+    if ((plans = PyObject_GetAttr(a, a_plans)) == NULL) goto fail;
+    if (!PyDict_Check(plans)) goto none;
+    plan = Py_XNewRef(PyDict_GetItemWithError(plans, PyTuple_GET_ITEM(got, 0)));
+    if (plan == NULL) {
+        if (PyErr_Occurred()) goto fail;
+        goto none;
+    }
+    if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) < 15) goto none;
+    PyObject *rep = PyTuple_GET_ITEM(plan, 13), *views = PyTuple_GET_ITEM(plan, 14);
+    {
+        PyObject *ready = PyObject_CallOneArg(rerunnable_fn, rep);
+        if (ready == NULL) goto fail;
+        int r = PyObject_IsTrue(ready);
+        Py_DECREF(ready);
+        if (r < 0) goto fail;
+        if (!r) goto none;
+    }
+    /* what the call writes, checked before the arena is taken: q and the new rows plain
+     * float32 filling their views (else the Python writes them, with its conversions) */
+    if (!PyTuple_Check(views) || PyTuple_GET_SIZE(views) < 4) goto none;
+    if (!(have_q = plain(q, &qb, "f", -1, 0)) ||
+        !(have_qv = span(PyTuple_GET_ITEM(views, 0), &qv, "f", qb.len)))
+        goto none;
+    int fast = 1;
+    if (n_up) {
+        fast = (have_lv = plain(PyTuple_GET_ITEM(views, 2), &lv, "f", -1, 1)) &&
+               (have_rv = plain(PyTuple_GET_ITEM(views, 3), &rv, "f", -1, 1)) &&
+               stackable(latents, lv.len) && stackable(ropes, rv.len);
+    }
+    if ((hmv = PyObject_GetAttr(a, a_hmv)) == NULL) goto fail;
+    if (PyObject_GetBuffer(hmv, &hb, PyBUF_WRITABLE) < 0) goto fail;
+    have_h = 1;
+
+    if ((last = PyObject_CallMethodNoArgs(a, a_take)) == NULL) goto fail;
+    memcpy(qv.buf, qb.buf, qb.len);
+    if (fast) {
+        if (ragged_inputs(a, last, plan, hb.buf, hb.len, caches, fresh, latents, ropes, n_up,
+                          &lv, &rv) < 0)
+            goto fail;
+    } else { /* _inputs(a, last, plan, S, caches, fresh, latents, ropes, n_up) */
+        PyObject *S = PyLong_FromSsize_t(qb.ndim ? qb.shape[0] : 1);
+        if (S == NULL) goto fail;
+        PyObject *iargs[9] = {a, last, plan, S, caches, fresh, latents, ropes,
+                              PyTuple_GET_ITEM(got, 2)};
+        PyObject *r = PyObject_Vectorcall(att_inputs_fn, iargs, 9, NULL);
+        Py_DECREF(S);
+        if (r == NULL) goto fail;
+        Py_DECREF(r);
+    }
+    res = rerun_taken(a, rep, args[14], args[15], args[16]);
+    goto out;
+none:
+    res = Py_NewRef(Py_None);
+    goto out;
+fail:
+    res = NULL;
+out:
+    if (have_q) PyBuffer_Release(&qb);
+    if (have_qv) PyBuffer_Release(&qv);
+    if (have_lv) PyBuffer_Release(&lv);
+    if (have_rv) PyBuffer_Release(&rv);
+    if (have_h) PyBuffer_Release(&hb);
+    Py_XDECREF(got);
+    Py_XDECREF(a);
+    Py_XDECREF(plans);
+    Py_XDECREF(plan);
+    Py_XDECREF(last);
+    Py_XDECREF(hmv);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"setup", (PyCFunction)setup, METH_O, "Hand over the Python objects the calls read."},
     {"routed", (PyCFunction)(void (*)(void))routed, METH_FASTCALL,
      "routed(pool, experts, x, routes, weights, stream, device, what): a kept one-token "
      "routed call's Result, or None."},
+    {"group", (PyCFunction)(void (*)(void))group, METH_FASTCALL,
+     "group(pool, experts, rows, x, stream, device, what): a kept expert group call's Result, "
+     "or None."},
+    {"ragged", (PyCFunction)(void (*)(void))ragged, METH_FASTCALL,
+     "ragged(pool, kv_b, o_proj, q, caches, fresh, t_max, q_dim, rope_dim, v_dim, scale, "
+     "latents, ropes, n_sm, stream, device, what): a kept ragged attention call's Result, or "
+     "None."},
     {"rerun", (PyCFunction)(void (*)(void))rerun, METH_FASTCALL,
      "rerun(a, rep, stream, device, what): cupy_calls.rerun."},
     {NULL, NULL, 0, NULL},
@@ -588,6 +939,8 @@ PyMODINIT_FUNC PyInit__kept(void) {
     INTERN(m_route_order, "ROUTE_ORDER");
     INTERN(m_poll, "POLL");
     INTERN(m_poll_ns, "POLL_NS");
+    INTERN(m_pipeline, "PIPELINE");
+    INTERN(m_pipe_bytes, "PIPE_BYTES");
     INTERN(m_graph_launch, "graphLaunch");
     INTERN(m_event_sync, "eventSynchronize");
     INTERN(t_parts, "parts");
@@ -595,6 +948,10 @@ PyMODINIT_FUNC PyInit__kept(void) {
     INTERN(t_cuts, "cuts");
     INTERN(t_nbytes, "nbytes");
     INTERN(s_out_features, "out_features");
+    INTERN(s_data, "data");
+    INTERN(s_latent, "latent");
+    INTERN(s_rope, "rope");
+    INTERN(s_length, "length");
     if ((one_int = PyLong_FromLong(1)) == NULL) return NULL;
     return PyModule_Create(&module);
 }

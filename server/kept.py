@@ -2,10 +2,11 @@
 compiler into a cache directory, loaded, and handed the Python objects they read; the CuPy
 backend's ``_kept`` calls them in place of their Python twins.
 
-    twins()  ->  (expert_group.routed_kept, routed, rerun) or None
+    twins()  ->  Twins(routed_kept, routed, group_kept, group, run_kept, ragged, rerun) or None
 
-``routed`` is ``expert_group.routed_kept`` followed by ``cupy_calls.rerun``; ``rerun`` is
-``cupy_calls.rerun``. Both write the same bytes and return the same results as their twins
+``routed`` is ``expert_group.routed_kept`` followed by ``cupy_calls.rerun``, ``group`` is
+``expert_group.group_kept`` and ``ragged`` ``attention_call.run_kept`` followed by it,
+``rerun`` is ``cupy_calls.rerun``. Both write the same bytes and return the same results as their twins
 (tests/server/test_kept_c_cpu.py compares them call by call); the Python stays the reference
 and the fallback: where the module cannot be built (no compiler, no Python headers) the
 backend logs one warning and runs the Python.
@@ -31,7 +32,7 @@ import sysconfig
 import tempfile
 import threading
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,8 @@ def _objects() -> dict[str, Any]:
     """What the compiled calls read (``kept.c``'s ``setup``)."""
     import cupy
 
-    from coliworker.kernels import expert_group, group_tables, matmul
+    from coliworker.kernels import attention_call, expert_group, group_tables, matmul
+    from coliworker.kernels.records import KV_DESC
     from coliworker.server import cupy_calls
     from coliworker.server.backend import Phases, Result
 
@@ -135,19 +137,36 @@ def _objects() -> dict[str, Any]:
         "Phases": Phases,
         "event_phases": cupy_calls._event_phases,
         "rerun_failed": cupy_calls.rerun_failed,
+        "attention_key": attention_call._key,
+        "attention_inputs": attention_call._inputs,
+        "kv_desc_format": KV_DESC.format,
     }
 
 
-def twins() -> tuple[Any, Any, Any] | None:
-    """(``expert_group.routed_kept``, its compiled twin with the rerun, the compiled
-    ``rerun``), or None (the Python runs the calls). The backend runs the compiled routed call
-    where it is handed that very function (a stand-in put in its place runs as given)."""
+class Twins(NamedTuple):
+    """The compiled calls and the Python functions they stand in for: the backend runs
+    ``routed`` where it is handed ``routed_kept`` itself, ``group`` for ``group_kept`` and
+    ``ragged`` for ``run_kept`` (a stand-in put in their place runs as given, then
+    ``rerun``)."""
+
+    routed_kept: Any  # expert_group.routed_kept
+    routed: Any  # ... then cupy_calls.rerun
+    group_kept: Any  # expert_group.group_kept
+    group: Any  # ... then cupy_calls.rerun
+    run_kept: Any  # attention_call.run_kept
+    ragged: Any  # ... then cupy_calls.rerun
+    rerun: Any  # cupy_calls.rerun
+
+
+def twins() -> Twins | None:
+    """The built module's calls, or None (the Python runs them)."""
     mod = module()
     if mod is None:
         return None
-    from coliworker.kernels import expert_group
+    from coliworker.kernels import attention_call, expert_group
 
-    return expert_group.routed_kept, mod.routed, mod.rerun
+    return Twins(expert_group.routed_kept, mod.routed, expert_group.group_kept, mod.group,
+                 attention_call.run_kept, mod.ragged, mod.rerun)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -53,13 +53,20 @@ SCRIPT = textwrap.dedent(
     graphs._record_fn = lambda *a: 0
     g = hp.GLM
     b = CupyBackend((0,))
-    if b._compiled is not None:  # server/kept.c: its routed call counted in place of the Python
-        _, c_routed, c_rerun = b._compiled
-        def c_counted(*a, **k):
-            got = c_routed(*a, **k)
-            n_fast[0] += got is not None
-            return got
-        b._compiled = (expert_group.routed_kept, c_counted, c_rerun)
+    if b._compiled is not None:  # server/kept.c: its calls counted in place of the Python
+        def c_counted(i, fn):
+            def kept(*a, **k):
+                got = fn(*a, **k)
+                n_fast[i] += got is not None
+                return got
+            return kept
+        c = b._compiled
+        b._compiled = c._replace(routed_kept=expert_group.routed_kept,
+                                 routed=c_counted(0, c.routed),
+                                 group_kept=expert_group.group_kept,
+                                 group=c_counted(2, c.group),
+                                 run_kept=attention_call.run_kept,
+                                 ragged=c_counted(1, c.ragged))
     print("compiled", b._compiled is not None)
     pool = [(hp.Resident(2, g["D"], g["I"]), hp.Resident(2, g["D"], g["I"]),
              hp.Resident(2, g["I"], g["D"])) for _ in range(24)]

@@ -43,13 +43,20 @@ SCRIPT = textwrap.dedent(
             fast.append((_name, got is not None))
             return got
         setattr(mod, name, counted)
-    if b._compiled is not None:  # server/kept.c: its routed call counted in place of the Python
-        _, c_routed, c_rerun = b._compiled
-        def c_counted(*a, **k):
-            got = c_routed(*a, **k)
-            fast.append(("routed_kept", got is not None))
-            return got
-        b._compiled = (expert_group.routed_kept, c_counted, c_rerun)
+    if b._compiled is not None:  # server/kept.c: its calls counted in place of the Python
+        def c_counted(name, fn):
+            def kept(*a, **k):
+                got = fn(*a, **k)
+                fast.append((name, got is not None))
+                return got
+            return kept
+        c = b._compiled
+        b._compiled = c._replace(routed_kept=expert_group.routed_kept,
+                                 routed=c_counted("routed_kept", c.routed),
+                                 group_kept=expert_group.group_kept,
+                                 group=c_counted("group_kept", c.group),
+                                 run_kept=attention_call.run_kept,
+                                 ragged=c_counted("run_kept", c.ragged))
     print("compiled", b._compiled is not None)
 
     def routed(routes=None, tokens=1):
