@@ -68,16 +68,24 @@ ENV PATH=/opt/coliworker/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     CUPY_CACHE_DIR=/home/coliworker/.cupy/kernel_cache \
+    COLIWORKER_KEPT_CACHE=/opt/coliworker/kept \
     COLIWORKER_HOST=0.0.0.0 \
     COLIWORKER_PORT=50051 \
     COLIWORKER_DATA_PORT=50052 \
     COLIWORKER_METRICS_PORT=9400 \
     COLIWORKER_BACKEND=auto
 COPY --from=builder /wheels/ /wheels/
-# hadolint ignore=DL3013
+# The compiled decode calls (server/kept.c) are built here, with a compiler and the Python
+# headers that leave the image again (docs/performance.md, COLIWORKER_KEPT_C).
+# hadolint ignore=DL3008,DL3013
 RUN wheel=$(echo /wheels/coliworker-*.whl) \
     && pip install --no-cache-dir "coliworker[gpu] @ file://${wheel}" \
-    && rm -rf /wheels
+    && rm -rf /wheels \
+    && apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev python3-dev \
+    && python -m coliworker.server.kept \
+    && apt-get purge -y --auto-remove gcc libc6-dev python3-dev \
+    && rm -rf /var/lib/apt/lists/*
 USER 10001
 WORKDIR /home/coliworker
 EXPOSE 50051 50052 9400

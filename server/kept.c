@@ -716,18 +716,20 @@ static uint64_t cache_ptr(PyObject *c, PyObject *which, int *err) {
     return v;
 }
 
-/* The rows of ``parts`` (float32 blocks, contiguous) stacked into ``dst`` of ``room`` bytes
- * (``pinned.stack_into``); 0: they are not such blocks filling it exactly (nothing written). */
-static int stackable(PyObject *parts, Py_ssize_t room) {
-    if (!SEQ_CHECK(parts)) return 0;
+/* Whether ``parts`` can be stacked into ``view`` here (``stack``, as ``pinned.stack_into``
+ * does): float32 row blocks [n_i, w], contiguous, of the view's width, filling it exactly. */
+static int stackable(PyObject *parts, const Py_buffer *view) {
+    if (!SEQ_CHECK(parts) || view->ndim != 2) return 0;
     Py_ssize_t total = 0;
     for (Py_ssize_t i = 0; i < SEQ_SIZE(parts); i++) {
         Py_buffer b;
         if (!plain(SEQ_ITEM(parts, i), &b, "f", -1, 0)) return 0;
+        int ok = b.ndim == 2 && b.shape[1] == view->shape[1];
         total += b.len;
         PyBuffer_Release(&b);
+        if (!ok) return 0;
     }
-    return total == room;
+    return total == view->len;
 }
 
 static void stack(PyObject *parts, char *dst) {
@@ -834,13 +836,10 @@ static PyObject *ragged(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     }
     if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) < 15) goto none;
     PyObject *rep = PyTuple_GET_ITEM(plan, 13), *views = PyTuple_GET_ITEM(plan, 14);
-    {
-        PyObject *ready = PyObject_CallOneArg(rerunnable_fn, rep);
-        if (ready == NULL) goto fail;
-        int r = PyObject_IsTrue(ready);
-        Py_DECREF(ready);
+    int r = ready(rep);
+    if (r <= 0) {
         if (r < 0) goto fail;
-        if (!r) goto none;
+        goto none;
     }
     /* what the call writes, checked before the arena is taken: q and the new rows plain
      * float32 filling their views (else the Python writes them, with its conversions) */
@@ -852,7 +851,7 @@ static PyObject *ragged(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     if (n_up) {
         fast = (have_lv = plain(PyTuple_GET_ITEM(views, 2), &lv, "f", -1, 1)) &&
                (have_rv = plain(PyTuple_GET_ITEM(views, 3), &rv, "f", -1, 1)) &&
-               stackable(latents, lv.len) && stackable(ropes, rv.len);
+               stackable(latents, &lv) && stackable(ropes, &rv);
     }
     if ((hmv = PyObject_GetAttr(a, a_hmv)) == NULL) goto fail;
     if (PyObject_GetBuffer(hmv, &hb, PyBUF_WRITABLE) < 0) goto fail;
