@@ -102,10 +102,10 @@ class CupyBackend:
         """A decode call of a kept plan made without a ``Call``: ``find(pool, *args, ready)`` (the
         op's ``expert_group.routed_kept``, ``group_kept`` or ``attention_call.run_kept``) takes
         this thread's top arena and writes the call's inputs, the same bytes as through a
-        ``Call``, and ``cupy_calls.rerun`` launches the plan's graph (compiled where ``server/kept.c`` is
-        built, ``server/kept.py``). None (nothing done) where
-        the device is not current, the input (``nbytes``) would be read from a registered
-        segment, or ``find`` has no such plan: the caller makes the call through a ``Call``."""
+        ``Call``, and ``cupy_calls.rerun`` launches the plan's graph; both compiled where
+        ``server/kept.c`` is built (``server/kept.py``). None (nothing done) where the device is
+        not current, the input (``nbytes``) would be read from a registered segment, or
+        ``find`` has no such plan: the caller makes the call through a ``Call``."""
         stream, pool = self._thread(device)
         if not pool or nbytes >= DIRECT_BYTES or cupy.cuda.runtime.getDevice() != device:
             return None

@@ -6,10 +6,11 @@ backend's ``_kept`` calls them in place of their Python twins.
 
 ``routed`` is ``expert_group.routed_kept`` followed by ``cupy_calls.rerun``, ``group`` is
 ``expert_group.group_kept`` and ``ragged`` ``attention_call.run_kept`` followed by it,
-``rerun`` is ``cupy_calls.rerun``. Both write the same bytes and return the same results as their twins
-(tests/server/test_kept_c_cpu.py compares them call by call); the Python stays the reference
-and the fallback: where the module cannot be built (no compiler, no Python headers) the
-backend logs one warning and runs the Python.
+``rerun`` is ``cupy_calls.rerun``. Each writes the same bytes and returns the same result as
+its twins (``tests/kernels/test_arena_writes_cpu.py`` and ``test_kept_calls_cpu.py`` run both,
+``tests/kernels/test_graphs.py`` on a GPU); the Python stays the reference and the fallback:
+where the module cannot be built (no compiler, no Python headers) the backend logs one warning
+and runs the Python.
 
 ``COLIWORKER_KEPT_C=0`` turns the compiled calls off. ``COLIWORKER_KEPT_CACHE`` names the
 directory the built module is kept in (default ``$XDG_CACHE_HOME/coliworker`` or
@@ -74,8 +75,11 @@ def build(out_dir: str | None = None) -> str:
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if r.returncode:
-            hint = ("" if os.path.exists(os.path.join(include, "Python.h")) else
-                    f" (no Python.h in {include}: install the Python development headers)")
+            hint = (
+                ""
+                if os.path.exists(os.path.join(include, "Python.h"))
+                else f" (no Python.h in {include}: install the Python development headers)"
+            )
             raise RuntimeError(f"{' '.join(cmd)} failed{hint}:\n{r.stderr[-4000:]}")
         os.replace(tmp, path)  # atomic: another process building at once loads either
     except (OSError, subprocess.SubprocessError) as exc:
