@@ -22,6 +22,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <sched.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -466,6 +467,66 @@ static Py_ssize_t select_experts(PyObject *experts, const long long *e, PyObject
     return got;
 }
 
+/* One kept group call (``routed`` or ``group``): its experts, arena, plan and buffers. */
+struct group_call {
+    Py_ssize_t K, got;
+    PyObject *a, *hit, *triples, *last, *hmv; /* hit: the plan tuple */
+    PyObject *off, *rep;                      /* borrowed from hit: its offsets, its Replay */
+    Py_buffer xb, xv, hb;                     /* x, where x goes, the arena's host half */
+    int have_x, have_xv, have_h;
+    PyObject *sel[MAX_K], *ids[MAX_K]; /* the experts in slot order, their ids (got of K) */
+};
+
+/* Everything but the experts' slots cleared (those are set as they are got). */
+#define GROUP_CALL(g)                                                                       \
+    struct group_call g;                                                                    \
+    memset(&g, 0, offsetof(struct group_call, sel))
+
+static void group_release(struct group_call *g) {
+    for (Py_ssize_t j = 0; j < g->got; j++) {
+        Py_DECREF(g->sel[j]);
+        Py_DECREF(g->ids[j]);
+    }
+    if (g->have_x) PyBuffer_Release(&g->xb);
+    if (g->have_xv) PyBuffer_Release(&g->xv);
+    if (g->have_h) PyBuffer_Release(&g->hb);
+    Py_XDECREF(g->a);
+    Py_XDECREF(g->hit);
+    Py_XDECREF(g->triples);
+    Py_XDECREF(g->last);
+    Py_XDECREF(g->hmv);
+}
+
+/* The plan the top arena of ``pool`` keeps for the group (``_kept_plan`` with these keys),
+ * rerunnable, and where its x and tables go: 1, 0 (no such plan: nothing taken) or -1. */
+static int group_plan(struct group_call *g, PyObject *pool, PyObject *rows, PyObject *T,
+                      PyObject *D, PyObject *extra_in, PyObject *extra_out, PyObject *xr) {
+    g->a = Py_NewRef(PyList_GET_ITEM(pool, PyList_GET_SIZE(pool) - 1));
+    g->hit = find_plan(g->a, g->sel, g->ids, g->K, rows, T, D, extra_in, extra_out, xr,
+                       &g->triples);
+    if (g->hit == NULL) return PyErr_Occurred() ? -1 : 0;
+    if (!PyTuple_Check(g->hit) || PyTuple_GET_SIZE(g->hit) < 9) return 0;
+    g->off = PyTuple_GET_ITEM(g->hit, 7);
+    g->rep = PyTuple_GET_ITEM(g->hit, 8);
+    if (g->rep == Py_None || !PyDict_Check(g->off)) return 0;
+    int r = ready(g->rep);
+    if (r <= 0) return r;
+    PyObject *xview = PyDict_GetItemWithError(g->off, k_xv);
+    if (xview == NULL) return PyErr_Occurred() ? -1 : 0;
+    if (!(g->have_xv = span(xview, &g->xv, "f", g->xb.len))) return 0;
+    if ((g->hmv = PyObject_GetAttr(g->a, a_hmv)) == NULL) return -1;
+    if (PyObject_GetBuffer(g->hmv, &g->hb, PyBUF_WRITABLE) < 0) return -1;
+    g->have_h = 1;
+    return 1;
+}
+
+/* The arena taken (``Arena.take``), x and the tables written (``_kept_tables``). */
+static int group_take(struct group_call *g) {
+    if ((g->last = PyObject_CallMethodNoArgs(g->a, a_take)) == NULL) return -1;
+    memcpy(g->xv.buf, g->xb.buf, g->xb.len);
+    return write_tables(g->a, g->last, g->hit, g->triples, &g->hb);
+}
+
 static PyObject *routed(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     if (n != 8) {
         PyErr_SetString(PyExc_TypeError,
@@ -474,12 +535,10 @@ static PyObject *routed(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     }
     PyObject *pool = args[0], *experts = args[1], *x = args[2], *routes = args[3],
              *weights = args[4];
-    PyObject *res = NULL, *sel[MAX_K], *ids[MAX_K], *triples = NULL, *a = NULL, *last = NULL;
-    PyObject *T = NULL, *D = NULL, *extra_in = NULL, *extra_out = NULL, *hit = NULL,
-             *views = NULL, *hmv = NULL;
-    Py_buffer xb, rb, wb, xv, pv, wv, hb;
-    Py_ssize_t K = 0, got = 0;
-    int have_x = 0, have_r = 0, have_w = 0, have_xv = 0, have_pv = 0, have_wv = 0, have_h = 0;
+    GROUP_CALL(g);
+    PyObject *res = NULL, *D = NULL, *extra_in = NULL, *extra_out = NULL, *views = NULL;
+    Py_buffer rb, wb, pv, wv;
+    int have_r = 0, have_w = 0, have_pv = 0, have_wv = 0, r;
     long long e[MAX_K];
 
     /* _one_token: ROUTE_ORDER on, one token, K other experts; the inputs plain arrays */
@@ -491,9 +550,10 @@ static PyObject *routed(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     if (!(have_r = plain(routes, &rb, "ilq", -1, 0)) || rb.ndim != 2 || rb.shape[0] != 1 ||
         (rb.itemsize != 4 && rb.itemsize != 8))
         goto none;
-    K = rb.shape[1];
+    Py_ssize_t K = g.K = rb.shape[1];
     if (K < 1 || K > MAX_K) goto none;
-    if (!(have_x = plain(x, &xb, "f", -1, 0)) || xb.ndim != 2 || xb.shape[0] != 1) goto none;
+    if (!(g.have_x = plain(x, &g.xb, "f", -1, 0)) || g.xb.ndim != 2 || g.xb.shape[0] != 1)
+        goto none;
     if (!(have_w = plain(weights, &wb, "f", K, 0)) || wb.ndim != 2 || wb.shape[0] != 1)
         goto none;
     for (Py_ssize_t j = 0; j < K; j++) {
@@ -502,11 +562,10 @@ static PyObject *routed(PyObject *self, PyObject *const *args, Py_ssize_t n) {
             if (e[i] == e[j]) goto none; /* a repeated expert: route_plan's way */
     }
     if (!PyList_Check(pool) || PyList_GET_SIZE(pool) == 0) goto none;
-    if ((got = select_experts(experts, e, sel, ids, K, NULL)) < K) goto fail;
+    if ((g.got = select_experts(experts, e, g.sel, g.ids, K, NULL)) < K) goto fail;
 
     /* _kept_plan(a, sel, _ONES[K], 1, D, 2 * align(4K), 4 * experts[0][2].out_features,
      * _ZEROS_T[K]) */
-    a = Py_NewRef(PyList_GET_ITEM(pool, PyList_GET_SIZE(pool) - 1));
     {
         PyObject *e0 = PySequence_GetItem(experts, 0), *down = NULL, *dout = NULL;
         if (e0 != NULL) down = PySequence_GetItem(e0, 2);
@@ -519,8 +578,7 @@ static PyObject *routed(PyObject *self, PyObject *const *args, Py_ssize_t n) {
         if (d == -1 && PyErr_Occurred()) goto fail;
         extra_out = PyLong_FromLongLong(4 * d);
     }
-    T = Py_NewRef(one_int);
-    D = PyLong_FromSsize_t(xb.shape[1]);
+    D = PyLong_FromSsize_t(g.xb.shape[1]);
     extra_in = PyLong_FromSsize_t(2 * ((4 * K + 255) / 256 * 256));
     if (extra_out == NULL || D == NULL || extra_in == NULL) goto fail;
     PyObject *xr; /* borrowed */
@@ -534,46 +592,26 @@ static PyObject *routed(PyObject *self, PyObject *const *args, Py_ssize_t n) {
             goto fail;
         }
     }
-    hit = find_plan(a, sel, ids, K, NULL, T, D, extra_in, extra_out, xr, &triples);
-    if (hit == NULL) {
-        if (PyErr_Occurred()) goto fail;
+    if ((r = group_plan(&g, pool, NULL, one_int, D, extra_in, extra_out, xr)) <= 0) {
+        if (r < 0) goto fail;
         goto none;
     }
-    if (!PyTuple_Check(hit) || PyTuple_GET_SIZE(hit) < 9) goto none;
-    PyObject *off = PyTuple_GET_ITEM(hit, 7), *rep = PyTuple_GET_ITEM(hit, 8);
-    if (rep == Py_None || !PyDict_Check(off)) goto none;
-    views = Py_XNewRef(PyDict_GetItemWithError(off, k_routes));
+    /* pos and w: the plan's views */
+    views = Py_XNewRef(PyDict_GetItemWithError(g.off, k_routes));
     if (views == NULL) {
         if (PyErr_Occurred()) goto fail;
         goto none;
     }
-    int r = ready(rep);
-    if (r <= 0) {
-        if (r < 0) goto fail;
-        goto none;
-    }
-    /* where the inputs go: x's view, pos and w (the plan's views), the host half */
-    PyObject *xview = PyDict_GetItemWithError(off, k_xv);
-    if (xview == NULL) {
-        if (PyErr_Occurred()) goto fail;
-        goto none;
-    }
-    if (!PyTuple_Check(views) || PyTuple_GET_SIZE(views) < 2) goto none;
-    if (!(have_xv = span(xview, &xv, "f", xb.len)) ||
+    if (!PyTuple_Check(views) || PyTuple_GET_SIZE(views) < 2 ||
         !(have_pv = span(PyTuple_GET_ITEM(views, 0), &pv, "i", 4 * K)) ||
         !(have_wv = span(PyTuple_GET_ITEM(views, 1), &wv, "f", 4 * K)))
         goto none;
-    if ((hmv = PyObject_GetAttr(a, a_hmv)) == NULL) goto fail;
-    if (PyObject_GetBuffer(hmv, &hb, PyBUF_WRITABLE) < 0) goto fail;
-    have_h = 1;
 
-    /* the call: the arena taken (Arena.take), its inputs written as routed_kept writes them */
-    if ((last = PyObject_CallMethodNoArgs(a, a_take)) == NULL) goto fail;
-    memcpy(xv.buf, xb.buf, xb.len);
-    if (write_tables(a, last, hit, triples, &hb) < 0) goto fail;
+    /* the call: the arena taken, its inputs written as routed_kept writes them */
+    if (group_take(&g) < 0) goto fail;
     for (Py_ssize_t j = 0; j < K; j++) ((int32_t *)pv.buf)[j] = (int32_t)j;
     memcpy(wv.buf, wb.buf, 4 * K);
-    res = rerun_taken(a, rep, args[5], args[6], args[7]);
+    res = rerun_taken(g.a, g.rep, args[5], args[6], args[7]);
     goto out;
 none:
     res = Py_NewRef(Py_None);
@@ -581,26 +619,14 @@ none:
 fail:
     res = NULL;
 out:
-    for (Py_ssize_t j = 0; j < got; j++) {
-        Py_DECREF(sel[j]);
-        Py_DECREF(ids[j]);
-    }
+    group_release(&g);
     if (have_r) PyBuffer_Release(&rb);
-    if (have_x) PyBuffer_Release(&xb);
     if (have_w) PyBuffer_Release(&wb);
-    if (have_xv) PyBuffer_Release(&xv);
     if (have_pv) PyBuffer_Release(&pv);
     if (have_wv) PyBuffer_Release(&wv);
-    if (have_h) PyBuffer_Release(&hb);
-    Py_XDECREF(hmv);
-    Py_XDECREF(triples);
-    Py_XDECREF(a);
-    Py_XDECREF(last);
-    Py_XDECREF(T);
     Py_XDECREF(D);
     Py_XDECREF(extra_in);
     Py_XDECREF(extra_out);
-    Py_XDECREF(hit);
     Py_XDECREF(views);
     return res;
 }
@@ -613,15 +639,14 @@ static PyObject *group(PyObject *self, PyObject *const *args, Py_ssize_t n) {
         return NULL;
     }
     PyObject *pool = args[0], *experts = args[1], *rows = args[2], *x = args[3];
-    PyObject *res = NULL, *sel[MAX_K], *ids[MAX_K], *triples = NULL, *a = NULL, *last = NULL;
-    PyObject *T = NULL, *D = NULL, *zero = NULL, *hit = NULL, *hmv = NULL;
-    Py_buffer xb, xv, hb;
-    Py_ssize_t K = 0, got = 0;
-    int have_x = 0, have_xv = 0, have_h = 0;
+    GROUP_CALL(g);
+    PyObject *res = NULL, *T = NULL, *D = NULL, *zero = NULL;
+    int r;
     if (!PyList_Check(pool) || PyList_GET_SIZE(pool) == 0 || !SEQ_CHECK(experts) ||
-        !SEQ_CHECK(rows) || (K = SEQ_SIZE(experts)) < 1 || K > MAX_K || SEQ_SIZE(rows) != K)
+        !SEQ_CHECK(rows) || (g.K = SEQ_SIZE(experts)) < 1 || g.K > MAX_K ||
+        SEQ_SIZE(rows) != g.K)
         return Py_NewRef(Py_None);
-    if (!(have_x = plain(x, &xb, "f", -1, 0)) || xb.ndim != 2) goto none;
+    if (!(g.have_x = plain(x, &g.xb, "f", -1, 0)) || g.xb.ndim != 2) goto none;
     { /* PIPELINE and 4 * x.size >= PIPE_BYTES: the pipelined call's */
         PyObject *pipe = PyObject_GetAttr(eg_mod, m_pipeline), *pb = NULL;
         if (pipe == NULL) goto fail;
@@ -633,42 +658,20 @@ static PyObject *group(PyObject *self, PyObject *const *args, Py_ssize_t n) {
             long long lim = PyLong_AsLongLong(pb);
             Py_DECREF(pb);
             if (lim == -1 && PyErr_Occurred()) goto fail;
-            if ((long long)xb.len >= lim) goto none;
+            if ((long long)g.xb.len >= lim) goto none;
         }
     }
-    if ((got = select_experts(experts, NULL, sel, ids, K, experts)) < K) goto fail;
-    a = Py_NewRef(PyList_GET_ITEM(pool, PyList_GET_SIZE(pool) - 1));
-    T = PyLong_FromSsize_t(xb.shape[0]);
-    D = PyLong_FromSsize_t(xb.shape[1]);
+    if ((g.got = select_experts(experts, NULL, g.sel, g.ids, g.K, experts)) < g.K) goto fail;
+    T = PyLong_FromSsize_t(g.xb.shape[0]);
+    D = PyLong_FromSsize_t(g.xb.shape[1]);
     zero = PyLong_FromLong(0);
     if (T == NULL || D == NULL || zero == NULL) goto fail;
-    hit = find_plan(a, sel, ids, K, rows, T, D, zero, zero, Py_None, &triples);
-    if (hit == NULL) {
-        if (PyErr_Occurred()) goto fail;
-        goto none;
-    }
-    if (!PyTuple_Check(hit) || PyTuple_GET_SIZE(hit) < 9) goto none;
-    PyObject *off = PyTuple_GET_ITEM(hit, 7), *rep = PyTuple_GET_ITEM(hit, 8);
-    if (rep == Py_None || !PyDict_Check(off)) goto none;
-    int r = ready(rep);
-    if (r <= 0) {
+    if ((r = group_plan(&g, pool, rows, T, D, zero, zero, Py_None)) <= 0) {
         if (r < 0) goto fail;
         goto none;
     }
-    PyObject *xview = PyDict_GetItemWithError(off, k_xv);
-    if (xview == NULL) {
-        if (PyErr_Occurred()) goto fail;
-        goto none;
-    }
-    if (!(have_xv = span(xview, &xv, "f", xb.len))) goto none;
-    if ((hmv = PyObject_GetAttr(a, a_hmv)) == NULL) goto fail;
-    if (PyObject_GetBuffer(hmv, &hb, PyBUF_WRITABLE) < 0) goto fail;
-    have_h = 1;
-
-    if ((last = PyObject_CallMethodNoArgs(a, a_take)) == NULL) goto fail;
-    memcpy(xv.buf, xb.buf, xb.len);
-    if (write_tables(a, last, hit, triples, &hb) < 0) goto fail;
-    res = rerun_taken(a, rep, args[4], args[5], args[6]);
+    if (group_take(&g) < 0) goto fail;
+    res = rerun_taken(g.a, g.rep, args[4], args[5], args[6]);
     goto out;
 none:
     res = Py_NewRef(Py_None);
@@ -676,24 +679,12 @@ none:
 fail:
     res = NULL;
 out:
-    for (Py_ssize_t j = 0; j < got; j++) {
-        Py_DECREF(sel[j]);
-        Py_DECREF(ids[j]);
-    }
-    if (have_x) PyBuffer_Release(&xb);
-    if (have_xv) PyBuffer_Release(&xv);
-    if (have_h) PyBuffer_Release(&hb);
-    Py_XDECREF(hmv);
-    Py_XDECREF(triples);
-    Py_XDECREF(a);
-    Py_XDECREF(last);
+    group_release(&g);
     Py_XDECREF(T);
     Py_XDECREF(D);
     Py_XDECREF(zero);
-    Py_XDECREF(hit);
     return res;
 }
-
 
 /* A KvDesc (kernels/records.py's KV_DESC, checked in setup). */
 struct KvDesc {
