@@ -5,20 +5,29 @@
  *       ``expert_group.routed_kept`` then ``cupy_calls.rerun``: a one-token routed group of K
  *       other experts whose plan the thread's top arena keeps (by its experts, or by the
  *       group's shape with the tables made for these experts), its graph launched and waited
- *       for; the call's ``Result``, or None where the Python twin would find no such plan or
- *       where an input is not the plain float32 / integer array this path reads (nothing taken
- *       or written: the caller makes the call through a ``Call``).
+ *       for; the call's ``Result``.
+ *   group(pool, experts, rows, x, stream, device, what)
+ *       ``expert_group.group_kept`` then ``cupy_calls.rerun``: an expert group below the
+ *       pipelined size.
+ *   ragged(pool, kv_b, o_proj, q, caches, fresh, t_max, q_dim, rope_dim, v_dim, scale,
+ *          latents, ropes, n_sm, stream, device, what)
+ *       ``attention_call.run_kept`` then ``cupy_calls.rerun``: a ragged attention call.
  *   rerun(a, rep, stream, device, what)
  *       ``cupy_calls.rerun``: a kept plan's graph launched on ``stream``, waited for (polling
  *       the D2H stamp with the GIL released, then the event), its output copied, the arena
  *       given back.
  *
+ * Each returns None where its Python twin would find no such plan, or where an input is not
+ * the plain float32 (or integer routes) array this file reads: nothing taken or written, the
+ * caller makes the call through a ``Call``.
+ *
  * The Python twins stay the reference and the definition of every rule: this module reads the
  * same objects (the arena's plans, the plan tuples and views, ``group_tables._triples``, the
  * ``TablePatch``) and calls back into Python for everything but the per-call glue (the
- * settings, ``rerunnable``, ``Arena.take`` / ``keep`` / ``give_back``, a missed triple, the
- * event's wait and phases, an error's mapping). tests/server/test_kept_c_cpu.py compares the
- * bytes both write, call by call. */
+ * settings, ``rerunnable``, ``Arena.take`` / ``keep`` / ``give_back``, ``attention_call._key``,
+ * a missed triple, the event's wait and phases, an error's mapping).
+ * tests/kernels/test_arena_writes_cpu.py compares the bytes both write, call by call, and
+ * test_kept_calls_cpu.py which calls each takes; both run the two ways. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <sched.h>
@@ -36,7 +45,7 @@ static PyObject *triples_d;     /* group_tables._triples */
 static PyObject *triples_of_fn; /* group_tables.triples_of */
 static PyObject *zeros_t;       /* expert_group._ZEROS_T */
 static PyObject *att_key_fn;    /* attention_call._key */
-static PyObject *att_inputs_fn; /* attention_call._inputs (the inputs this file does not write) */
+static PyObject *att_inputs_fn; /* attention_call._inputs (rows this file does not stack) */
 static PyObject *result_t, *phases_t;
 static PyObject *rt_mod; /* cupy.cuda.runtime: graphLaunch, eventSynchronize (read per call) */
 static PyObject *event_phases_fn, *rerun_failed_fn;
@@ -44,8 +53,9 @@ static PyObject *s_group, *s_group_shape, *k_routes, *k_xv;
 static PyObject *one_int;
 static PyObject *a_plans, *a_hmv, *a_take, *a_keep, *a_give_back, *a_sptr, *a_eptr;
 static PyObject *r_exec, *r_stamped, *r_view, *r_ptr, *m_copy, *m_route_order, *m_poll,
-    *m_poll_ns, *m_pipeline, *m_pipe_bytes, *m_graph_launch, *m_event_sync, *t_parts, *t_cs, *t_cuts, *t_nbytes, *s_out_features,
-    *s_data, *s_latent, *s_rope, *s_length;
+    *m_poll_ns, *m_pipeline, *m_pipe_bytes, *m_graph_launch, *m_event_sync;
+static PyObject *t_parts, *t_cs, *t_cuts, *t_nbytes, *s_out_features, *s_data, *s_latent,
+    *s_rope, *s_length;
 
 #define MAX_K 256
 
@@ -82,8 +92,9 @@ static PyObject *setup(PyObject *self, PyObject *ns) {
     Py_RETURN_NONE;
 }
 
-/* The data of a C-contiguous array of ``n`` items of one of ``fmts`` (its buffer), or NULL
- * with no error set where it is not one (the call goes through a ``Call``). */
+/* Whether ``o`` is a C-contiguous array of one of the item formats ``fmts`` (of ``n`` items
+ * where ``n`` >= 0): 1 with its buffer in ``b`` (to release), or 0 with no error set (the call
+ * goes through a ``Call``). */
 static int plain(PyObject *o, Py_buffer *b, const char *fmts, Py_ssize_t n, int writable) {
     if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT |
                                      (writable ? PyBUF_WRITABLE : 0)) < 0) {
