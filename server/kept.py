@@ -110,8 +110,10 @@ def module() -> ModuleType | None:
         mod = None
         if ENABLED:
             try:
-                mod = _load(build())
+                path = build()
+                mod = _load(path)
                 mod.setup(_objects())
+                log.info("compiled kept calls: %s", path)
             except (RuntimeError, ImportError, OSError) as exc:
                 log.warning("compiled kept calls unavailable, the Python runs them: %s", exc)
                 mod = None
