@@ -23,6 +23,9 @@ cycle estimate (what a cold call costs beside its instructions; needs valgrind).
 
 ``--baseline SHA`` runs the same rows in an exported tree of that commit, in the same run;
 without it, the rows of this tree are timed and printed, no file written.
+
+The kept decode calls run compiled where ``server/kept.c`` builds here (``server/kept.py``);
+``COLIWORKER_KEPT_C=0`` in the environment times their Python twins instead.
 """
 
 from __future__ import annotations
