@@ -33,6 +33,41 @@ def graphs(monkeypatch):
     return switch
 
 
+@pytest.fixture(params=["python", "compiled"])
+def kept_path(request, backend, monkeypatch):
+    """The kept decode calls run by their Python twins, or compiled (``server/kept.c``;
+    skipped where it is not built)."""
+    if request.param == "python":
+        monkeypatch.setattr(backend, "_compiled", None)
+    elif backend._compiled is None:
+        pytest.skip("server/kept.c is not built here (server/kept.py logged why)")
+    return request.param
+
+
+def count_kept(backend, monkeypatch, op: str, hits: list) -> None:
+    """Append to ``hits``, for each kept call of ``op`` ("routed" or "ragged"), whether it was
+    made without a ``Call``, on the path the backend runs (``kept_path``)."""
+    from coliworker.kernels import attention_call, expert_group
+
+    mod, name = {"routed": (expert_group, "routed_kept"), "ragged": (attention_call, "run_kept")}[
+        op
+    ]
+
+    def counted(fn):
+        def kept(*args):
+            got = fn(*args)
+            hits.append(got is not None)
+            return got
+
+        return kept
+
+    c = backend._compiled
+    if c is None:
+        monkeypatch.setattr(mod, name, counted(getattr(mod, name)))
+    else:
+        monkeypatch.setattr(backend, "_compiled", c._replace(**{op: counted(getattr(c, op))}))
+
+
 def _replayed(backend) -> int:
     """Graphs captured in this thread's arenas of device 0."""
     return sum(sum(e is not None for e in a.graphs.execs.values()) for a in backend._arenas(0))
@@ -199,30 +234,23 @@ def test_a_call_shape_whose_capture_fails_stays_direct(backend, rng, graphs, mon
     assert _replayed(backend) == 0
 
 
-def test_a_kept_plan_replays_its_graph(backend, rng, graphs, monkeypatch):
+def test_a_kept_plan_replays_its_graph(backend, rng, graphs, monkeypatch, kept_path):
     """Calls of a kept plan launch the plan's graph once it is captured, with no work listed:
     routed groups naming other experts of one shape each call (the shape's plan, its tables
-    patched; made without a ``Call``: ``expert_group.routed_kept``) and dense matmuls
-    (``Call.replay``), to the bit of the same calls with graphs off."""
-    from coliworker.kernels import expert_group
+    patched; made without a ``Call``: ``expert_group.routed_kept``, or compiled) and dense
+    matmuls (``Call.replay``), to the bit of the same calls with graphs off."""
     from coliworker.server.cupy_calls import Call
 
-    replayed = []
+    replayed: list[bool] = []
     real = Call.replay
-    real_kept = expert_group.routed_kept
 
     def counting(self, rep):
         done = real(self, rep)
         replayed.append(done)
         return done
 
-    def counting_kept(*args):
-        got = real_kept(*args)
-        replayed.append(got is not None)
-        return got
-
     monkeypatch.setattr(Call, "replay", counting)
-    monkeypatch.setattr(expert_group, "routed_kept", counting_kept)
+    count_kept(backend, monkeypatch, "routed", replayed)
     d, i, pool = 256, 128, 12
     experts = [
         tuple(backend.place(make_tensor(rng, 2, *io), 0) for io in ((i, d), (i, d), (d, i)))
@@ -246,21 +274,14 @@ def test_a_kept_plan_replays_its_graph(backend, rng, graphs, monkeypatch):
     assert sum(replayed) == 2 * (2 * CALLS - 2)
 
 
-def test_a_kept_ragged_attention_plan_runs_without_a_call(backend, rng, graphs, monkeypatch):
+def test_a_kept_ragged_attention_plan_runs_without_a_call(
+    backend, rng, graphs, monkeypatch, kept_path
+):
     """Ragged attention calls of a kept plan (one shape, the cache's length the same on every
     call) are made without a ``Call`` once the plan's graph is captured
-    (``attention_call.run_kept``), to the bit of the same calls with graphs off."""
-    from coliworker.kernels import attention_call
-
-    hits = []
-    real = attention_call.run_kept
-
-    def counting(*args):
-        got = real(*args)
-        hits.append(got is not None)
-        return got
-
-    monkeypatch.setattr(attention_call, "run_kept", counting)
+    (``attention_call.run_kept``, or compiled), to the bit of the same calls with graphs off."""
+    hits: list[bool] = []
+    count_kept(backend, monkeypatch, "ragged", hits)
     h, q, r, v, k, dout, t0 = 8, 32, 16, 32, 128, 96, 300
     kv_b = backend.place(make_tensor(rng, 2, h * (q + v), k), 0)
     o_proj = backend.place(make_tensor(rng, 2, dout, h * v), 0)
