@@ -83,11 +83,18 @@ def build(out_dir: str | None = None) -> str:
             raise RuntimeError(f"{' '.join(cmd)} failed{hint}:\n{r.stderr[-4000:]}")
         os.replace(tmp, path)  # atomic: another process building at once loads either
     except (OSError, subprocess.SubprocessError) as exc:
-        raise RuntimeError(f"{' '.join(cmd)}: {exc}") from None
+        raise RuntimeError(f"{' '.join(cmd)}: cannot run the compiler ({exc})") from None
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def unbuildable(exc: RuntimeError) -> bool:
+    """Whether ``build``'s error says this host lacks the tools (no compiler to run, no Python
+    headers), rather than that the source does not compile."""
+    msg = str(exc)
+    return "cannot run the compiler" in msg or "no Python.h" in msg
 
 
 def _load(path: str) -> ModuleType:

@@ -24,9 +24,17 @@ def fresh(monkeypatch, tmp_path):
 
 def test_a_failing_compiler_is_reported_with_its_command(fresh, monkeypatch):
     monkeypatch.setenv("CC", "false")
-    with pytest.raises(RuntimeError, match=r"false .*kept\.c .*failed"):
+    with pytest.raises(RuntimeError, match=r"false .*kept\.c .*failed") as err:
         kept.build()
     assert os.listdir(fresh) == []  # no half-built module left behind
+    assert not kept.unbuildable(err.value) or "no Python.h" in str(err.value)
+
+
+def test_a_missing_compiler_is_told_apart_from_a_compile_error(fresh, monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with pytest.raises(RuntimeError, match="cannot run the compiler") as err:
+        kept.build()
+    assert kept.unbuildable(err.value)
 
 
 def test_where_it_cannot_be_built_the_python_runs_the_calls(fresh, monkeypatch, caplog):
@@ -49,8 +57,10 @@ def test_switched_off_nothing_is_built(fresh, monkeypatch):
 def test_a_build_is_kept_and_loads(fresh):
     try:
         path = kept.build()
-    except RuntimeError as exc:
-        pytest.skip(f"server/kept.c does not build here: {str(exc)[:300]}")
+    except RuntimeError as exc:  # a compile error fails here; missing tools skip
+        if not kept.unbuildable(exc):
+            raise
+        pytest.skip(f"server/kept.c cannot be built here: {str(exc)[:300]}")
     assert os.path.dirname(path) == str(fresh)
     mtime = os.stat(path).st_mtime_ns
     assert kept.build() == path and os.stat(path).st_mtime_ns == mtime  # not built again
