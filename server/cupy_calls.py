@@ -12,7 +12,8 @@ issues it at the end, as a CUDA graph once the arena has seen it before
 without listing its work again (``Replay``), and the decode calls of such a plan (a one-token
 routed group, a ragged attention call, an expert group below the pipelined size) are made
 without a ``Call`` at all (``rerun``, after ``expert_group.routed_kept`` /
-``attention_call.run_kept`` / ``expert_group.group_kept``). Large inputs are
+``attention_call.run_kept`` / ``expert_group.group_kept``; each pair compiled in
+``server/kept.c`` where that builds, ``server/kept.py``). Large inputs are
 copied into pinned memory on several threads (``kernels/pinned.py``), or read by the device
 straight from a session's shared-memory segment once CUDA has it registered
 (``server/cupy_segments.py``).
