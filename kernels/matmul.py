@@ -1,11 +1,11 @@
-"""The matmul op's host side (``run``; reference ``reference.matmul``; tests
-``tests/kernels/test_matmul.py``) and the launches of the GEMV kernels every op uses
-(``gemv.cu``, ``gemv_tc.cu``, ``prefill_tc.cu``): a table of ``y = x @ W^T`` jobs in one launch
-(``gemv_launch``), and a whole expert group in one persistent launch (``moe_launch``), each on
-the path its switches pick (``settings()``: all of them, gemv_stream's and prefill_tc's
-included). gemv_st's host side (its switches, geometry and launch) is
-``kernels/gemv_stream.py``, gemv_pf's and moe_pf's ``kernels/prefill_tc.py``; matmul imports
-both.
+"""The matmul op's host side (``run``, and ``run_kept`` for a kept plan's call; reference
+``reference.matmul``; tests ``tests/kernels/test_matmul.py``) and the launches of the GEMV
+kernels every op uses (``gemv.cu``, ``gemv_tc.cu``, ``prefill_tc.cu``): a table of
+``y = x @ W^T`` jobs in one launch (``gemv_launch``), and a whole expert group in one
+persistent launch (``moe_launch``), each on the path its switches pick (``settings()``: all
+of them, gemv_stream's and prefill_tc's included). gemv_st's host side (its switches,
+geometry and launch) is ``kernels/gemv_stream.py``, gemv_pf's and moe_pf's
+``kernels/prefill_tc.py``; matmul imports both.
 
 gemv serves a matmul (one job), the value projection of MLA attention (one job per head) and
 the unfused expert path; jobs of one launch share the weight spec (fmt, I, layout). moe runs
@@ -471,6 +471,27 @@ def _moe_wq(
     blocks = min(total, _resident_blocks(fn, name, smem, n_sm, warps=1, static=0))
     tail = (np.int32(n_jobs), np.int32(ta), np.int32(tb), *gu.geom(), *dn.geom())
     return Launch(fn, (blocks,), (32,), tail, smem)
+
+
+def run_kept(pool: list, w: Any, x: np.ndarray, ready: Any) -> tuple[Any, Any] | None:
+    """A matmul whose plan the thread's free arena on top of ``pool`` keeps with its graph ready
+    to launch and its output's view made (``ready(rep)``, ``cupy_calls.rerunnable``): that arena
+    taken from the pool (``Arena.take``) with the call's inputs written as ``run`` writes them
+    (x, and the job where the arena does not hold it: the same bytes), and the plan's
+    ``Replay``, which the backend launches without a ``Call`` (``cupy_calls.rerun``). None
+    where there is no such plan, nothing taken or written: the call goes through ``run``."""
+    a = pool[-1]
+    plan = a.plans.get(("matmul", id(w), x.shape[0], settings()))
+    if plan is None:
+        return None
+    _, _, job, rep, (xv, jv) = plan
+    if not ready(rep):
+        return None
+    last = a.take()
+    xv[...] = x
+    if not a.keep(last, plan):
+        jv[...] = job
+    return a, rep
 
 
 def run(call: Any, w: Any, x: np.ndarray) -> Any:

@@ -100,10 +100,12 @@ class CupyBackend:
 
     def _kept(self, device: int, nbytes: int, what: str, find: Any, *args: Any) -> Result | None:
         """A decode call of a kept plan made without a ``Call``: ``find(pool, *args, ready)`` (the
-        op's ``expert_group.routed_kept``, ``group_kept`` or ``attention_call.run_kept``) takes
+        op's ``expert_group.routed_kept``, ``group_kept``, ``attention_call.run_kept`` or
+        ``matmul.run_kept``) takes
         this thread's top arena and writes the call's inputs, the same bytes as through a
-        ``Call``, and ``cupy_calls.rerun`` launches the plan's graph; both compiled where
-        ``server/kept.c`` is built (``server/kept.py``). None (nothing done) where the device is
+        ``Call``, and ``cupy_calls.rerun`` launches the plan's graph (compiled where
+        ``server/kept.c`` is built, ``server/kept.py``: the rerun, and the three decode finds
+        with it). None (nothing done) where the device is
         not current, the input (``nbytes``) would be read from a registered segment, or
         ``find`` has no such plan: the caller makes the call through a ``Call``."""
         stream, pool = self._thread(device)
@@ -185,6 +187,9 @@ class CupyBackend:
     # -- dense products (host side: kernels/matmul.py) --------------------------------------
 
     def matmul(self, w: CupyResident, x: np.ndarray) -> Result:
+        res = self._kept(w.device, x.nbytes, "matmul", mm.run_kept, w, x)
+        if res is not None:
+            return res
         with Call(self, w.device, "matmul") as call:
             return mm.run(call, w, x)
 

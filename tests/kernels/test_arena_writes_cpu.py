@@ -33,12 +33,12 @@ SCRIPT = textwrap.dedent(
     cupyx.empty_pinned = lambda shape, dtype: np.zeros(shape, dtype)  # no stale bytes
     from coliworker.kernels import graphs
     from coliworker.server.backend_cupy import CupyBackend
-    from coliworker.kernels import attention_call, expert_group
+    from coliworker.kernels import attention_call, expert_group, matmul
     from coliworker.server.cupy_calls import Arena
 
-    n_fast = [0, 0, 0]  # routed, ragged attention and group calls made without a Call
+    n_fast = [0, 0, 0, 0]  # routed, ragged attention, group and matmul calls without a Call
     FAST = [(expert_group, "routed_kept"), (attention_call, "run_kept"),
-            (expert_group, "group_kept")]
+            (expert_group, "group_kept"), (matmul, "run_kept")]
 
     def counted(i, fn):
         def kept(*a, **k):

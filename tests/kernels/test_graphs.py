@@ -45,13 +45,16 @@ def kept_path(request, backend, monkeypatch):
 
 
 def count_kept(backend, monkeypatch, op: str, hits: list) -> None:
-    """Append to ``hits``, for each kept call of ``op`` ("routed" or "ragged"), whether it was
-    made without a ``Call``, on the path the backend runs (``kept_path``)."""
-    from coliworker.kernels import attention_call, expert_group
+    """Append to ``hits``, for each kept call of ``op`` ("routed", "ragged" or "matmul", whose
+    find has no compiled twin), whether it was made without a ``Call``, on the path the backend
+    runs (``kept_path``)."""
+    from coliworker.kernels import attention_call, expert_group, matmul
 
-    mod, name = {"routed": (expert_group, "routed_kept"), "ragged": (attention_call, "run_kept")}[
-        op
-    ]
+    mod, name = {
+        "routed": (expert_group, "routed_kept"),
+        "ragged": (attention_call, "run_kept"),
+        "matmul": (matmul, "run_kept"),
+    }[op]
 
     def counted(fn):
         def kept(*args):
@@ -62,7 +65,7 @@ def count_kept(backend, monkeypatch, op: str, hits: list) -> None:
         return kept
 
     c = backend._compiled
-    if c is None:
+    if c is None or op == "matmul":
         monkeypatch.setattr(mod, name, counted(getattr(mod, name)))
     else:
         monkeypatch.setattr(backend, "_compiled", c._replace(**{op: counted(getattr(c, op))}))
@@ -237,8 +240,8 @@ def test_a_call_shape_whose_capture_fails_stays_direct(backend, rng, graphs, mon
 def test_a_kept_plan_replays_its_graph(backend, rng, graphs, monkeypatch, kept_path):
     """Calls of a kept plan launch the plan's graph once it is captured, with no work listed:
     routed groups naming other experts of one shape each call (the shape's plan, its tables
-    patched; made without a ``Call``: ``expert_group.routed_kept``, or compiled) and dense
-    matmuls (``Call.replay``), to the bit of the same calls with graphs off."""
+    patched) and dense matmuls, both made without a ``Call`` (``expert_group.routed_kept``, or
+    compiled; ``matmul.run_kept``), to the bit of the same calls with graphs off."""
     from coliworker.server.cupy_calls import Call
 
     replayed: list[bool] = []
@@ -251,6 +254,7 @@ def test_a_kept_plan_replays_its_graph(backend, rng, graphs, monkeypatch, kept_p
 
     monkeypatch.setattr(Call, "replay", counting)
     count_kept(backend, monkeypatch, "routed", replayed)
+    count_kept(backend, monkeypatch, "matmul", replayed)
     d, i, pool = 256, 128, 12
     experts = [
         tuple(backend.place(make_tensor(rng, 2, *io), 0) for io in ((i, d), (i, d), (d, i)))
@@ -270,7 +274,7 @@ def test_a_kept_plan_replays_its_graph(backend, rng, graphs, monkeypatch, kept_p
                          backend.matmul(w, xm).out))  # fmt: skip
         for got, want in zip(*outs, strict=True):
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-    # Two ops, each direct, captured, then replayed from its plan for every later call.
+    # Two ops, each direct, captured, then made without a Call for every later call.
     assert sum(replayed) == 2 * (2 * CALLS - 2)
 
 

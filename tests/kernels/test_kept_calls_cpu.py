@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent(
     from bench import host_python as hp
     hp._stub_cupy()
     import cupy
-    from coliworker.kernels import attention_call, expert_group, graphs
+    from coliworker.kernels import attention_call, expert_group, graphs, matmul
     from coliworker.server.backend_cupy import CupyBackend
 
     graphs._record_fn = lambda *a: 0
@@ -37,7 +37,7 @@ SCRIPT = textwrap.dedent(
     r = np.random.default_rng()
     fast = []
     for mod, name in ((expert_group, "routed_kept"), (attention_call, "run_kept"),
-                      (expert_group, "group_kept")):
+                      (expert_group, "group_kept"), (matmul, "run_kept")):
         def counted(*a, _fn=getattr(mod, name), _name=name, **k):
             got = _fn(*a, **k)
             fast.append((_name, got is not None))
@@ -81,8 +81,14 @@ SCRIPT = textwrap.dedent(
         x = np.repeat(r.standard_normal((1, g["D"])).astype(np.float32), 8, axis=0)
         return b.expert_group(pool[8 * int(r.integers(0, 2)):][:8], [1] * 8, x)
 
+    dense = hp.Resident(2, g["D"], g["D"])
+
+    def mm():
+        return b.matmul(dense, r.standard_normal((1, g["D"])).astype(np.float32))
+
     out = {}
     out["routed"] = taken(routed, 5)
+    out["matmul"] = taken(mm, 5)
     out["attention"] = taken(attend, 5)
     out["group"] = taken(group, 5)
     graphs.ENABLED = False
@@ -135,6 +141,7 @@ def test_which_calls_are_made_without_a_call_and_a_failed_launch(compiled, monke
     assert out["routed"][-3:] == [True, True, True] and not any(out["routed"][:-3])
     assert out["attention"][-3:] == [True, True, True] and not any(out["attention"][:-3])
     assert out["group"][-3:] == [True, True, True] and not any(out["group"][:-3])
+    assert out["matmul"][-3:] == [True, True, True] and not any(out["matmul"][:-3])
     assert not any(out["graphs off"])
     assert out["other device"] == []  # not even looked for
     assert not any(out["repeated expert"]) and not any(out["two tokens"])
