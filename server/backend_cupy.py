@@ -101,13 +101,12 @@ class CupyBackend:
     def _kept(self, device: int, nbytes: int, what: str, find: Any, *args: Any) -> Result | None:
         """A decode call of a kept plan made without a ``Call``: ``find(pool, *args, ready)`` (the
         op's ``expert_group.routed_kept``, ``group_kept``, ``attention_call.run_kept`` or
-        ``matmul.run_kept``) takes
-        this thread's top arena and writes the call's inputs, the same bytes as through a
-        ``Call``, and ``cupy_calls.rerun`` launches the plan's graph (compiled where
-        ``server/kept.c`` is built, ``server/kept.py``: the rerun, and the three decode finds
-        with it). None (nothing done) where the device is
-        not current, the input (``nbytes``) would be read from a registered segment, or
-        ``find`` has no such plan: the caller makes the call through a ``Call``."""
+        ``matmul.run_kept``) takes this thread's top arena and writes the call's inputs, the
+        same bytes as through a ``Call``, and ``cupy_calls.rerun`` launches the plan's graph
+        (each find with the rerun compiled where ``server/kept.c`` is built, ``server/kept.py``).
+        None (nothing done) where the device is not current, the input (``nbytes``) would be
+        read from a registered segment, or ``find`` has no such plan: the caller makes the call
+        through a ``Call``."""
         stream, pool = self._thread(device)
         if not pool or nbytes >= DIRECT_BYTES or cupy.cuda.runtime.getDevice() != device:
             return None
@@ -120,6 +119,8 @@ class CupyBackend:
                 return c.group(pool, *args, stream, device, what)
             if find is c.run_kept:
                 return c.ragged(pool, *args, stream, device, what)
+            if find is c.matmul_kept:
+                return c.matmul(pool, *args, stream, device, what)
             run = c.rerun
         got = find(pool, *args, rerunnable)
         return None if got is None else run(*got, stream, device, what)

@@ -9,6 +9,8 @@
  *   group(pool, experts, rows, x, stream, device, what)
  *       ``expert_group.group_kept`` then ``cupy_calls.rerun``: an expert group below the
  *       pipelined size.
+ *   matmul(pool, w, x, stream, device, what)
+ *       ``matmul.run_kept`` then ``cupy_calls.rerun``: a matmul.
  *   ragged(pool, kv_b, o_proj, q, caches, fresh, t_max, q_dim, rope_dim, v_dim, scale,
  *          latents, ropes, n_sm, stream, device, what)
  *       ``attention_call.run_kept`` then ``cupy_calls.rerun``: a ragged attention call.
@@ -49,7 +51,7 @@ static PyObject *att_inputs_fn; /* attention_call._inputs (rows this file does n
 static PyObject *result_t, *phases_t;
 static PyObject *rt_mod; /* cupy.cuda.runtime: graphLaunch, eventSynchronize (read per call) */
 static PyObject *event_phases_fn, *rerun_failed_fn;
-static PyObject *s_group, *s_group_shape, *k_routes, *k_xv;
+static PyObject *s_group, *s_group_shape, *s_matmul, *k_routes, *k_xv;
 static PyObject *one_int;
 static PyObject *a_plans, *a_hmv, *a_take, *a_keep, *a_give_back, *a_sptr, *a_eptr;
 static PyObject *r_exec, *r_stamped, *r_view, *r_ptr, *m_copy, *m_route_order, *m_poll,
@@ -697,6 +699,79 @@ out:
     return res;
 }
 
+/* ``matmul.run_kept`` then ``cupy_calls.rerun``. */
+static PyObject *matmul(PyObject *self, PyObject *const *args, Py_ssize_t n) {
+    if (n != 6) {
+        PyErr_SetString(PyExc_TypeError, "kept.matmul(pool, w, x, stream, device, what)");
+        return NULL;
+    }
+    PyObject *pool = args[0], *w = args[1], *x = args[2];
+    PyObject *res = NULL, *a = NULL, *plans = NULL, *key = NULL, *plan = NULL, *last = NULL;
+    Py_buffer xb, xv, jv, jb;
+    int have_x = 0, have_xv = 0, have_jv = 0, have_jb = 0, r;
+    if (!PyList_Check(pool) || PyList_GET_SIZE(pool) == 0) return Py_NewRef(Py_None);
+    if (!(have_x = plain(x, &xb, "f", -1, 0)) || xb.ndim != 2) goto none;
+    a = Py_NewRef(PyList_GET_ITEM(pool, PyList_GET_SIZE(pool) - 1));
+    /* the plan kept by ("matmul", id(w), rows, settings()) */
+    if ((key = PyTuple_New(4)) == NULL) goto fail;
+    PyTuple_SET_ITEM(key, 0, Py_NewRef(s_matmul));
+    PyObject *v;
+    if ((v = PyLong_FromVoidPtr(w)) == NULL) goto fail;
+    PyTuple_SET_ITEM(key, 1, v);
+    if ((v = PyLong_FromSsize_t(xb.shape[0])) == NULL) goto fail;
+    PyTuple_SET_ITEM(key, 2, v);
+    if ((v = PyObject_CallNoArgs(settings_fn)) == NULL) goto fail;
+    PyTuple_SET_ITEM(key, 3, v);
+    if ((plans = PyObject_GetAttr(a, a_plans)) == NULL) goto fail;
+    if (!PyDict_Check(plans)) goto none;
+    plan = Py_XNewRef(PyDict_GetItemWithError(plans, key));
+    if (plan == NULL) {
+        if (PyErr_Occurred()) goto fail;
+        goto none;
+    }
+    /* (w, launch, job bytes, Replay, (x's view, the job's view)) */
+    if (!PyTuple_Check(plan) || PyTuple_GET_SIZE(plan) != 5) goto none;
+    PyObject *job = PyTuple_GET_ITEM(plan, 2), *rep = PyTuple_GET_ITEM(plan, 3),
+             *views = PyTuple_GET_ITEM(plan, 4);
+    if ((r = ready(rep)) <= 0) {
+        if (r < 0) goto fail;
+        goto none;
+    }
+    if (!PyTuple_Check(views) || PyTuple_GET_SIZE(views) != 2 ||
+        !(have_xv = span(PyTuple_GET_ITEM(views, 0), &xv, "f", xb.len)) ||
+        !(have_jb = plain(job, &jb, "B", -1, 0)) ||
+        !(have_jv = span(PyTuple_GET_ITEM(views, 1), &jv, "B", jb.len)))
+        goto none;
+
+    if ((last = PyObject_CallMethodNoArgs(a, a_take)) == NULL) goto fail;
+    memcpy(xv.buf, xb.buf, xb.len);
+    PyObject *kargs[3] = {a, last, plan};
+    PyObject *kept = PyObject_VectorcallMethod(a_keep, kargs, 3, NULL);
+    if (kept == NULL) goto fail;
+    int same = PyObject_IsTrue(kept);
+    Py_DECREF(kept);
+    if (same < 0) goto fail;
+    if (!same) memcpy(jv.buf, jb.buf, jb.len);
+    res = rerun_taken(a, rep, args[3], args[4], args[5]);
+    goto out;
+none:
+    res = Py_NewRef(Py_None);
+    goto out;
+fail:
+    res = NULL;
+out:
+    if (have_x) PyBuffer_Release(&xb);
+    if (have_xv) PyBuffer_Release(&xv);
+    if (have_jv) PyBuffer_Release(&jv);
+    if (have_jb) PyBuffer_Release(&jb);
+    Py_XDECREF(a);
+    Py_XDECREF(plans);
+    Py_XDECREF(key);
+    Py_XDECREF(plan);
+    Py_XDECREF(last);
+    return res;
+}
+
 /* A KvDesc (kernels/records.py's KV_DESC, checked in setup). */
 struct KvDesc {
     uint64_t latent, rope;
@@ -905,6 +980,8 @@ static PyMethodDef methods[] = {
     {"group", (PyCFunction)(void (*)(void))group, METH_FASTCALL,
      "group(pool, experts, rows, x, stream, device, what): a kept expert group call's Result, "
      "or None."},
+    {"matmul", (PyCFunction)(void (*)(void))matmul, METH_FASTCALL,
+     "matmul(pool, w, x, stream, device, what): a kept matmul call's Result, or None."},
     {"ragged", (PyCFunction)(void (*)(void))ragged, METH_FASTCALL,
      "ragged(pool, kv_b, o_proj, q, caches, fresh, t_max, q_dim, rope_dim, v_dim, scale, "
      "latents, ropes, n_sm, stream, device, what): a kept ragged attention call's Result, or "
@@ -923,6 +1000,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__kept(void) {
     INTERN(s_group, "group");
     INTERN(s_group_shape, "group shape");
+    INTERN(s_matmul, "matmul");
     INTERN(k_routes, "routes");
     INTERN(k_xv, "xv");
     INTERN(a_plans, "plans");

@@ -2,15 +2,16 @@
 compiler into a cache directory, loaded, and handed the Python objects they read; the CuPy
 backend's ``_kept`` calls them in place of their Python twins.
 
-    twins()  ->  Twins(routed_kept, routed, group_kept, group, run_kept, ragged, rerun) or None
+    twins()  ->  Twins(routed_kept, routed, group_kept, group, run_kept, ragged,
+                       matmul_kept, matmul, rerun) or None
 
-``routed`` is ``expert_group.routed_kept`` followed by ``cupy_calls.rerun``, ``group`` is
-``expert_group.group_kept`` and ``ragged`` ``attention_call.run_kept`` followed by it,
-``rerun`` is ``cupy_calls.rerun``. Each writes the same bytes and returns the same result as
-its twins (``tests/kernels/test_arena_writes_cpu.py`` and ``test_kept_calls_cpu.py`` run both,
-``tests/kernels/test_graphs.py`` on a GPU); the Python stays the reference and the fallback:
-where the module cannot be built (no compiler, no Python headers) the backend logs one warning
-and runs the Python.
+``routed`` is ``expert_group.routed_kept`` followed by ``cupy_calls.rerun``; ``group`` is
+``expert_group.group_kept``, ``ragged`` ``attention_call.run_kept`` and ``matmul``
+``matmul.run_kept``, each followed by it; ``rerun`` is ``cupy_calls.rerun``. Each writes the
+same bytes and returns the same result as its twins (``tests/kernels/test_arena_writes_cpu.py``
+and ``test_kept_calls_cpu.py`` run both, ``tests/kernels/test_graphs.py`` on a GPU); the Python
+stays the reference and the fallback: where the module cannot be built (no compiler, no Python
+headers) the backend logs one warning and runs the Python.
 
 ``COLIWORKER_KEPT_C=0`` turns the compiled calls off. ``COLIWORKER_KEPT_CACHE`` names the
 directory the built module is kept in (default ``$XDG_CACHE_HOME/coliworker`` or
@@ -158,9 +159,9 @@ def _objects() -> dict[str, Any]:
 
 class Twins(NamedTuple):
     """The compiled calls and the Python functions they stand in for: the backend runs
-    ``routed`` where it is handed ``routed_kept`` itself, ``group`` for ``group_kept`` and
-    ``ragged`` for ``run_kept`` (a stand-in put in their place runs as given, then
-    ``rerun``)."""
+    ``routed`` where it is handed ``routed_kept`` itself, ``group`` for ``group_kept``,
+    ``ragged`` for ``run_kept`` and ``matmul`` for ``matmul_kept`` (a stand-in put in their
+    place runs as given, then ``rerun``)."""
 
     routed_kept: Any  # expert_group.routed_kept
     routed: Any  # ... then cupy_calls.rerun
@@ -168,6 +169,8 @@ class Twins(NamedTuple):
     group: Any  # ... then cupy_calls.rerun
     run_kept: Any  # attention_call.run_kept
     ragged: Any  # ... then cupy_calls.rerun
+    matmul_kept: Any  # matmul.run_kept
+    matmul: Any  # ... then cupy_calls.rerun
     rerun: Any  # cupy_calls.rerun
 
 
@@ -177,9 +180,11 @@ def twins() -> Twins | None:
     if mod is None:
         return None
     from coliworker.kernels import attention_call, expert_group
+    from coliworker.kernels import matmul as mm
 
     return Twins(expert_group.routed_kept, mod.routed, expert_group.group_kept, mod.group,
-                 attention_call.run_kept, mod.ragged, mod.rerun)  # fmt: skip
+                 attention_call.run_kept, mod.ragged, mm.run_kept, mod.matmul,
+                 mod.rerun)  # fmt: skip
 
 
 if __name__ == "__main__":

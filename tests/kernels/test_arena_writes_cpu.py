@@ -66,7 +66,9 @@ SCRIPT = textwrap.dedent(
                                  group_kept=expert_group.group_kept,
                                  group=c_counted(2, c.group),
                                  run_kept=attention_call.run_kept,
-                                 ragged=c_counted(1, c.ragged))
+                                 ragged=c_counted(1, c.ragged),
+                                 matmul_kept=matmul.run_kept,
+                                 matmul=c_counted(3, c.matmul))
     print("compiled", b._compiled is not None)
     pool = [(hp.Resident(2, g["D"], g["I"]), hp.Resident(2, g["D"], g["I"]),
              hp.Resident(2, g["I"], g["D"])) for _ in range(24)]

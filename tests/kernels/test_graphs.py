@@ -45,9 +45,8 @@ def kept_path(request, backend, monkeypatch):
 
 
 def count_kept(backend, monkeypatch, op: str, hits: list) -> None:
-    """Append to ``hits``, for each kept call of ``op`` ("routed", "ragged" or "matmul", whose
-    find has no compiled twin), whether it was made without a ``Call``, on the path the backend
-    runs (``kept_path``)."""
+    """Append to ``hits``, for each kept call of ``op`` ("routed", "ragged" or "matmul"),
+    whether it was made without a ``Call``, on the path the backend runs (``kept_path``)."""
     from coliworker.kernels import attention_call, expert_group, matmul
 
     mod, name = {
@@ -65,7 +64,7 @@ def count_kept(backend, monkeypatch, op: str, hits: list) -> None:
         return kept
 
     c = backend._compiled
-    if c is None or op == "matmul":
+    if c is None:
         monkeypatch.setattr(mod, name, counted(getattr(mod, name)))
     else:
         monkeypatch.setattr(backend, "_compiled", c._replace(**{op: counted(getattr(c, op))}))

@@ -56,7 +56,9 @@ SCRIPT = textwrap.dedent(
                                  group_kept=expert_group.group_kept,
                                  group=c_counted("group_kept", c.group),
                                  run_kept=attention_call.run_kept,
-                                 ragged=c_counted("run_kept", c.ragged))
+                                 ragged=c_counted("run_kept", c.ragged),
+                                 matmul_kept=matmul.run_kept,
+                                 matmul=c_counted("run_kept", c.matmul))
     print("compiled", b._compiled is not None)
 
     def routed(routes=None, tokens=1):
