@@ -248,6 +248,20 @@ static PyObject *rerun(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     return rerun_taken(args[0], args[1], args[2], args[3], args[4]);
 }
 
+/* ``Arena.keep``: ``plan`` from here on the plan whose constant bytes (``n`` at ``src``) the
+ * arena holds at ``dst``, written there unless they are already (``last`` is ``plan``). */
+static int keep_bytes(PyObject *a, PyObject *last, PyObject *plan, char *dst, const char *src,
+                      Py_ssize_t n) {
+    PyObject *args[3] = {a, last, plan};
+    PyObject *kept = PyObject_VectorcallMethod(a_keep, args, 3, NULL);
+    if (kept == NULL) return -1;
+    int same = PyObject_IsTrue(kept);
+    Py_DECREF(kept);
+    if (same < 0) return -1;
+    if (!same) memcpy(dst, src, n);
+    return 0;
+}
+
 /* The tables of a group-shape plan for these experts, written at ``dst`` (``TablePatch.fill``:
  * the shape's constant runs and the experts' packed addresses, or a range of them). */
 static int fill_tables(PyObject *where, PyObject *triples, char *dst, Py_ssize_t room) {
@@ -425,20 +439,12 @@ static int write_tables(PyObject *a, PyObject *last, PyObject *hit, PyObject *tr
         return -1;
     }
     if (where == Py_None) { /* the plan's own: in place unless another plan's bytes lie */
-        PyObject *args[3] = {a, last, hit};
-        PyObject *kept = PyObject_VectorcallMethod(a_keep, args, 3, NULL);
-        if (kept == NULL) return -1;
-        int same = PyObject_IsTrue(kept);
-        Py_DECREF(kept);
-        if (same < 0) return -1;
-        if (!same) {
-            if (!PyBytes_Check(table) || PyBytes_GET_SIZE(table) > hb->len - t_off) {
-                PyErr_SetString(PyExc_ValueError, "kept: a plan's tables past its arena");
-                return -1;
-            }
-            memcpy((char *)hb->buf + t_off, PyBytes_AS_STRING(table), PyBytes_GET_SIZE(table));
+        if (!PyBytes_Check(table) || PyBytes_GET_SIZE(table) > hb->len - t_off) {
+            PyErr_SetString(PyExc_ValueError, "kept: a plan's tables past its arena");
+            return -1;
         }
-        return 0;
+        return keep_bytes(a, last, hit, (char *)hb->buf + t_off, PyBytes_AS_STRING(table),
+                          PyBytes_GET_SIZE(table));
     }
     if (triples == NULL) { /* (a plan kept by its experts holds its tables made) */
         PyErr_SetString(PyExc_TypeError, "kept: an experts' plan with a shape's tables");
@@ -745,13 +751,7 @@ static PyObject *matmul(PyObject *self, PyObject *const *args, Py_ssize_t n) {
 
     if ((last = PyObject_CallMethodNoArgs(a, a_take)) == NULL) goto fail;
     memcpy(xv.buf, xb.buf, xb.len);
-    PyObject *kargs[3] = {a, last, plan};
-    PyObject *kept = PyObject_VectorcallMethod(a_keep, kargs, 3, NULL);
-    if (kept == NULL) goto fail;
-    int same = PyObject_IsTrue(kept);
-    Py_DECREF(kept);
-    if (same < 0) goto fail;
-    if (!same) memcpy(jv.buf, jb.buf, jb.len);
+    if (keep_bytes(a, last, plan, jv.buf, jb.buf, jb.len) < 0) goto fail;
     res = rerun_taken(a, rep, args[3], args[4], args[5]);
     goto out;
 none:
@@ -862,20 +862,12 @@ static int ragged_inputs(PyObject *a, PyObject *last, PyObject *plan, char *host
         src += (int32_t)fr;
     }
     PyObject *jobs = PyTuple_GET_ITEM(plan, 11);
-    PyObject *args[3] = {a, last, plan};
-    PyObject *kept = PyObject_VectorcallMethod(a_keep, args, 3, NULL);
-    if (kept == NULL) return -1;
-    int same = PyObject_IsTrue(kept);
-    Py_DECREF(kept);
-    if (same < 0) return -1;
-    if (!same) {
-        if (!PyBytes_Check(jobs) || j_off < 0 || j_off + PyBytes_GET_SIZE(jobs) > hlen) {
-            PyErr_SetString(PyExc_ValueError, "kept: a call's gemv jobs past its arena");
-            return -1;
-        }
-        memcpy(host + j_off, PyBytes_AS_STRING(jobs), PyBytes_GET_SIZE(jobs));
+    if (!PyBytes_Check(jobs) || j_off < 0 || j_off + PyBytes_GET_SIZE(jobs) > hlen) {
+        PyErr_SetString(PyExc_ValueError, "kept: a call's gemv jobs past its arena");
+        return -1;
     }
-    return 0;
+    return keep_bytes(a, last, plan, host + j_off, PyBytes_AS_STRING(jobs),
+                      PyBytes_GET_SIZE(jobs));
 }
 
 /* ``attention_call.run_kept`` then ``cupy_calls.rerun``. */
