@@ -54,21 +54,15 @@ SCRIPT = textwrap.dedent(
     g = hp.GLM
     b = CupyBackend((0,))
     if b._compiled is not None:  # server/kept.c: its calls counted in place of the Python
-        def c_counted(i, fn):
-            def kept(*a, **k):
-                got = fn(*a, **k)
-                n_fast[i] += got is not None
-                return got
-            return kept
         c = b._compiled
         b._compiled = c._replace(routed_kept=expert_group.routed_kept,
-                                 routed=c_counted(0, c.routed),
+                                 routed=counted(0, c.routed),
                                  group_kept=expert_group.group_kept,
-                                 group=c_counted(2, c.group),
+                                 group=counted(2, c.group),
                                  run_kept=attention_call.run_kept,
-                                 ragged=c_counted(1, c.ragged),
+                                 ragged=counted(1, c.ragged),
                                  matmul_kept=matmul.run_kept,
-                                 matmul=c_counted(3, c.matmul))
+                                 matmul=counted(3, c.matmul))
     print("compiled", b._compiled is not None)
     pool = [(hp.Resident(2, g["D"], g["I"]), hp.Resident(2, g["D"], g["I"]),
              hp.Resident(2, g["I"], g["D"])) for _ in range(24)]

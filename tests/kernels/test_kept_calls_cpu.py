@@ -36,29 +36,27 @@ SCRIPT = textwrap.dedent(
     cache = hp.KV(g["K"], g["R"], 4096)
     r = np.random.default_rng()
     fast = []
+
+    def counted(name, fn):
+        def kept(*a, **k):
+            got = fn(*a, **k)
+            fast.append((name, got is not None))
+            return got
+        return kept
+
     for mod, name in ((expert_group, "routed_kept"), (attention_call, "run_kept"),
                       (expert_group, "group_kept"), (matmul, "run_kept")):
-        def counted(*a, _fn=getattr(mod, name), _name=name, **k):
-            got = _fn(*a, **k)
-            fast.append((_name, got is not None))
-            return got
-        setattr(mod, name, counted)
+        setattr(mod, name, counted(name, getattr(mod, name)))
     if b._compiled is not None:  # server/kept.c: its calls counted in place of the Python
-        def c_counted(name, fn):
-            def kept(*a, **k):
-                got = fn(*a, **k)
-                fast.append((name, got is not None))
-                return got
-            return kept
         c = b._compiled
         b._compiled = c._replace(routed_kept=expert_group.routed_kept,
-                                 routed=c_counted("routed_kept", c.routed),
+                                 routed=counted("routed_kept", c.routed),
                                  group_kept=expert_group.group_kept,
-                                 group=c_counted("group_kept", c.group),
+                                 group=counted("group_kept", c.group),
                                  run_kept=attention_call.run_kept,
-                                 ragged=c_counted("run_kept", c.ragged),
+                                 ragged=counted("run_kept", c.ragged),
                                  matmul_kept=matmul.run_kept,
-                                 matmul=c_counted("run_kept", c.matmul))
+                                 matmul=counted("run_kept", c.matmul))
     print("compiled", b._compiled is not None)
 
     def routed(routes=None, tokens=1):
