@@ -33,6 +33,7 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -41,7 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import harness  # noqa: E402
 
 
-def run(n: int, profile: bool = False, pool: int | None = None) -> dict:
+def build(pool: int | None = None) -> tuple[Any, Any, dict[str, dict[str, Any]]]:
+    """A NumPy worker (metrics on) and a client on it, and each call kind's steps: kind ->
+    step name -> a function doing that step once (``pool``: as ``run``'s)."""
     from coliworker.client import WorkerClient, requests
     from coliworker.client.session_calls import SessionCalls
     from coliworker.server.app import build_server
@@ -98,12 +101,12 @@ def run(n: int, profile: bool = False, pool: int | None = None) -> dict:
             "out",
         ),
     }
-    result = {}
-    for kind, (build, field) in cases.items():
+    steps: dict[str, dict[str, Any]] = {}
+    for kind, (make, field) in cases.items():
         call = calls.BY_KIND[kind]
 
-        def client_build(build=build, call=call):
-            body = build()
+        def client_build(make=make, call=call):
+            body = make()
             pieces, nd = frames.place(body, c._take_side())
             return frames.frame(frames.CALL, call.method, 1, body.SerializeToString(), pieces, nd)
 
@@ -156,15 +159,24 @@ def run(n: int, profile: bool = False, pool: int | None = None) -> dict:
             staging.check(resp, rdata, None, "result")
             return decode(resp, Fut(), staging.source(rdata, None, "result"))
 
-        row = {}
-        for name, fn in (
-            ("client build", client_build),
-            ("worker parse", parse),
-            ("worker dispatch", dispatch),
-            ("worker reply", reply),
-            ("client decode", client_decode),
-        ):
-            row[name] = _time(fn, n)
+        steps[kind] = {
+            "client build": client_build,
+            "worker parse": parse,
+            "worker dispatch": dispatch,
+            "worker reply": reply,
+            "client decode": client_decode,
+        }
+    return srv, w, steps
+
+
+def run(n: int, profile: bool = False, pool: int | None = None) -> dict:
+    """Each step of each kind timed (``_time``, in that order), then the dispatch again with
+    the usage counting off; with ``profile`` the dispatch under cProfile."""
+    srv, w, steps = build(pool)
+    result = {}
+    for kind, fns in steps.items():
+        row = {name: _time(fn, n) for name, fn in fns.items()}
+        dispatch = fns["worker dispatch"]
         counts = srv.servicer.tensor_counts
         saved = counts.tensor, counts.experts, counts.routed
         counts.tensor = counts.experts = counts.routed = lambda *a, **k: None

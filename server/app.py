@@ -10,7 +10,7 @@ from concurrent import futures
 import grpc
 
 from coliworker import __version__
-from coliworker.server import upload
+from coliworker.server import heap, upload
 from coliworker.server.auth import AuthInterceptor, check_exposure, server_credentials
 from coliworker.server.backend import Backend
 from coliworker.server.backends import create_backend
@@ -134,6 +134,8 @@ class WorkerServer:
         self.servicer.sessions.attach_socket = AttachSocket()  # shared memory (same host)
         self.metrics_port: int | None = None
         self._stopped = threading.Event()
+        dispatch = self.servicer.dispatch
+        self.heap = heap.Keeper(lambda: dispatch.last)  # (started with the server)
 
     def start(self) -> WorkerServer:
         self.server.start()
@@ -142,6 +144,7 @@ class WorkerServer:
         if self.metrics is not None:
             host = self.config.metrics_host or self.config.host
             self.metrics_port = self.metrics.serve(host, self.config.metrics_port or 0)
+        self.heap.start()
         self.health.set_serving()
         names = ", ".join(f"{d.id}:{d.name}" for d in self.backend.devices())
         log.info(
@@ -173,6 +176,7 @@ class WorkerServer:
         if self.metrics is not None:
             self.metrics.stop()
         self.backend.close()
+        self.heap.stop()
         self._stopped.set()
 
     def wait(self) -> None:

@@ -80,6 +80,7 @@ class Dispatch:
 
     def __init__(self, servicer: Any, hooks: Any) -> None:
         self.servicer, self.hooks = servicer, hooks
+        self.last = 0.0  # time.perf_counter() of the latest call started (server/heap.py)
 
     def handler(self, call: Call) -> Handler | None:
         """The servicer's handler of ``call`` (looked up per call: tests may wrap one)."""
@@ -98,7 +99,7 @@ class Dispatch:
     ) -> Outcome:
         """Run one call; never raises. ``transport`` (grpc / socket / shm) counts the call
         in the session request metrics; unary gRPC is counted by the interceptor."""
-        t0 = time.perf_counter()
+        self.last = t0 = time.perf_counter()
         fn = self.handler(call)
         if fn is None:
             out = Outcome(
