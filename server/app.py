@@ -10,7 +10,7 @@ from concurrent import futures
 import grpc
 
 from coliworker import __version__
-from coliworker.server import heap, upload
+from coliworker.server import upkeep, upload
 from coliworker.server.auth import AuthInterceptor, check_exposure, server_credentials
 from coliworker.server.backend import Backend
 from coliworker.server.backends import create_backend
@@ -135,7 +135,10 @@ class WorkerServer:
         self.metrics_port: int | None = None
         self._stopped = threading.Event()
         dispatch = self.servicer.dispatch
-        self.heap = heap.Keeper(lambda: dispatch.last)  # (started with the server)
+        folds = [self.servicer.tensor_counts.fold]
+        if self.metrics is not None:
+            folds.append(self.metrics.tally.fold)
+        self.upkeep = upkeep.Upkeep(lambda: dispatch.last, folds)  # (started with the server)
 
     def start(self) -> WorkerServer:
         self.server.start()
@@ -144,7 +147,7 @@ class WorkerServer:
         if self.metrics is not None:
             host = self.config.metrics_host or self.config.host
             self.metrics_port = self.metrics.serve(host, self.config.metrics_port or 0)
-        self.heap.start()
+        self.upkeep.start()
         self.health.set_serving()
         names = ", ".join(f"{d.id}:{d.name}" for d in self.backend.devices())
         log.info(
@@ -176,7 +179,7 @@ class WorkerServer:
         if self.metrics is not None:
             self.metrics.stop()
         self.backend.close()
-        self.heap.stop()
+        self.upkeep.stop()
         self._stopped.set()
 
     def wait(self) -> None:

@@ -80,7 +80,7 @@ class Dispatch:
 
     def __init__(self, servicer: Any, hooks: Any) -> None:
         self.servicer, self.hooks = servicer, hooks
-        self.last = 0.0  # time.perf_counter() of the latest call started (server/heap.py)
+        self.last = 0.0  # time.perf_counter() of the latest call started (server/upkeep.py)
 
     def handler(self, call: Call) -> Handler | None:
         """The servicer's handler of ``call`` (looked up per call: tests may wrap one)."""

@@ -16,7 +16,8 @@ A journal defers a call's updates: ``record`` appends one entry (a tuple of the 
 values) to a deque, atomic without a lock, and ``apply(entries)`` makes their updates
 later, in the order recorded, series by series (``observe_many``: one lock per series for
 the lot): when the tally is collected (every scrape reads every update recorded before it)
-or by the call that finds ``JOURNAL`` entries waiting. The values read are the same as
+or by the call that finds ``JOURNAL`` entries waiting, or, in pieces, by the worker's
+upkeep thread (``fold``) before that. The values read are the same as
 those of the updates made one by one: counts are added in full, and a histogram's sum adds
 each observation in turn. An expert group call's eight updates cost about a sixth as much.
 """
@@ -104,14 +105,17 @@ class Journal:
         if len(entries) > JOURNAL:
             self.flush()
 
-    def flush(self) -> None:
-        """Make the updates of every entry recorded so far. Under the lock: a reader that
-        flushes waits for a flush under way, and then sees its updates."""
+    def flush(self, most: int | None = None) -> int:
+        """Make the updates of every entry recorded so far (with ``most``, of the oldest
+        ``most`` of them); how many were made. Under the lock: a reader that flushes waits
+        for a flush under way, and then sees its updates."""
         with self._lock:
             entries = self._entries
-            if entries:
+            n = len(entries) if most is None else min(len(entries), most)
+            if n:
                 pop = entries.popleft  # (appends may race: take what is there now)
-                self._apply([pop() for _ in range(len(entries))])
+                self._apply([pop() for _ in range(n)])
+            return n
 
 
 class Family:
@@ -196,6 +200,12 @@ class Tally(Collector):
         """Make every update recorded in the journals so far."""
         for journal in self._journals:
             journal.flush()
+
+    def fold(self, most: int) -> int:
+        """Make the updates of the oldest ``most`` entries of each journal (in order: the
+        rest stay for a later fold); how many were made (``server/upkeep.py`` folds the
+        journals in such pieces between calls, so a recording call seldom finds one full)."""
+        return sum(journal.flush(most) for journal in self._journals)
 
     def collect(self) -> Iterator[Any]:
         self.flush()

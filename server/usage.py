@@ -9,8 +9,9 @@
     └── top(n)                        per device, the n largest (calls, rows), any owner
 
 Recording is one append to a journal (no lock, no counting on the call's thread); the
-journals are folded into the counts under the lock when they are read, or by the recording
-call that finds one ``JOURNAL`` entries long. A fold counts tensor calls one by one, and all
+journals are folded into the counts under the lock when they are read, in pieces by the
+worker's upkeep thread (``fold``), or by the recording call that finds one ``JOURNAL``
+entries long. A fold counts tensor calls one by one, and all
 its group calls in one NumPy pass whatever their expert lists (decode's routers send a new
 list of 8 nearly every call): each call's rows per expert add up per (gate, up, down) triple
 in a table of pending totals, which are spread over the triples' handles when the counts are
@@ -52,10 +53,12 @@ JOURNAL = 1024
 _DEVICE, _EXPERTS, _VALUES = (operator.itemgetter(i) for i in range(3))
 
 
-def _take(journal: collections.deque) -> list:
-    """The entries of ``journal``, taken from it (call with the lock: only appends race)."""
+def _take(journal: collections.deque, most: int | None = None) -> list:
+    """The entries of ``journal`` (the oldest ``most`` of them), taken from it (call with the
+    lock: only appends race)."""
     pop = journal.popleft
-    return [pop() for _ in range(len(journal))]
+    n = len(journal) if most is None else min(len(journal), most)
+    return [pop() for _ in range(n)]
 
 
 class UsageCounts:
@@ -135,18 +138,26 @@ class UsageCounts:
             self._fold()
             return self._untracked
 
-    def _drain(self) -> None:
-        """Count the journals' calls (call with the lock): tensor calls one by one, the
-        group calls into the pending totals (``_add_groups``)."""
-        tensors = self._tensors
-        for _ in range(len(tensors)):
-            device, rows, handles = tensors.popleft()
+    def fold(self, most: int) -> int:
+        """Count the oldest ``most`` calls of each journal (the rest stay for later); how
+        many were counted (``server/upkeep.py`` folds the journals in such pieces between
+        calls, so a recording call seldom finds one full)."""
+        with self._lock:
+            return self._drain(most)
+
+    def _drain(self, most: int | None = None) -> int:
+        """Count the journals' calls (the oldest ``most`` of each), call with the lock:
+        tensor calls one by one, the group calls into the pending totals (``_add_groups``);
+        how many were counted."""
+        tensors = _take(self._tensors, most)
+        for device, rows, handles in tensors:
             for h in handles:
                 if h:
                     self._add(h, device, rows)
-        routed, grouped = _take(self._routed), _take(self._grouped)
+        routed, grouped = _take(self._routed, most), _take(self._grouped, most)
         if routed or grouped:
             self._add_groups(routed, grouped)
+        return len(tensors) + len(routed) + len(grouped)
 
     def _add_groups(self, routed: list[tuple], grouped: list[tuple]) -> None:
         """Add group calls, routed ones first, to their triples' pending totals (call with

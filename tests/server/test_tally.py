@@ -89,7 +89,8 @@ def test_updates_from_many_threads_are_all_counted():
 
 def test_a_journal_gives_what_the_updates_one_by_one_give():
     """Entries applied later (``Journal``, ``observe_many``) read as the same updates made
-    one by one: counts, buckets and the float sum, bit for bit, at any scrape."""
+    one by one: counts, buckets and the float sum, bit for bit, at any scrape, folded in
+    pieces ahead of it or not."""
     from coliworker.server.tally import JOURNAL
 
     rng = np.random.default_rng()
@@ -114,6 +115,8 @@ def test_a_journal_gives_what_the_updates_one_by_one_give():
         ref_h.labels(device, "socket").observe(v)
         if rng.random() < 0.002 or i == JOURNAL + 5:  # a scrape now and then: all so far
             assert generate_latest(reg) == generate_latest(ref)
+        if rng.random() < 0.01:  # a piece folded ahead (the upkeep's), oldest first
+            _tally(reg).fold(int(rng.integers(1, 40)))
     assert generate_latest(reg) == generate_latest(ref)
 
 
