@@ -269,9 +269,7 @@ def main() -> None:
     ]
     for name in names:
         lines.append(f"| {name} | " + " | ".join(f"{r[name]:.1f}" for r in result.values()) + " |")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {stem}.json and .md")
+    harness.write_md(stem, lines)
 
 
 if __name__ == "__main__":

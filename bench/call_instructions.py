@@ -129,10 +129,7 @@ def main() -> None:
         for s in steps:
             b, n = ir[("baseline", k, s)], ir[("this tree", k, s)]
             lines.append(f"| {k} | {s} | {b / 1e3:.1f} | {n / 1e3:.1f} | {n / b:.3f} |")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {stem}.json and .md")
+    harness.write_md(stem, lines, show=True)
 
 
 if __name__ == "__main__":

@@ -137,10 +137,7 @@ def main() -> None:
     ]
     for name, cell in rows:
         lines.append(f"| {name} | " + " | ".join(cell(r) for r in result.values()) + " |")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {stem}.json and .md")
+    harness.write_md(stem, lines, show=True)
 
 
 if __name__ == "__main__":

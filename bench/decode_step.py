@@ -395,9 +395,7 @@ def write(result: dict, args: argparse.Namespace) -> None:
             f"| {r['attention_backend_us']:.1f} | {r['routed_backend_us']:.1f} "
             f"| {r['routed_kernel_us']:.1f} | {r['routed_backend_minus_kernel_us']:.1f} |"
         )
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {stem}.json and .md")
+    harness.write_md(stem, lines)
 
 
 def main() -> None:

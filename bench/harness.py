@@ -258,6 +258,16 @@ def write_json(out: str, name: str, doc: dict) -> str:
     return stem
 
 
+def write_md(stem: str, lines: list[str], show: bool = False) -> None:
+    """``lines`` as ``<stem>.md`` (beside ``write_json``'s file), printed too with ``show``,
+    then where both went."""
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    if show:
+        print("\n".join(lines))
+    print(f"wrote {stem}.json and .md")
+
+
 def commit() -> str:
     """The commit a result comes from: COLIWORKER_COMMIT first (a run from an exported tree:
     the GPU machine's copy may carry an unrelated .git names the commit it was exported

@@ -512,9 +512,7 @@ def write(result: dict, args: argparse.Namespace) -> None:
     lines += ["", "Throughput:", ""]
     for r in result["throughput"]:
         lines.append("- " + ", ".join(f"{k} {_num(v)}" for k, v in r.items()))
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {stem}.json and .md")
+    harness.write_md(stem, lines)
 
 
 def _num(v) -> str:

@@ -234,9 +234,7 @@ def write(result: dict, args: argparse.Namespace) -> None:
         ("echo_after_sleep_us_p50", "raw echo that first sleeps the backend p50 (minus it)"),
     ):
         lines.append(f"| {label} | " + " | ".join(f"{r[key]:.1f}" for r in result.values()) + " |")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {stem}.json and .md")
+    harness.write_md(stem, lines)
 
 
 def main() -> None:
