@@ -13,6 +13,9 @@ For a routed expert group of 8 experts x 1 row (D=6144) and a ragged attention c
     client decode    the reply parsed and the result decoded
 
 and the dispatch again with the per-tensor usage counting switched off, to show its share.
+With ``--parts`` the routed dispatch is also timed piece by piece (``parts``): each step the
+handler takes, called alone with the same request, so their sum beside the whole says what
+the glue between them costs.
 Compare the sum with a raw socket echo (bench/harness.py) to see what the transport leaves.
 
 With ``--pool N`` (or ``CALL_COST_POOL=N`` in the environment, which is how
@@ -136,6 +139,7 @@ def build(pool: int | None = None) -> tuple[Any, Any, dict[str, dict[str, Any]]]
             assert o.ok, o.message
             return o, sink
 
+        dispatch.request, dispatch.data = req, data  # (for parts)
         o, sink = dispatch()
 
         def reply(call=call, o=o, sink=sink):
@@ -169,9 +173,11 @@ def build(pool: int | None = None) -> tuple[Any, Any, dict[str, dict[str, Any]]]
     return srv, w, steps
 
 
-def run(n: int, profile: bool = False, pool: int | None = None) -> dict:
+def run(n: int, profile: bool = False, pool: int | None = None, pieces: dict | None = None) -> dict:
     """Each step of each kind timed (``_time``, in that order), then the dispatch again with
-    the usage counting off; with ``profile`` the dispatch under cProfile."""
+    the usage counting off; with ``profile`` the dispatch under cProfile; ``pieces`` (a dict)
+    is filled with ``parts``'s figures (after the steps: bench/call_instructions.py counts
+    the steps by the order of their ``_time`` calls)."""
     srv, w, steps = build(pool)
     result = {}
     for kind, fns in steps.items():
@@ -187,9 +193,70 @@ def run(n: int, profile: bool = False, pool: int | None = None) -> dict:
             _profile(kind, dispatch, n)
         result[kind] = row
         print(kind, json.dumps(row, indent=1), flush=True)
+    if pieces is not None:
+        pieces.update(parts(srv, steps, n))
     w.close()
     srv.stop(0)
     return result
+
+
+def parts(srv: Any, steps: dict, n: int) -> dict[str, float]:
+    """The routed dispatch's pieces, us per call: each of the steps ``Dispatch.run`` and the
+    handler (``Compute.expert_group_routed``) take, called alone with the request of the
+    ``worker dispatch`` step (its list cached, as a repeated call finds it)."""
+    import grpc
+
+    from coliworker.server import validate
+    from coliworker.server.backend import Result
+    from coliworker.server.compute import _bounds
+    from coliworker.wire import staging
+    from coliworker.wire.codec import ArrayIO
+
+    s = srv.servicer
+    whole = steps["expert_group_routed"]["worker dispatch"]
+    req, data = whole.request, whole.data
+    op = "expert_group_routed"
+
+    def io() -> ArrayIO:
+        return ArrayIO(staging.source(data, None, op), [])
+
+    kept = io()
+    triples, device, _ = s._experts(req, op, "", kept)
+    routes = kept.decode(req.routes, f"{op}.routes", ndim=2, float_only=False)
+    result = Result(np.zeros((1, harness.D), np.float32))
+    pieces = {
+        "ArrayIO and its source": _time(io, n),
+        "_experts (list cached)": _time(lambda: s._experts(req, op, "", kept), n),
+        "x decoded and checked": _time(lambda: validate.array(req.x, f"{op}.x", 2, kept), n),
+        "routes decoded": _time(
+            lambda: kept.decode(req.routes, f"{op}.routes", ndim=2, float_only=False), n
+        ),
+        "weights decoded and checked": _time(
+            lambda: validate.array(req.weights, f"{op}.weights", 2, kept), n
+        ),
+        "routes' bounds": _time(lambda: _bounds(routes), n),
+        "backend call (stub), timed": _time(
+            lambda: s._timed(s.backend.expert_group_routed, triples, None, routes, None), n
+        ),
+        "usage counts": _time(lambda: s.tensor_counts.routed(device, triples.ids, routes), n),
+        "response and group records": _time(
+            lambda: s._group_response(result, device, len(triples), 1, 1, io()), n
+        ),
+        "session request metric": _time(
+            lambda: s.dispatch.hooks.record_session_request(
+                op, grpc.StatusCode.OK, 1e-5, "socket"
+            ),  # fmt: skip
+            n,
+        ),
+    }
+    return {
+        "worker dispatch (the whole step)": _time(whole, n),
+        "the handler alone (no Dispatch.run)": _time(
+            lambda: s.expert_group_routed(req, "", io()), n
+        ),
+        **pieces,
+        "the pieces' sum": sum(pieces.values()),
+    }
 
 
 def _subsets(req, pool: list, count: int, rng) -> list:
@@ -250,10 +317,16 @@ def main() -> None:
         help="experts uploaded; each routed dispatch names a different 8 of them "
         "(default: $CALL_COST_POOL, else one list of 8 on every call)",
     )
+    p.add_argument(
+        "--parts", action="store_true", help="also time the routed dispatch piece by piece"
+    )
     args = p.parse_args()
-    result = run(args.calls, args.profile, args.pool)
+    pieces: dict | None = {} if args.parts else None
+    result = run(args.calls, args.profile, args.pool, pieces)
     date, doc = harness.run_record("bench/call_cost.py")
     doc["us_per_call"] = result
+    if pieces:
+        doc["routed_dispatch_parts_us"] = pieces
     mc = doc["machine"]
     stem = harness.write_json(args.out, f"call-cost-{date:%Y-%m-%d}-{mc['host']}", doc)
     names = list(next(iter(result.values())))
@@ -269,6 +342,9 @@ def main() -> None:
     ]
     for name in names:
         lines.append(f"| {name} | " + " | ".join(f"{r[name]:.1f}" for r in result.values()) + " |")
+    if pieces:
+        lines += ["", "| routed dispatch, piece by piece | us per call |", "|---|---|"]
+        lines += [f"| {name} | {us:.2f} |" for name, us in pieces.items()]
     harness.write_md(stem, lines)
 
 
