@@ -96,11 +96,17 @@ MOE_TC_FAST = os.environ.get("COLIWORKER_MOE_TC_FAST", "1") != "0"
 # every warp its own queue client and cp.async ring (16 hidden rows of gate and up, or 32 of
 # down, per item; no block barriers). Not moe_tc's bits (one accumulator over K instead of four
 # k slices), within the same error of float64. ``WQ_SD`` = (S, D): 64-byte steps per stage
-# (fmt 4: at most gs / 16), stages per ring. COLIWORKER_MOE_WQ=1 switches it on;
-# COLIWORKER_WQ_SD="S,D" picks the form.
-MOE_WQ = os.environ.get("COLIWORKER_MOE_WQ", "0") == "1"
+# (fmt 4: at most gs / 16), stages per ring. ``MOE_WQ`` (COLIWORKER_MOE_WQ): "auto" (the
+# default) takes it only where it measured faster than moe_tc_f, grouped scales (fmt 4) at one
+# row per expert, in the form ``WQ_AUTO_SD`` (GLM-5.2's 8x1 gs=64 group on an H100: 99.1
+# against 129.8 us; at fmt 2 it is 0.85-0.88x, at 4 rows 0.33-0.67x:
+# bench/results/moe-wq-2026-12-07-h100.md); True ("1") wherever it serves, in the form
+# COLIWORKER_WQ_SD="S,D"; False ("0") never.
+_WQ_ENV = os.environ.get("COLIWORKER_MOE_WQ", "auto")
+MOE_WQ: bool | str = "auto" if _WQ_ENV == "auto" else _WQ_ENV == "1"
 WQ_FORMS = ((2, 4), (2, 6), (4, 3), (4, 4))
 WQ_SD = tuple(int(v) for v in os.environ.get("COLIWORKER_WQ_SD", "2,4").split(","))
+WQ_AUTO_SD = (4, 3)
 
 
 def settings() -> tuple:
@@ -389,9 +395,10 @@ def _moe_tc(
     when ``MOE_TC_FAST`` (for fmt 4 where the tile's staged scales leave room for 2 blocks per
     SM), else moe_tc. The grid is every resident block (the kernel's real registers and
     shared memory: 3 per SM for moe_tc_f<F, 1> at GLM-5.2 widths), at most one per tile.
-    ``MOE_WQ`` takes moe_wq where it serves (``wq_eligible``)."""
-    if MOE_WQ and wq_eligible(gu, dn, max_rows):
-        return _moe_wq(gu, dn, n_jobs, max_rows, max_ie, max_dout, n_sm)
+    ``MOE_WQ`` takes moe_wq where ``wq_choice`` names a form."""
+    sd = wq_choice(gu, dn, max_rows)
+    if sd is not None:
+        return _moe_wq(gu, dn, n_jobs, max_rows, max_ie, max_dout, n_sm, sd)
     sb, kt_a, smem_a = _tc_geometry(max_rows, gu.layout.in_padded)
     _, kt_b, smem_b = _tc_geometry(max_rows, dn.layout.in_padded)
     kt, smem = (kt_a, smem_a) if kt_a >= kt_b else (kt_b, smem_b)
@@ -435,11 +442,23 @@ def wq_eligible(gu: WeightSpec, dn: WeightSpec, max_rows: int) -> bool:
     return 1 <= max_rows <= 4 and fmt_ok and gu.in_features % 4 == 0 and dn.in_features % 4 == 0
 
 
-def wq_form(fmt: int, gs: int, r: int) -> tuple[int, int]:
-    """moe_wq's (S, D) for a format and R: ``WQ_SD``, S at most gs / 16 for fmt 4, and 2 for
-    fmt 4 at R = 4 (at S = 4 its 8 weight chunks per step and two n-tiles spill: ptxas, nvcc
-    13.0, sm_90, 128 bytes)."""
-    s, d = WQ_SD
+def wq_choice(gu: WeightSpec, dn: WeightSpec, max_rows: int) -> tuple[int, ...] | None:
+    """The (S, D) that ``MOE_WQ`` asks of moe_wq for this group before ``wq_form``'s limits
+    (``WQ_AUTO_SD`` under "auto", else ``WQ_SD``), or None where the group runs moe_tc_f or
+    moe_tc: ``MOE_WQ`` off, a group moe_wq does not serve (``wq_eligible``), or under "auto"
+    one that is not fmt 4 at one row per expert."""
+    if not MOE_WQ or not wq_eligible(gu, dn, max_rows):
+        return None
+    if MOE_WQ == "auto":
+        return WQ_AUTO_SD if gu.fmt == 4 and max_rows == 1 else None
+    return WQ_SD
+
+
+def wq_form(fmt: int, gs: int, r: int, sd: tuple[int, ...] | None = None) -> tuple[int, int]:
+    """moe_wq's (S, D) for a format and R from ``sd`` (default ``WQ_SD``): S at most gs / 16
+    for fmt 4, and 2 for fmt 4 at R = 4 (at S = 4 its 8 weight chunks per step and two n-tiles
+    spill: ptxas, nvcc 13.0, sm_90, 128 bytes)."""
+    s, d = sd or WQ_SD
     if fmt == 4:
         s = min(s, gs // 16, 2 if r == 4 else 4)
     return s, d
@@ -454,13 +473,13 @@ def wq_smem(fmt: int, r: int, s: int, d: int) -> int:
 
 def _moe_wq(
     gu: WeightSpec, dn: WeightSpec, n_jobs: int, max_rows: int, max_ie: int, max_dout: int,
-    n_sm: int,
+    n_sm: int, sd: tuple[int, ...] | None = None,
 ) -> Launch | None:  # fmt: skip
     """moe_launch's launch on moe_wq<F, R, S, D> (one warp per block, every resident one, at
-    most one per item; R = 1 at one row, else 4): ceil(ie / 16) gate+up items and ceil(dout /
-    32) down items per job."""
+    most one per item; R = 1 at one row, else 4; S and D from ``sd``, ``wq_form``):
+    ceil(ie / 16) gate+up items and ceil(dout / 32) down items per job."""
     r = 1 if max_rows == 1 else 4
-    s, d = wq_form(gu.fmt, gu.group_size, r)
+    s, d = wq_form(gu.fmt, gu.group_size, r, sd)
     smem = wq_smem(gu.fmt, r, s, d)
     name = f"moe_wq<{gu.fmt}, {r}, {s}, {d}>"
     fn = get_function("moe_wq.cu", name, WQ_VARIANTS, smem)

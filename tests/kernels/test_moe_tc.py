@@ -226,15 +226,17 @@ def graphs(monkeypatch):
 
 
 @pytest.mark.parametrize("fmt,gs,r", [(2, 0, 1), (4, 128, 1), (2, 0, 4)])
-def test_backend_fast_and_old_with_graphs(cupy_backend, rng, graphs, fmt, gs, r):
+def test_backend_fast_and_old_with_graphs(cupy_backend, rng, graphs, monkeypatch, fmt, gs, r):
     # Through CupyBackend.expert_group: graphs on (direct, captured, replayed) with the fast
     # path equals graphs off with the old path, bit for bit; both near float64. The old path
     # runs in a second backend: a backend keeps a group's launches in its arena's plans
     # (kernels/expert_group.py, keyed without MOE_TC_FAST), so the switch must be set before
-    # its first call of a shape.
+    # its first call of a shape. moe_wq off: where "auto" takes it (fmt 4, one row) both
+    # backends would run it.
     from coliworker.kernels import matmul
     from coliworker.server.backend_cupy import CupyBackend
 
+    monkeypatch.setattr(matmul, "MOE_WQ", False)
     b = cupy_backend
     d, ie, n = 1024 + 64, 512, 8
     host = [

@@ -216,6 +216,35 @@ def test_where_moe_wq_serves(host_module, fmt, gs, d, ie, rows, served):
     assert mm.wq_eligible(gu, dn, rows) == served
 
 
+@pytest.mark.parametrize(
+    "setting,fmt,gs,rows,expect",
+    [
+        ("auto", 4, 64, 1, "auto"),  # grouped scales at one row: where it measured faster
+        ("auto", 4, 32, 1, "auto"),  # (wq_form then keeps S <= gs / 16)
+        ("auto", 4, 64, 2, None),  # more rows: moe_tc_f
+        ("auto", 2, 0, 1, None),  # plain int4: moe_tc_f
+        ("auto", 4, 48, 1, None),  # not served at all
+        (True, 2, 0, 4, "sd"),
+        (True, 4, 64, 1, "sd"),
+        (True, 2, 0, 5, None),
+        (False, 4, 64, 1, None),
+    ],
+)
+def test_moe_wq_choice(host_module, monkeypatch, setting, fmt, gs, rows, expect):
+    # MOE_WQ "auto" (the default) asks for WQ_AUTO_SD on fmt 4 groups of one row per expert
+    # only; on, WQ_SD wherever moe_wq serves; off, never. moe_launch takes moe_wq exactly where
+    # wq_choice names a form.
+    mm = host_module("matmul")
+    monkeypatch.setattr(mm, "MOE_WQ", setting)
+    monkeypatch.setattr(mm, "WQ_SD", (2, 6))
+    gu, dn = mm.WeightSpec.of(fmt, 6144, gs), mm.WeightSpec.of(fmt, 2048, gs)
+    want = {"auto": mm.WQ_AUTO_SD, "sd": (2, 6), None: None}[expect]
+    assert mm.wq_choice(gu, dn, rows) == want
+    if want is not None:
+        s, d = mm.wq_form(fmt, gs, 1 if rows == 1 else 4, want)
+        assert f"moe_wq<{fmt}, {1 if rows == 1 else 4}, {s}, {d}>" in mm.WQ_VARIANTS
+
+
 @pytest.mark.parametrize("sd", [(2, 4), (2, 6), (4, 3), (4, 4)])
 @pytest.mark.parametrize("fmt,gs,r", [(2, 0, 1), (2, 0, 4), (4, 32, 1), (4, 64, 1), (4, 64, 4)])
 def test_moe_wq_forms(host_module, monkeypatch, sd, fmt, gs, r):
