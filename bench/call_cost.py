@@ -243,9 +243,7 @@ def parts(srv: Any, steps: dict, n: int) -> dict[str, float]:
             lambda: s._group_response(result, device, len(triples), 1, 1, io()), n
         ),
         "session request metric": _time(
-            lambda: s.dispatch.hooks.record_session_request(
-                op, grpc.StatusCode.OK, 1e-5, "socket"
-            ),  # fmt: skip
+            lambda: s.dispatch.hooks.record_session_request(op, grpc.StatusCode.OK, 1e-5, "socket"),
             n,
         ),
     }

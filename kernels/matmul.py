@@ -454,11 +454,11 @@ def wq_choice(gu: WeightSpec, dn: WeightSpec, max_rows: int) -> tuple[int, ...] 
     return WQ_SD
 
 
-def wq_form(fmt: int, gs: int, r: int, sd: tuple[int, ...] | None = None) -> tuple[int, int]:
-    """moe_wq's (S, D) for a format and R from ``sd`` (default ``WQ_SD``): S at most gs / 16
-    for fmt 4, and 2 for fmt 4 at R = 4 (at S = 4 its 8 weight chunks per step and two n-tiles
-    spill: ptxas, nvcc 13.0, sm_90, 128 bytes)."""
-    s, d = sd or WQ_SD
+def wq_form(fmt: int, gs: int, r: int, sd: tuple[int, ...]) -> tuple[int, int]:
+    """moe_wq's (S, D) for a format and R from the asked ``sd`` (``wq_choice``): S at most
+    gs / 16 for fmt 4, and 2 for fmt 4 at R = 4 (at S = 4 its 8 weight chunks per step and two
+    n-tiles spill: ptxas, nvcc 13.0, sm_90, 128 bytes)."""
+    s, d = sd
     if fmt == 4:
         s = min(s, gs // 16, 2 if r == 4 else 4)
     return s, d
@@ -473,7 +473,7 @@ def wq_smem(fmt: int, r: int, s: int, d: int) -> int:
 
 def _moe_wq(
     gu: WeightSpec, dn: WeightSpec, n_jobs: int, max_rows: int, max_ie: int, max_dout: int,
-    n_sm: int, sd: tuple[int, ...] | None = None,
+    n_sm: int, sd: tuple[int, ...],
 ) -> Launch | None:  # fmt: skip
     """moe_launch's launch on moe_wq<F, R, S, D> (one warp per block, every resident one, at
     most one per item; R = 1 at one row, else 4; S and D from ``sd``, ``wq_form``):

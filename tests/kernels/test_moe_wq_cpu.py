@@ -247,13 +247,12 @@ def test_moe_wq_choice(host_module, monkeypatch, setting, fmt, gs, rows, expect)
 
 @pytest.mark.parametrize("sd", [(2, 4), (2, 6), (4, 3), (4, 4)])
 @pytest.mark.parametrize("fmt,gs,r", [(2, 0, 1), (2, 0, 4), (4, 32, 1), (4, 64, 1), (4, 64, 4)])
-def test_moe_wq_forms(host_module, monkeypatch, sd, fmt, gs, r):
+def test_moe_wq_forms(host_module, sd, fmt, gs, r):
     # Every form a launch can ask for is compiled (WQ_VARIANTS), fmt 4's stages lie inside one
     # group (16 S <= gs) and R = 4 at fmt 4 keeps S = 2; one block fits an SM's shared memory
     # (the kernel's own size: test_moe_wq_on_cpu).
     mm = host_module("matmul")
-    monkeypatch.setattr(mm, "WQ_SD", sd)
-    s, d = mm.wq_form(fmt, gs, r)
+    s, d = mm.wq_form(fmt, gs, r, sd)
     assert f"moe_wq<{fmt}, {r}, {s}, {d}>" in mm.WQ_VARIANTS
     assert d == sd[1] and s <= sd[0]
     if fmt == 4:
