@@ -128,13 +128,12 @@ def test_top_metrics_have_rank_labels_only() -> None:
     assert 'coliworker_tensor_top_rows{device="1",rank="1"} 29.0' in text
 
 
-def test_counts_recorded_on_many_threads_while_read_lose_nothing() -> None:
+def test_counts_recorded_on_many_threads_while_read_lose_nothing(rng) -> None:
     """Recording appends to a journal without a lock; reads and full journals fold it."""
     import threading
 
     from coliworker.server import usage as usage_mod
 
-    rng = np.random.default_rng()
     c = UsageCounts()
     triples = ((1, 2, 3), (4, 5, 6), (7, 8, 9))
     routes = [rng.integers(0, 3, size=(int(rng.integers(1, 4)), 2)).astype(np.int32)
@@ -174,7 +173,9 @@ def test_counts_recorded_on_many_threads_while_read_lose_nothing() -> None:
         for h in triple:
             assert got[h] == (want_calls[e], want_rows[e]), (h, e)
     assert got[10] == (3 * (n_calls // 4), 3 * (n_calls // 4) * 2)
-    assert c.untracked == 0 and len(c) == 10
+    # every handle recorded is counted: handle 10 and each routed expert's three (random
+    # routes may leave an expert out of all four sets: it is then never recorded)
+    assert c.untracked == 0 and len(c) == 1 + 3 * sum(calls > 0 for calls in want_calls)
 
 
 def test_group_counts_match_a_call_by_call_count() -> None:
