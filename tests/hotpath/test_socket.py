@@ -367,6 +367,11 @@ def test_large_frames_are_admitted_against_the_owner(rng):
             with pytest.raises(ResourceExhausted, match="max-staged-bytes-per-owner"):
                 s.matmul_sync(t, big)
             np.testing.assert_array_equal(s.matmul_sync(t, small), w.matmul(t, small))
+            # the worker gives the frame's bytes back after its reply is on the wire, so the
+            # caller can see the reply a moment before the count drops
+            deadline = time.monotonic() + 10
+            while srv.servicer.owners.held("")[2] and time.monotonic() < deadline:
+                time.sleep(0.01)
             assert srv.servicer.owners.held("")[2] == 0
     finally:
         srv.stop(0)
