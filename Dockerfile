@@ -75,8 +75,9 @@ ENV PATH=/opt/coliworker/bin:$PATH \
     COLIWORKER_METRICS_PORT=9400 \
     COLIWORKER_BACKEND=auto
 COPY --from=builder /wheels/ /wheels/
-# The compiled decode calls (server/kept.c) are built here, with a compiler and the Python
-# headers that leave the image again (docs/performance.md, COLIWORKER_KEPT_C).
+# The compiled decode calls (server/kept.c, server/fastpath.c) are built here, with a compiler
+# and the Python headers that leave the image again (docs/performance.md, COLIWORKER_KEPT_C,
+# COLIWORKER_FASTPATH).
 # hadolint ignore=DL3008,DL3013
 RUN wheel=$(echo /wheels/coliworker-*.whl) \
     && pip install --no-cache-dir "coliworker[gpu] @ file://${wheel}" \
@@ -84,6 +85,7 @@ RUN wheel=$(echo /wheels/coliworker-*.whl) \
     && apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev python3-dev \
     && python -m coliworker.server.kept \
+    && python -m coliworker.server.fastpath \
     && apt-get purge -y --auto-remove gcc libc6-dev python3-dev \
     && rm -rf /var/lib/apt/lists/*
 USER 10001

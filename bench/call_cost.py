@@ -11,6 +11,9 @@ For a routed expert group of 8 experts x 1 row (D=6144) and a ragged attention c
     worker dispatch  ``Dispatch.run``: validation, store, metrics, usage counts, encoding
     worker reply     the REPLY frame (arrays placed, body serialized)
     client decode    the reply parsed and the result decoded
+    worker frame     the socket data plane's own code for the frame, its socket a stub: the
+                     compiled path (server/fastpath.py) where it takes the call
+    worker frame (Python)  the same with the compiled path off: parse, dispatch and reply
 
 and the dispatch again with the per-tensor usage counting switched off, to show its share.
 With ``--parts`` the routed dispatch is also timed piece by piece (``parts``): each step the
@@ -163,14 +166,60 @@ def build(pool: int | None = None) -> tuple[Any, Any, dict[str, dict[str, Any]]]
             staging.check(resp, rdata, None, "result")
             return decode(resp, Fut(), staging.source(rdata, None, "result"))
 
+        conn = _connection(srv, head, body, data, reqs)
+
+        def frame(conn=conn):
+            conn.fast = srv.servicer.fastcalls
+            conn._frame(conn.io.head, 1 << 30)
+
+        def frame_python(conn=conn):
+            conn.fast = None
+            conn._frame(conn.io.head, 1 << 30)
+
+        for fn in (frame, frame_python):
+            fn()
+            conn.io.answered()
         steps[kind] = {
             "client build": client_build,
             "worker parse": parse,
             "worker dispatch": dispatch,
             "worker reply": reply,
             "client decode": client_decode,
+            "worker frame": frame,
+            "worker frame (Python)": frame_python,
         }
     return srv, w, steps
+
+
+def _connection(srv: Any, head: Any, body: bytes, data: Any, reqs: list) -> Any:
+    """A socket data-plane connection of ``srv`` whose socket is a stub: each
+    ``_frame(head, limit)`` reads the next of ``reqs``' bodies (with ``data``) and keeps the
+    reply's buffers, so the step runs the data plane's own code for a frame: the compiled
+    path where it takes the call, else parse, dispatch and reply."""
+    from coliworker.server.dataplane import _Connection
+    from coliworker.wire import frames
+
+    class Stub:
+        def __init__(self) -> None:
+            self.head = head
+            self.bodies = itertools.cycle([memoryview(r.SerializeToString()) for r in reqs])
+            self.sent: list = []
+
+        def recv_rest(self, head: Any, scratch: Any) -> tuple[Any, Any]:
+            return next(self.bodies), data
+
+        def send(self, buffers: list) -> None:
+            self.sent = buffers
+
+        def answered(self) -> None:
+            """Raise with the worker's message where the last reply was an error."""
+            if frames.parse(bytes(self.sent[0])).status:
+                raise AssertionError(bytes(self.sent[1]).decode())
+
+    conn = _Connection.__new__(_Connection)
+    conn.plane, conn.servicer, conn.dispatch = None, srv.servicer, srv.servicer.dispatch
+    conn.owner, conn._big, conn.io = "", None, Stub()
+    return conn
 
 
 def run(n: int, profile: bool = False, pool: int | None = None, pieces: dict | None = None) -> dict:
@@ -188,7 +237,7 @@ def run(n: int, profile: bool = False, pool: int | None = None, pieces: dict | N
         counts.tensor = counts.experts = counts.routed = lambda *a, **k: None
         row["worker dispatch, usage counting off"] = _time(dispatch, n)
         counts.tensor, counts.experts, counts.routed = saved
-        row["sum"] = sum(v for k, v in row.items() if "off" not in k)
+        row["sum"] = sum(v for k, v in row.items() if "off" not in k and "frame" not in k)
         if profile:
             _profile(kind, dispatch, n)
         result[kind] = row
@@ -240,7 +289,11 @@ def parts(srv: Any, steps: dict, n: int) -> dict[str, float]:
         ),
         "usage counts": _time(lambda: s.tensor_counts.routed(device, triples.ids, routes), n),
         "response and group records": _time(
-            lambda: s._group_response(result, device, len(triples), 1, 1, io()), n
+            lambda: (
+                s._group_done(result, device, len(triples), 1),
+                s._group_response(result, 1, io()),
+            ),
+            n,
         ),
         "session request metric": _time(
             lambda: s.dispatch.hooks.record_session_request(op, grpc.StatusCode.OK, 1e-5, "socket"),

@@ -321,12 +321,15 @@ class ComputeOps:
         validate.columns(x, dim, f"{op}.x", "experts' in_features")
         return triples, rows, x, device
 
-    def _group_response(
-        self, r: Result, device: int, experts: int, rows: int, out_dtype: int, io: ArrayIO
-    ) -> pb.ExpertGroupResponse:
+    def _group_done(self, r: Result, device: int, experts: int, rows: int) -> None:
+        """An expert group call's statistics recorded (the store's and the metrics')."""
         p = r.phases
         self.store.record_group(device, experts, rows, p)
         self.hooks.record_group(device, experts, rows, p)
+
+    @staticmethod
+    def _group_response(r: Result, out_dtype: int, io: ArrayIO) -> pb.ExpertGroupResponse:
+        p = r.phases
         resp = pb.ExpertGroupResponse()  # field by field: no message argument to copy
         io.encode_into(resp.y, r.out, output_dtype(out_dtype))
         resp.backend_ns = r.backend_ns
@@ -343,9 +346,8 @@ class ComputeOps:
         self._begin_compute("expert_group")
         r = self._timed(self.backend.expert_group, triples, rows, x)
         self.tensor_counts.experts(device, triples.ids, rows)
-        return self._group_response(
-            r, device, len(triples), sum(rows), request.output_dtype or request.x.dtype, io
-        )
+        self._group_done(r, device, len(triples), sum(rows))
+        return self._group_response(r, request.output_dtype or request.x.dtype, io)
 
     @held
     def expert_group_routed(
@@ -385,12 +387,27 @@ class ComputeOps:
                 f"{op}.routes[{t}, {j}]: expected 0..{n - 1} "
                 f"(an index into experts), got {int(routes[t, j])}"
             )
-        self._begin_compute(op)
+        r = self._routed_run(triples, device, x, routes, weights)
+        return self._group_response(r, request.output_dtype or request.x.dtype, io)
+
+    def _routed_run(
+        self, triples: Experts, device: int, x: np.ndarray, routes: np.ndarray, weights: Any
+    ) -> Result:
+        """A checked routed call run: the backend's call, its usage counts and records."""
+        self._begin_compute("expert_group_routed")
         r = self._timed(self.backend.expert_group_routed, triples, x, routes, weights)
         self.tensor_counts.routed(device, triples.ids, routes)
-        return self._group_response(
-            r, device, n, int(routes.size), request.output_dtype or request.x.dtype, io
-        )
+        self._group_done(r, device, len(triples), int(routes.size))
+        return r
+
+    def expert_group_routed_checked(
+        self, request: tuple, owner: str, io: ArrayIO = INLINE
+    ) -> Result:
+        """``expert_group_routed`` of a call ``server/fastpath.c`` read and checked:
+        ``request`` is its (triples, device, x, routes, weights); the backend's Result.
+        The caller holds the store (``FastCalls.run``) from before the lookups."""
+        triples, device, x, routes, weights = request
+        return self._routed_run(triples, device, x, routes, weights)
 
     @held
     def attention(
@@ -522,8 +539,35 @@ class ComputeOps:
             cache[key] = (gen, kv_b, proj_h, proj)
         elif proj_h is not None and proj_h.data.spec.in_features != heads * v_dim:
             validate.o_proj(proj_h, heads, v_dim, op)  # (the device was checked with it)
+        r, lengths = self._ragged_run(
+            kv_b, proj, q, rows, new_rows, k, q_dim, rope_dim, v_dim, scale, o_proj
+        )
+        # the fields set one by one, the result encoded in place (codec.encode_into): the
+        # same message as keyword arguments give, in about half the instructions
+        resp = pb.AttentionRaggedResponse()
+        resp.backend_ns = r.wall_ns or r.backend_ns  # r.backend_ns without its property call
+        resp.lengths.extend(lengths)
+        io.encode_into(resp.out, r.out, output_dtype(request.output_dtype, q_msg.dtype))
+        return resp
+
+    def _ragged_run(
+        self,
+        kv_b: Handle,
+        proj: Any,
+        q: np.ndarray,
+        rows: list[RowsIn],
+        new_rows: list[tuple[np.ndarray, np.ndarray]],
+        k: int,
+        q_dim: int,
+        rope_dim: int,
+        v_dim: int,
+        scale: float,
+        o_proj: int,
+    ) -> tuple[Result, list[int]]:
+        """A checked ragged call run: its sequences' caches grown or rolled back, the
+        backend's call, its usage counts; (the Result, each cache's length after it)."""
         if self.config.fail_after is not None:  # (the call only where it can inject a fault)
-            self._begin_compute(op)
+            self._begin_compute("attention_ragged")
         seqs = self.sequences
         with seqs.ordered(kv_b):  # calls on one (owner, kv_b) in turn
             t0 = time.perf_counter_ns()  # the KV growth is backend work too
@@ -539,15 +583,21 @@ class ComputeOps:
                 scale,
                 rows=new_rows,
             )
-            r.wall_ns = wall_ns = time.perf_counter_ns() - t0
+            r.wall_ns = time.perf_counter_ns() - t0
             lengths = []  # (a loop: a comprehension is one function call more)
             for c in caches:
                 lengths.append(c.length)
-        self.tensor_counts.tensor(kv_b.data.spec.device, q_rows, kv_b.id, o_proj)
-        # the fields set one by one, the result encoded in place (codec.encode_into): the
-        # same message as keyword arguments give, in about half the instructions
-        resp = pb.AttentionRaggedResponse()
-        resp.backend_ns = wall_ns or r.backend_ns  # r.backend_ns without its property call
-        resp.lengths.extend(lengths)
-        io.encode_into(resp.out, r.out, output_dtype(request.output_dtype, q_msg.dtype))
-        return resp
+        self.tensor_counts.tensor(kv_b.data.spec.device, q.shape[0], kv_b.id, o_proj)
+        return r, lengths
+
+    def attention_ragged_checked(
+        self, request: tuple, owner: str, io: ArrayIO = INLINE
+    ) -> tuple[Result, list[int]]:
+        """``attention_ragged`` of a call ``server/fastpath.c`` read and checked: ``request``
+        is its (kv_b, o_proj handle, o_proj resident, q, rows, new rows, K, q_dim, rope_dim,
+        v_dim, scale, o_proj id); (the Result, the caches' lengths). The caller holds the
+        store (``FastCalls.run``) from before the lookups."""
+        kv_b, _, proj, q, rows, new_rows, k, q_dim, rope_dim, v_dim, scale, o_proj = request
+        return self._ragged_run(
+            kv_b, proj, q, rows, new_rows, k, q_dim, rope_dim, v_dim, scale, o_proj
+        )

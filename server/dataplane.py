@@ -37,6 +37,7 @@ from google.protobuf.message import DecodeError
 
 from coliworker.server.config import Config
 from coliworker.server.errors import WorkerError
+from coliworker.server.fastpath import FastCalls
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.wire import calls, frames, staging
 from coliworker.wire.codec import ArrayIO
@@ -224,6 +225,7 @@ class _Connection:
         self.plane = plane
         self.servicer = plane.servicer
         self.dispatch = plane.servicer.dispatch
+        self.fast = plane.servicer.fastcalls  # the decode calls' compiled path, or None
         self.sock = sock
         self.io: frames.FrameSocket = frames.FrameSocket(
             sock, plane.config.data_spin_us, plane.config.data_stall_timeout
@@ -427,6 +429,11 @@ class _Connection:
             body: Any = self.io.recv_bytes(head.body_bytes)
         else:
             body, data = self.io.recv_rest(head, self._scratch(head))
+            if self.fast is not None and method in FastCalls.METHODS:
+                out = self.fast.run(method, body, data, self.owner, "socket")
+                if out is not None:  # read and run in C (server/fastpath.py)
+                    self._reply_fast(call, rid, out)
+                    return
         try:
             request = call.request.FromString(body)
         except DecodeError:
@@ -463,6 +470,16 @@ class _Connection:
         pieces, n = frames.place(out.response, sink) if sink else ([], 0)
         body = out.response.SerializeToString()
         self.io.send(frames.frame(frames.REPLY, call.method, rid, body, pieces, n))
+
+    def _reply_fast(self, call: calls.Call, rid: int, out: Any) -> None:
+        """``_reply`` of a call the compiled path ran: its result at the data's start."""
+        if not out.ok:
+            self.io.send(frames.error_frame(call.method, rid, out.code.value[0], out.message))
+            return
+        rep = out.response
+        y = memoryview(rep.y).cast("B")
+        self.io.send(frames.frame(frames.REPLY, call.method, rid, rep.body(False, 0),
+                                  [y] if len(y) else [], len(y)))  # fmt: skip
 
     def _upload(self, call: calls.Call, header: pb.UploadHeader, head: frames.Header, t0: float):
         """Upload / Update: the frame's data goes to the upload pipeline as it arrives."""

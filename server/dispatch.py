@@ -96,11 +96,14 @@ class Dispatch:
         io: ArrayIO = INLINE,
         data: Iterator[Any] | None = None,
         transport: str | None = None,
+        handler: Handler | None = None,
     ) -> Outcome:
         """Run one call; never raises. ``transport`` (grpc / socket / shm) counts the call
-        in the session request metrics; unary gRPC is counted by the interceptor."""
+        in the session request metrics; unary gRPC is counted by the interceptor.
+        ``handler`` runs in place of the call's own (``server/fastpath.py``: the routed
+        call's arguments already read and checked)."""
         self.last = t0 = time.perf_counter()
-        fn = self.handler(call)
+        fn = handler or self.handler(call)
         if fn is None:
             out = Outcome(
                 None, grpc.StatusCode.UNIMPLEMENTED, f"{call.kind}: not served by this worker"

@@ -28,6 +28,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from coliworker.server.fastpath import FastCalls
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.wire import bell, calls, frames, staging
 from coliworker.wire.bell import REQUEST, RESPONSE
@@ -148,6 +149,7 @@ class Doorbell:
         self._lock = threading.Lock()
         self._closed = False
         self.calls = 0
+        self.fast = stream.servicer.fastcalls  # the decode calls' compiled path, or None
         self.busy = False  # a call is running (the session's idle timeout waits for it)
         self.spin_ns = msg.worker_spin_us * 1000
         self.thread = threading.Thread(
@@ -270,6 +272,15 @@ class Doorbell:
                 seg.check(out_off, out_len, "doorbell.output")
             # One copy out of the segment: the client cannot change what was checked.
             raw = seg.read(off + bell.FRAME_AT + frames.HEADER_BYTES, n - frames.HEADER_BYTES, kind)
+            if self.fast is not None and method in FastCalls.METHODS:  # in C (fastpath.py)
+                view = memoryview(raw)
+                fast = self.fast.run(method, view[: head.body_bytes], view[head.body_bytes :],
+                                     self.stream.owner, "shm", seg.view)  # fmt: skip
+                if fast is not None:
+                    self.calls += 1
+                    if not fast.ok:
+                        return self._error(method, rid, fast.code.value[0], fast.message)
+                    return self._reply_fast(call, rid, fast.response, out_off, out_len, room)
             try:
                 request = call.request.FromString(raw[: head.body_bytes])
             except DecodeError:
@@ -324,7 +335,25 @@ class Doorbell:
             n = 0
         else:
             pieces, n = frames.place(response, sink)
-        body = response.SerializeToString()
+        return self._frame(call, rid, response.SerializeToString(), pieces, n, out_len, room)
+
+    def _reply_fast(
+        self, call: calls.Call, rid: int, rep: Any, out_off: int, out_len: int, room: int
+    ) -> bytes:
+        """``_reply`` of a call the compiled path ran (``fastpath.FastReply``): its one
+        result array in the output region or at the start of the frame's data."""
+        y = memoryview(rep.y).cast("B")
+        if len(y) <= out_len:
+            self.segment.write(out_off, y)
+            return self._frame(call, rid, rep.body(True, out_off), [], 0, out_len, room)
+        pieces = [y] if len(y) else []
+        return self._frame(call, rid, rep.body(False, 0), pieces, len(y), out_len, room)
+
+    def _frame(
+        self, call: calls.Call, rid: int, body: bytes, pieces: list, n: int, out_len: int, room: int
+    ) -> bytes:
+        """The REPLY frame of ``body`` and ``n`` bytes of data, where it fits the slot (else
+        RESOURCE_EXHAUSTED naming the output region, ``out_len`` bytes, and the slot)."""
         if frames.HEADER_BYTES + len(body) + n > room:
             return self._error(
                 call.method,

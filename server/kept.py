@@ -33,6 +33,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any, NamedTuple
 
@@ -54,15 +55,24 @@ def cache_dir() -> str:
     return os.path.join(base, "coliworker")
 
 
-def build(out_dir: str | None = None) -> str:
-    """Compile ``kept.c`` for this interpreter (where not built already); the module's path.
-    Raises ``RuntimeError`` with the compiler's output where it fails."""
-    with open(SOURCE, "rb") as f:
+def build(
+    out_dir: str | None = None,
+    source: str = SOURCE,
+    includes: tuple[str, ...] = (),
+    salt: str = "",
+) -> str:
+    """Compile ``source`` (``kept.c``; ``fastpath.c`` too) for this interpreter where not
+    built already; the module's path. ``includes`` are more header directories, ``salt``
+    what else the build depends on (a library's version). The module is named for the
+    source: ``_kept`` for ``kept.c``. Raises ``RuntimeError`` with the compiler's output
+    where it fails."""
+    with open(source, "rb") as f:
         src = f.read()
-    tag = hashlib.sha256(src + sys.version.encode()).hexdigest()[:16]
+    tag = hashlib.sha256(src + sys.version.encode() + salt.encode()).hexdigest()[:16]
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     out_dir = out_dir or cache_dir()
-    path = os.path.join(out_dir, f"_kept-{tag}{suffix}")
+    name = "_" + os.path.splitext(os.path.basename(source))[0]
+    path = os.path.join(out_dir, f"{name}-{tag}{suffix}")
     if os.path.exists(path):
         return path
     os.makedirs(out_dir, exist_ok=True)
@@ -72,7 +82,8 @@ def build(out_dir: str | None = None) -> str:
     os.close(fd)
     # CFLAGS first: an -I there is searched before the interpreter's include directory
     cmd = [*cc, *shlex.split(os.environ.get("CFLAGS", "")), "-O2", "-shared", "-fPIC",
-           "-std=c11", "-D_GNU_SOURCE", f"-I{include}", SOURCE, "-o", tmp]  # fmt: skip
+           "-std=c11", "-D_GNU_SOURCE", f"-I{include}", *(f"-I{d}" for d in includes),
+           source, "-o", tmp]  # fmt: skip
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if r.returncode:
@@ -98,35 +109,47 @@ def unbuildable(exc: RuntimeError) -> bool:
     return "cannot run the compiler" in msg or "no Python.h" in msg
 
 
-def _load(path: str) -> ModuleType:
-    loader = importlib.machinery.ExtensionFileLoader("_kept", path)
-    spec = importlib.util.spec_from_file_location("_kept", path, loader=loader)
+def load(path: str, name: str = "_kept") -> ModuleType:
+    """The extension module ``name`` built at ``path``."""
+    loader = importlib.machinery.ExtensionFileLoader(name, path)
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     assert spec is not None
     mod = importlib.util.module_from_spec(spec)
     loader.exec_module(mod)
     return mod
 
 
+def once(slot: list, enabled: bool, make: Callable[[], ModuleType], what: str) -> ModuleType | None:
+    """``make()``'s module, made once per process and kept in ``slot`` (a list, empty until
+    tried); None where ``enabled`` is false or it fails (one warning: "``what`` unavailable,
+    the Python runs them")."""
+    if slot:
+        return slot[0]
+    with _lock:
+        if slot:
+            return slot[0]
+        mod = None
+        if enabled:
+            try:
+                mod = make()
+                log.info("%s: %s", what, mod.__file__)
+            except (RuntimeError, ImportError, OSError) as exc:
+                log.warning("%s unavailable, the Python runs them: %s", what, exc)
+                mod = None
+        slot.append(mod)
+        return mod
+
+
 def module() -> ModuleType | None:
     """The built module, set up (once per process); None where it is switched off or cannot
     be built (one warning logged)."""
-    if _built:
-        return _built[0]
-    with _lock:
-        if _built:
-            return _built[0]
-        mod = None
-        if ENABLED:
-            try:
-                path = build()
-                mod = _load(path)
-                mod.setup(_objects())
-                log.info("compiled kept calls: %s", path)
-            except (RuntimeError, ImportError, OSError) as exc:
-                log.warning("compiled kept calls unavailable, the Python runs them: %s", exc)
-                mod = None
-        _built.append(mod)
+
+    def make() -> ModuleType:
+        mod = load(build())
+        mod.setup(_objects())
         return mod
+
+    return once(_built, ENABLED, make, "compiled kept calls")
 
 
 def _objects() -> dict[str, Any]:

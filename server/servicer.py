@@ -36,6 +36,7 @@ from coliworker.server.errors import (
     Unauthenticated,
     WorkerError,
 )
+from coliworker.server.fastpath import FastCalls
 from coliworker.server.idle import IdleWatchdog
 from coliworker.server.limits import Quota
 from coliworker.server.owners import owner_limits
@@ -158,6 +159,8 @@ class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
         ] = {}
         self.sessions = SessionManager(self)
         self.dispatch = Dispatch(self, self.hooks)
+        # the decode calls' compiled path of the data-plane transports (None: the Python's)
+        self.fastcalls = FastCalls.of(self)
         # (port, unix socket path, tls) of the socket data plane, set once it listens
         self.data_endpoint: tuple[int, str, bool] = (0, "", False)
         self.data_tickets = DataTickets()
@@ -393,7 +396,8 @@ class WorkerServicer(ComputeOps, pb_grpc.WorkerServicer):
                 )
             del self._tickets[request.ticket]
         r = t.settle()
-        return self._group_response(r, t.device, t.experts, t.rows, t.output_dtype, io)
+        self._group_done(r, t.device, t.experts, t.rows)
+        return self._group_response(r, t.output_dtype, io)
 
     def free_sequence(
         self, request: pb.FreeSequenceRequest, owner: str, io: ArrayIO

@@ -1,0 +1,149 @@
+"""The decode calls' compiled path on the worker (``server/fastpath.c``): a routed expert
+group or ragged attention call read from its data-plane frame and answered with no protobuf
+message on either side. The socket data plane and the shared-memory doorbell hand it each
+such frame first.
+
+    FastCalls.of(servicer).run(method, body, data, owner, transport, shm_view)
+        -> Outcome | None
+
+``run`` returns None for every call the C does not read (another type than float32, an
+integer array in shared memory, tensors the servicer has not resolved for this owner and
+store generation, anything the Python would refuse): the transport then runs the frame as
+before, through ``ComputeOps.expert_group_routed`` / ``attention_ragged``, which stay the
+reference and the one author of every error. A call it reads runs the same backend call,
+KV cache growth, usage counts and records (``ComputeOps._routed_run`` / ``_ragged_run``)
+through the one dispatch (``Dispatch.run``: its status mapping and session metric), and
+answers a ``FastReply`` whose ``body`` is the response protobuf would serialize, to the byte
+(tests/hotpath/test_fastpath.py runs both paths on the same calls).
+
+The module is built like ``server/kept.c`` (``kept.build``: the host's C compiler, keyed by
+the source, the interpreter and NumPy's version, into ``COLIWORKER_KEPT_CACHE``); where it
+cannot be built the worker logs one warning and every call takes the Python.
+``COLIWORKER_FASTPATH=0`` switches it off. ``python -m coliworker.server.fastpath`` builds it
+ahead and prints where it lies.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from coliworker.server import kept
+from coliworker.server.dispatch import Outcome
+from coliworker.server.sequences import RowsIn
+from coliworker.wire import calls
+
+log = logging.getLogger(__name__)
+
+ENABLED = os.environ.get("COLIWORKER_FASTPATH", "1") != "0"
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fastpath.c")
+ROUTED = calls.BY_KIND["expert_group_routed"]
+RAGGED = calls.BY_KIND["attention_ragged"]
+
+_built: list[ModuleType | None] = []  # [the module or None] once tried
+
+
+def build(out_dir: str | None = None) -> str:
+    """Compile ``fastpath.c`` where not built already (``kept.build``); the module's path."""
+    return kept.build(out_dir, SOURCE, (np.get_include(),), f"numpy {np.__version__}")
+
+
+def module() -> ModuleType | None:
+    """The built module (once per process); None where it is switched off or cannot be
+    built (one warning logged)."""
+    return kept.once(
+        _built, ENABLED, lambda: kept.load(build(), "_fastpath"), "compiled frame path"
+    )
+
+
+class FastReply:
+    """A call's result before its reply is placed: ``y`` its float32 array (what
+    ``codec.encode_into`` puts in the sink), ``body(shm, offset)`` the serialized response
+    whose array lies at ``offset`` of the frame's data or, with ``shm``, of the segment
+    (``write(shape, nbytes, *fields, shm, offset)``: ``group_reply`` or ``ragged_reply``)."""
+
+    __slots__ = ("_fields", "_write", "y")
+
+    def __init__(self, out: Any, write: Any, *fields: Any) -> None:
+        self.y = np.ascontiguousarray(np.asarray(out), np.float32)
+        self._write, self._fields = write, fields
+
+    def body(self, shm: bool, offset: int) -> bytes:
+        y = self.y
+        return self._write(y.shape, y.nbytes, *self._fields, shm, offset)
+
+
+class FastCalls:
+    """The compiled path of one servicer's decode calls: ``run`` for the methods in
+    ``METHODS``."""
+
+    METHODS = frozenset((ROUTED.method, RAGGED.method))
+
+    def __init__(self, servicer: Any, mod: ModuleType) -> None:
+        self.servicer = servicer
+        self.mod = mod
+
+    @classmethod
+    def of(cls, servicer: Any) -> FastCalls | None:
+        """The servicer's compiled path, or None: switched off, not built, or a worker that
+        injects faults (--fail-after counts calls in the Python path)."""
+        if servicer.config.fail_after is not None:
+            return None
+        mod = module()
+        return cls(servicer, mod) if mod is not None else None
+
+    def run(
+        self,
+        method: int,
+        body: Any,
+        data: Any,
+        owner: str,
+        transport: str,
+        shm_view: Any = None,
+    ) -> Outcome | None:
+        """The frame (``body``, ``data``; ``shm_view`` the session segment's ``view`` where
+        it has one) of a call in ``METHODS`` run, or None: the Python's to run.
+
+        The store is held (``begin_call``) from before the C looks the call's tensors up
+        in the servicer's caches until the call is answered, as ``store.held`` holds it
+        around a handler: a free racing with the lookup moves the generation first, or
+        waits for the call."""
+        s, mod = self.servicer, self.mod
+        store = s.store
+        epoch = store.begin_call()
+        try:
+            if method == ROUTED.method:
+                args = mod.routed_args(body, data, owner, s._expert_cache, store.generation,
+                                       s.config.max_experts, shm_view)  # fmt: skip
+                if args is None:
+                    return None
+                out = s.dispatch.run(
+                    ROUTED, args, owner, transport=transport, handler=s.expert_group_routed_checked
+                )
+                if out.ok:
+                    r = out.response
+                    p = r.phases
+                    out.response = FastReply(r.out, mod.group_reply, r.backend_ns, p.h2d_ns,
+                                             p.kernel_ns, p.d2h_ns)  # fmt: skip
+                return out
+            args = mod.ragged_args(body, data, owner, s._attention_cache, store.generation,
+                                   s.config.max_sequences_per_call, shm_view, RowsIn)  # fmt: skip
+            if args is None:
+                return None
+            out = s.dispatch.run(
+                RAGGED, args, owner, transport=transport, handler=s.attention_ragged_checked
+            )
+            if out.ok:
+                r, lengths = out.response
+                out.response = FastReply(r.out, mod.ragged_reply, lengths, r.backend_ns)
+            return out
+        finally:
+            store.end_call(epoch)
+
+
+if __name__ == "__main__":
+    print(build())
