@@ -3,23 +3,32 @@
  * of the frame's data, and the reply's body written, with no protobuf message on either side
  * (server/fastpath.py builds and loads this module and owns the Python around it).
  *
- *   routed_args(body, data, owner, cache, generation, max_experts, shm_view)
+ *   setup(Experts, list_cache_size)
+ *   routed_args(body, data, owner, cache, triple_cache, generation, max_experts, shm_view)
  *       -> (triples, device, x, routes, weights) or None
  *       ``body`` a serialized ExpertGroupRoutedRequest, ``data`` the frame's data (the
  *       buffer its ``staged`` slices index), ``shm_view`` the session segment's ``view``
- *       (its ``shm`` slices; None without one); ``cache`` the servicer's expert-list cache
- *       (``ComputeOps._expert_cache``), read by the key ``ComputeOps._experts`` makes.
+ *       (its ``shm`` slices; None without one); ``cache`` and ``triple_cache`` the
+ *       servicer's expert-list and per-triple caches (``ComputeOps._expert_cache``,
+ *       ``_triple_cache``), read by the keys ``ComputeOps._experts`` makes: a list not
+ *       cached whose every triple is, for this generation, is made and cached as there.
+ *   ragged_args(body, data, owner, cache, generation, max_sequences, shm_view, RowsIn)
+ *       -> (kv_b, o_proj handle, o_proj resident, q, rows, new rows, K, q_dim, rope_dim,
+ *           v_dim, scale, o_proj id) or None: the same for a ragged attention call, its
+ *       (kv_b, o_proj) pair from ``ComputeOps._attention_cache``.
+ *   ragged_reply(shape, nbytes, lengths, backend_ns, shm, offset) -> bytes
  *   group_reply(shape, nbytes, backend_ns, h2d_ns, kernel_ns, d2h_ns, shm, offset) -> bytes
  *       the ExpertGroupResponse whose ``y`` is a float32 array of ``shape`` at ``offset``,
  *       ``nbytes`` long, of the frame's data (``staged``) or of the segment (``shm``).
  *
- * ``routed_args`` answers only a call the Python path would run and whose list the cache
- * holds for this store generation: every field known and set once, x and weights float32,
- * routes int32, each array's bytes inline, in the frame (staged) or, float32, in the
- * session's segment (shm, a read-only view as ``staging.source`` gives), the result float32.
- * For anything else it returns None, having taken nothing, and the caller runs the call as
- * before (``ComputeOps.expert_group_routed``): that path stays the reference and the only
- * author of every error. tests/server/test_fastpath.py runs both paths on the same frames. */
+ * ``routed_args`` and ``ragged_args`` answer only a call the Python path would run and whose
+ * tensors the caches hold for this store generation: every field known and set once, the
+ * activations float32, routes int32, each array's bytes inline, in the frame (staged) or,
+ * float32, in the session's segment (shm, a read-only view as ``staging.source`` gives),
+ * the result float32. For anything else they return None, having taken nothing, and the
+ * caller runs the call as before (``ComputeOps.expert_group_routed``, ``attention_ragged``):
+ * that path stays the reference and the only author of every error.
+ * tests/hotpath/test_fastpath.py runs both paths on the same calls. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
@@ -286,61 +295,139 @@ static int parse_expert(reader *r, uint64_t ids[3]) {
     return 0;
 }
 
-/* The key ``ComputeOps._experts`` files this list under: (owner, the experts' bytes as the
- * request serializes them) where the call has arrays outside its message and every entry is
- * of one length (``_expert_run``), else (owner, g0, u0, d0, g1, ...). */
-static PyObject *list_key(PyObject *owner, uint64_t (*ids)[3], Py_ssize_t n, int external) {
-    if (external) {
-        uint8_t buf[MAX_EXPERTS * 35], *w = buf;
-        size_t first = 0;
-        int same = 1;
-        for (Py_ssize_t c = 0; c < n; c++) {
-            size_t k = expert_bytes(w, ids[c]);
-            if (c == 0) first = k;
-            else if (k != first) same = 0;
-            w += k;
-        }
-        if (same) {
-            PyObject *b = PyBytes_FromStringAndSize((const char *)buf, w - buf);
-            if (b == NULL) return NULL;
-            PyObject *key = PyTuple_Pack(2, owner, b);
-            Py_DECREF(b);
-            return key;
-        }
+/* The experts of a call as protobuf serializes them (``buf``: each a 0x0A tag, its length and
+ * its ids), and ``size``, the length of each where all are of one length and the call has
+ * arrays outside its message (``ComputeOps._experts`` keys its caches by these bytes then,
+ * ``_expert_run``), else 0 (keyed by the ids). */
+typedef struct {
+    uint8_t buf[MAX_EXPERTS * 35];
+    size_t size;
+} canon_t;
+
+static void canon(canon_t *k, uint64_t (*ids)[3], Py_ssize_t n, int external) {
+    k->size = 0;
+    if (!external) return;
+    uint8_t *w = k->buf;
+    size_t first = 0;
+    for (Py_ssize_t c = 0; c < n; c++) {
+        size_t len = expert_bytes(w, ids[c]);
+        if (c == 0) first = len;
+        else if (len != first) return;
+        w += len;
+    }
+    k->size = first;
+}
+
+/* The list's key: (owner, the experts' bytes), or (owner, g0, u0, d0, g1, ...). */
+static PyObject *list_key(PyObject *owner, uint64_t (*ids)[3], Py_ssize_t n, const canon_t *k) {
+    if (k->size) {
+        PyObject *b = PyBytes_FromStringAndSize((const char *)k->buf, (Py_ssize_t)(k->size * n));
+        if (b == NULL) return NULL;
+        PyObject *key = PyTuple_Pack(2, owner, b);
+        Py_DECREF(b);
+        return key;
     }
     PyObject *key = PyTuple_New(1 + 3 * n);
     if (key == NULL) return NULL;
     PyTuple_SET_ITEM(key, 0, Py_NewRef(owner));
     for (Py_ssize_t c = 0; c < n; c++) {
-        for (int k = 0; k < 3; k++) {
-            PyObject *v = PyLong_FromUnsignedLongLong(ids[c][k]);
+        for (int j = 0; j < 3; j++) {
+            PyObject *v = PyLong_FromUnsignedLongLong(ids[c][j]);
             if (v == NULL) {
                 Py_DECREF(key);
                 return NULL;
             }
-            PyTuple_SET_ITEM(key, 1 + 3 * c + k, v);
+            PyTuple_SET_ITEM(key, 1 + 3 * c + j, v);
         }
     }
     return key;
 }
 
-static PyObject *routed_args(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "routed_args(body, data, owner, cache, generation, "
-                                         "max_experts, shm_view)");
+/* Expert ``c``'s key in the per-triple cache: (owner, its bytes) or (owner, (g, u, d)). */
+static PyObject *triple_key(PyObject *owner, uint64_t (*ids)[3], Py_ssize_t c, const canon_t *k) {
+    if (k->size)
+        return Py_BuildValue("(Oy#)", owner, (const char *)k->buf + k->size * c,
+                             (Py_ssize_t)k->size);
+    return Py_BuildValue("(O(KKK))", owner, (unsigned long long)ids[c][0],
+                         (unsigned long long)ids[c][1], (unsigned long long)ids[c][2]);
+}
+
+static PyObject *experts_cls;    /* compute.Experts */
+static Py_ssize_t list_limit;    /* compute._EXPERT_CACHE */
+static PyObject *s_ids;
+
+static PyObject *setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "setup(Experts, list cache size)");
         return NULL;
     }
-    PyObject *owner = args[2], *cache = args[3], *gen = args[4];
-    Py_ssize_t max_experts = PyLong_AsSsize_t(args[5]);
+    Py_ssize_t limit = PyLong_AsSsize_t(args[1]);
+    if (limit < 0 && PyErr_Occurred()) return NULL;
+    Py_XSETREF(experts_cls, Py_NewRef(args[0]));
+    list_limit = limit;
+    Py_RETURN_NONE;
+}
+
+/* A list not in the list cache made of the per-triple cache's entries, as ``_experts``
+ * makes it where each triple is there for this generation, on one device, of one D: the
+ * cache's new entry (borrowed), or NULL (no error: a triple missing, the Python's). */
+static PyObject *list_of_triples(PyObject *owner, uint64_t (*ids)[3], Py_ssize_t n,
+                                 const canon_t *k, PyObject *cache, PyObject *triple_cache,
+                                 PyObject *gen, PyObject *key) {
+    if (experts_cls == NULL || !PyDict_Check(triple_cache)) return NULL;
+    PyObject *triples = PyObject_CallNoArgs(experts_cls), *id_t = PyTuple_New(n);
+    PyObject *device = NULL, *dim = NULL, *entry = NULL;
+    if (triples == NULL || id_t == NULL) goto out;
+    for (Py_ssize_t c = 0; c < n; c++) {
+        PyObject *tk = triple_key(owner, ids, c, k);
+        if (tk == NULL) goto out;
+        PyObject *th = PyDict_GetItemWithError(triple_cache, tk); /* borrowed */
+        Py_DECREF(tk);
+        if (th == NULL || !PyTuple_Check(th) || PyTuple_GET_SIZE(th) != 5) goto out;
+        int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(th, 0), gen, Py_EQ);
+        if (same <= 0) goto out;
+        if (c == 0) {
+            device = PyTuple_GET_ITEM(th, 2);
+            dim = PyTuple_GET_ITEM(th, 3);
+        } else {
+            int d1 = PyObject_RichCompareBool(PyTuple_GET_ITEM(th, 3), dim, Py_EQ);
+            if (d1 <= 0) goto out;
+            int d2 = PyObject_RichCompareBool(PyTuple_GET_ITEM(th, 2), device, Py_EQ);
+            if (d2 <= 0) goto out;
+        }
+        if (PyList_Append(triples, PyTuple_GET_ITEM(th, 1)) < 0) goto out;
+        PyTuple_SET_ITEM(id_t, c, Py_NewRef(PyTuple_GET_ITEM(th, 4)));
+    }
+    if (PyObject_SetAttr(triples, s_ids, id_t) < 0) goto out;
+    if (PyDict_GET_SIZE(cache) >= list_limit) PyDict_Clear(cache);
+    PyObject *value = PyTuple_Pack(4, gen, triples, device, dim);
+    if (value == NULL) goto out;
+    if (PyDict_SetItem(cache, key, value) == 0) entry = value; /* (the dict holds it) */
+    Py_DECREF(value);
+out:
+    Py_XDECREF(triples);
+    Py_XDECREF(id_t);
+    return entry;
+}
+
+static PyObject *routed_args(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "routed_args(body, data, owner, cache, triple_cache, "
+                                         "generation, max_experts, shm_view)");
+        return NULL;
+    }
+    PyObject *owner = args[2], *cache = args[3], *triple_cache = args[4], *gen = args[5];
+    Py_ssize_t max_experts = PyLong_AsSsize_t(args[6]);
     if (max_experts < 0 && PyErr_Occurred()) return NULL;
     if (!PyDict_Check(cache)) {
         PyErr_SetString(PyExc_TypeError, "routed_args: cache must be a dict");
         return NULL;
     }
     frame_t f;
-    if (frame_open(&f, args[0], args[1], args[6], s_routed) < 0) return NULL;
+    if (frame_open(&f, args[0], args[1], args[7], s_routed) < 0) return NULL;
     PyObject *result = NULL, *key = NULL, *x = NULL, *routes = NULL, *weights = NULL;
     uint64_t ids_of[MAX_EXPERTS][3];
+    canon_t k;
     array_t ax = {0}, ar = {0}, aw = {0};
     Py_ssize_t n = 0;
     uint64_t out_dtype = 0;
@@ -374,17 +461,21 @@ static PyObject *routed_args(PyObject *self, PyObject *const *args, Py_ssize_t n
     /* the result float32 (output_dtype or x's type), experts within the limit */
     if ((out_dtype != 0 && out_dtype != DT_FLOAT32) || n < 1 || n > max_experts) goto fallback;
     int external = ax.staged || ar.staged || aw.staged || ax.shm || ar.shm || aw.shm;
-    key = list_key(owner, ids_of, n, external);
+    canon(&k, ids_of, n, external);
+    key = list_key(owner, ids_of, n, &k);
     if (key == NULL) goto error;
     PyObject *hit = PyDict_GetItemWithError(cache, key); /* borrowed */
-    if (hit == NULL) {
+    if (hit != NULL && PyTuple_Check(hit) && PyTuple_GET_SIZE(hit) == 4) {
+        int fresh = PyObject_RichCompareBool(PyTuple_GET_ITEM(hit, 0), gen, Py_EQ);
+        if (fresh < 0) goto error;
+        if (!fresh) hit = NULL;
+    }
+    if (hit == NULL) { /* a new list of known experts: from the per-triple cache */
         if (PyErr_Occurred()) goto error;
-        goto fallback;
+        hit = list_of_triples(owner, ids_of, n, &k, cache, triple_cache, gen, key);
+        if (hit == NULL) goto check;
     }
     if (!PyTuple_Check(hit) || PyTuple_GET_SIZE(hit) != 4) goto fallback;
-    int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(hit, 0), gen, Py_EQ);
-    if (same < 0) goto error;
-    if (!same) goto fallback;
     PyObject *triples = PyTuple_GET_ITEM(hit, 1), *device = PyTuple_GET_ITEM(hit, 2);
     long dim = PyLong_AsLong(PyTuple_GET_ITEM(hit, 3));
     if (dim == -1 && PyErr_Occurred()) goto error;
@@ -754,9 +845,12 @@ static PyObject *ragged_reply(PyObject *self, PyObject *const *args, Py_ssize_t 
 }
 
 static PyMethodDef methods[] = {
+    {"setup", (PyCFunction)(void (*)(void))setup, METH_FASTCALL,
+     "setup(Experts, list cache size): what a list made from the per-triple cache is."},
     {"routed_args", (PyCFunction)(void (*)(void))routed_args, METH_FASTCALL,
-     "routed_args(body, data, owner, cache, generation, max_experts): (triples, device, x, "
-     "routes, weights) of a routed expert group call this module reads, or None."},
+     "routed_args(body, data, owner, cache, triple_cache, generation, max_experts, shm_view): "
+     "(triples, device, x, routes, weights) of a routed expert group call this module reads, "
+     "or None."},
     {"group_reply", (PyCFunction)(void (*)(void))group_reply, METH_FASTCALL,
      "group_reply(shape, nbytes, backend_ns, h2d_ns, kernel_ns, d2h_ns, shm, offset): a "
      "serialized ExpertGroupResponse whose y is float32 at a staged or shm slice."},
@@ -776,6 +870,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__fastpath(void) {
     import_array();
     if ((s_routed = PyUnicode_InternFromString("expert_group_routed")) == NULL ||
+        (s_ids = PyUnicode_InternFromString("ids")) == NULL ||
         (s_ragged = PyUnicode_InternFromString("attention_ragged")) == NULL ||
         (s_data = PyUnicode_InternFromString("data")) == NULL ||
         (s_spec = PyUnicode_InternFromString("spec")) == NULL ||

@@ -53,11 +53,17 @@ def build(out_dir: str | None = None) -> str:
 
 
 def module() -> ModuleType | None:
-    """The built module (once per process); None where it is switched off or cannot be
-    built (one warning logged)."""
-    return kept.once(
-        _built, ENABLED, lambda: kept.load(build(), "_fastpath"), "compiled frame path"
-    )
+    """The built module, set up (once per process); None where it is switched off or cannot
+    be built (one warning logged)."""
+
+    def make() -> ModuleType:
+        from coliworker.server.compute import _EXPERT_CACHE, Experts
+
+        mod = kept.load(build(), "_fastpath")
+        mod.setup(Experts, _EXPERT_CACHE)
+        return mod
+
+    return kept.once(_built, ENABLED, make, "compiled frame path")
 
 
 class FastReply:
@@ -117,8 +123,9 @@ class FastCalls:
         epoch = store.begin_call()
         try:
             if method == ROUTED.method:
-                args = mod.routed_args(body, data, owner, s._expert_cache, store.generation,
-                                       s.config.max_experts, shm_view)  # fmt: skip
+                args = mod.routed_args(body, data, owner, s._expert_cache, s._triple_cache,
+                                       store.generation, s.config.max_experts,
+                                       shm_view)  # fmt: skip
                 if args is None:
                     return None
                 out = s.dispatch.run(

@@ -72,13 +72,18 @@ def _counted(srv, name: str = "expert_group_routed_checked") -> list[int]:
 
 
 def _calls(rng, model: Model, n: int):
-    """``n`` random routed calls on ``model``'s experts: (x, routes, weights)."""
+    """``n`` random routed calls on ``model``'s experts, as a router sends them: the first
+    names every expert, each later one a random few in a random order; (expert indexes, x,
+    routes into those, weights)."""
     out = []
-    for _ in range(n):
+    e = len(model.experts)
+    for i in range(n):
+        pick = rng.permutation(e)[: e if i == 0 else int(rng.integers(1, e + 1))]
         t = int(rng.integers(1, 4))
-        k = int(rng.integers(1, len(model.experts) + 1))
-        routes, weights = routing(rng, t, k, len(model.experts))
-        out.append((rng.standard_normal((t, D)).astype(np.float32), routes, weights))
+        k = int(rng.integers(1, len(pick) + 1))
+        routes, weights = routing(rng, t, k, len(pick))
+        x = rng.standard_normal((t, D)).astype(np.float32)
+        out.append(([int(j) for j in pick], x, routes, weights))
     return out
 
 
@@ -87,7 +92,8 @@ def _calls(rng, model: Model, n: int):
 def test_the_compiled_path_answers_as_the_python(rng, transport):
     """The same calls through a worker with the compiled path and one without: bit-identical
     results (each also against the float64 reference), the same usage counts and group
-    statistics; the compiled path ran every call after each list's first."""
+    statistics; the compiled path ran every call after the first (which resolved each
+    expert: every later list, new or not, is made of known experts)."""
     calls = None
     got = {}
     for fast in (True, False):
@@ -97,24 +103,28 @@ def test_the_compiled_path_answers_as_the_python(rng, transport):
             with WorkerClient(srv.address, progress=False) as w:
                 model = _model(w, np.random.default_rng(7))
                 if calls is None:
-                    calls = _calls(rng, model, 12)
+                    calls = _calls(rng, model, 16)
                 kw = {"shm": True, "doorbell": True} if transport == "doorbell" else {
                     "transport": "socket"}  # fmt: skip
                 with w.session(**kw) as s:
-                    ys = [s.expert_group_routed_sync(model.experts, *c) for c in calls]
+                    ys = [
+                        s.expert_group_routed_sync([model.experts[j] for j in pick], *c)
+                        for pick, *c in calls
+                    ]
                 s_ = srv.servicer
                 got[fast] = (ys, s_.tensor_counts.top(100), w.stats(), seen[0])
         finally:
             srv.stop(0)
     ys, counts, groups, ran = got[True]
     ys0, counts0, groups0, ran0 = got[False]
-    assert ran == len(calls) - 1 and ran0 == 0  # the first call resolved the list
-    for y, y0, (x, routes, weights) in zip(ys, ys0, calls, strict=True):
+    assert ran == len(calls) - 1 and ran0 == 0
+    for y, y0, (pick, x, routes, weights) in zip(ys, ys0, calls, strict=True):
         assert y.dtype == y0.dtype == np.float32 and y.shape == y0.shape
         np.testing.assert_array_equal(y, y0)
-        want = routed_reference(model, x, routes, weights)
+        sub = Model(None, [model.tensors[j] for j in pick], *[None] * 6)
+        want = routed_reference(sub, x, routes, weights)
         assert np.abs(y - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
-    assert counts == counts0
+    assert counts == counts0  # (calls, rows) of every tensor, largest first
 
     def strip(stats):  # (the times differ run to run)
         return [(d.device, d.group.calls, d.group.experts, d.group.rows) for d in stats]
@@ -151,11 +161,13 @@ def test_errors_after_the_list_is_known_are_the_pythons(rng):
                 w.free(model.experts[3][0])  # the store's generation moves: no stale list
                 with pytest.raises(Exception, match="experts\\[3\\].gate"):
                     s.expert_group_routed_sync(model.experts, x, routes, weights)
+                assert seen[0] == 1  # none of the bad calls ran there
+                # a new list of three experts the failed call resolved again: in C
                 np.testing.assert_array_equal(
                     s.expert_group_routed_sync(model.experts[:3], x, routes % 3, weights),
                     w.expert_group_routed(model.experts[:3], x, routes % 3, weights),
                 )
-                assert seen[0] == 1  # none of the bad calls ran there
+                assert seen[0] == 2
     finally:
         srv.stop(0)
 
@@ -195,6 +207,7 @@ def test_what_the_c_reads_and_what_it_leaves(rng):
                     d,
                     owner,
                     s._expert_cache,
+                    s._triple_cache,
                     s.store.generation,
                     max_experts or s.config.max_experts,
                     shm_view,
@@ -243,7 +256,6 @@ def test_what_the_c_reads_and_what_it_leaves(rng):
                 ),
                 "x shape": variant(lambda m: m.x.shape.__setitem__(1, D - 1)),
                 "x rank": variant(lambda m: m.x.shape.append(1)),
-                "one expert less": variant(lambda m: m.experts.__delitem__(4)),
                 "another expert": variant(
                     lambda m: setattr(m.experts[0], "gate", m.experts[1].gate)
                 ),
@@ -251,6 +263,26 @@ def test_what_the_c_reads_and_what_it_leaves(rng):
             }
             for name, m in refused.items():
                 assert args(m) is None, name
+            # a new list of known experts (a router's next pick): made from the per-triple
+            # cache, and cached, as the Python makes it
+            for name, change in {
+                "one expert less": lambda m: m.experts.__delitem__(4),
+                "another order": lambda m: m.experts.reverse(),
+            }.items():
+                m = variant(change)
+                m.routes.Clear()
+                codec.encode_into(m.routes, routes % 4, pb.DTYPE_INT32)
+                got = args(m)
+                assert got is not None, name
+                key = next(k for k, v in s._expert_cache.items() if v[1] is got[0])
+                ours = s._expert_cache.pop(key)
+                io = codec.ArrayIO(staging.source(data, None, "t"), [])
+                s._experts(m, "expert_group_routed", "", io)
+                theirs = s._expert_cache[key]  # the same key, made by the Python
+                assert (ours[0], ours[2], ours[3]) == (theirs[0], theirs[2], theirs[3]), name
+                assert all(a is b for a, b in zip(ours[1], theirs[1], strict=True)), name
+                assert all(a is b for a, b in zip(ours[1].ids, theirs[1].ids, strict=True))
+                assert type(ours[1]) is type(theirs[1])
             assert args(owner="bob") is None, "another owner's list"
             assert args(max_experts=4) is None, "over --max-experts"
             body = msg.SerializeToString()
@@ -261,7 +293,14 @@ def test_what_the_c_reads_and_what_it_leaves(rng):
             }.items():
                 assert (
                     mod.routed_args(
-                        body + extra, data, "", s._expert_cache, s.store.generation, 64, None
+                        body + extra,
+                        data,
+                        "",
+                        s._expert_cache,
+                        s._triple_cache,
+                        s.store.generation,
+                        64,
+                        None,
                     )
                     is None
                 ), name
@@ -290,8 +329,11 @@ def test_what_the_c_reads_and_what_it_leaves(rng):
             assert args(shm, shm_view=outside) is None
             # every array inline (no outside bytes): the list's other key, (owner, ids...)
             inline = variant(put("x", x, pb.DTYPE_FLOAT32))
-            s._expert_cache.clear()  # (the ids' key is the first's too where the experts'
-            assert args(inline) is None  # serialized lengths differ: random handle ids)
+            # (the ids' keys are the first call's too where the experts' serialized lengths
+            # differ, as random handle ids make them at times)
+            s._expert_cache.clear()
+            s._triple_cache.clear()
+            assert args(inline) is None
             s._experts(inline, "expert_group_routed", "", codec.INLINE)
             got = args(inline)
             assert got is not None and got[0] is s._experts(inline, "x", "", codec.INLINE)[0]
