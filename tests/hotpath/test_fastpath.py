@@ -698,3 +698,89 @@ def test_the_ragged_reply_body_is_protobufs(rng):
             mod.ragged_reply(shape, nbytes, lengths, backend_ns, shm, offset)
             == resp.SerializeToString()
         )
+
+
+def _mutants(rng, body: bytes, n: int):
+    """``n`` random corruptions of ``body``: bytes changed, cut out, put in, or the end cut."""
+    for _ in range(n):
+        b = bytearray(body)
+        for _ in range(int(rng.integers(1, 4))):
+            op, at = int(rng.integers(0, 4)), int(rng.integers(0, len(b) + 1))
+            if op == 0 and at < len(b):
+                b[at] = int(rng.integers(0, 256))
+            elif op == 1:
+                del b[at : at + int(rng.integers(1, 8))]
+            elif op == 2:
+                b[at:at] = rng.integers(0, 256, int(rng.integers(1, 6))).astype(np.uint8).tobytes()
+            else:
+                del b[at:]
+        yield bytes(b)
+
+
+@needs_c
+def test_what_the_c_reads_of_corrupt_frames_the_python_reads_the_same(rng):
+    """Random corruptions of a routed and a ragged call's body: the C reads few of them, and
+    each it reads the Python reads too, with the same outcome: the same result (the same
+    response but its times) or the same status and message."""
+    from coliworker.server.dispatch import OK
+    from coliworker.wire import calls as wire_calls
+
+    srv = _worker(True)
+    try:
+        with WorkerClient(srv.address, progress=False) as w:
+            s = srv.servicer
+            fc = s.fastcalls
+            model = _model(w, rng, 4)
+            x = rng.standard_normal((2, D)).astype(np.float32)
+            routes, weights = routing(rng, 2, 3, 4)
+            routed, routed_data = _frame(model, x, routes, weights)
+            kv_b, proj, *_ = _attention(w, rng)
+            side: list = []
+            ragged = pb.AttentionRaggedRequest(kv_b=kv_b.handle, o_proj=proj.handle, **ATT)
+            codec.encode_into(ragged.q, rng.standard_normal((1, H, Q + R)).astype(np.float32),
+                              pb.DTYPE_FLOAT32, side)  # fmt: skip
+            seq = ragged.sequences.add(sequence_id=3, start=0)
+            codec.encode_into(seq.latent, rng.standard_normal((2, K)).astype(np.float32),
+                              pb.DTYPE_FLOAT32, side)  # fmt: skip
+            codec.encode_into(seq.rope, rng.standard_normal((2, R)).astype(np.float32),
+                              pb.DTYPE_FLOAT32)  # fmt: skip
+            pieces, _ = frames.place(ragged, side)
+            ragged_data = np.frombuffer(
+                b"".join(bytes(memoryview(p).cast("B")) for p in pieces), np.uint8
+            )
+            read = 0
+            for msg, data in ((routed, routed_data), (ragged, ragged_data)):
+                call = wire_calls.BY_KIND[
+                    "expert_group_routed" if msg is routed else "attention_ragged"
+                ]
+                body = msg.SerializeToString()
+                # the Python resolves the call first (what the C then finds in the caches)
+                io = codec.ArrayIO(staging.source(data, None, call.kind), [])
+                assert s.dispatch.run(call, call.request.FromString(body), "", io).ok
+                assert fc.run(call.method, body, data, "", "socket") is not None
+                for b in _mutants(rng, body, 1500):
+                    ours = fc.run(call.method, b, data, "", "socket")
+                    if ours is None:
+                        continue
+                    read += 1
+                    req = call.request.FromString(b)  # (raises if protobuf refuses it)
+                    assert staging.check(req, data, None, call.kind)
+                    sink: list = []
+                    io = codec.ArrayIO(staging.source(data, None, call.kind), sink)
+                    theirs = s.dispatch.run(call, req, "", io, transport="socket")
+                    assert (ours.code, ours.message) == (theirs.code, theirs.message), b.hex()
+                    if ours.code is not OK:
+                        continue
+                    frames.place(theirs.response, sink)
+                    got = call.response.FromString(ours.response.body(False, 0))
+                    for m in (got, theirs.response):
+                        for f in ("backend_ns", "h2d_ns", "kernel_ns", "d2h_ns"):
+                            if f in m.DESCRIPTOR.fields_by_name:
+                                m.ClearField(f)
+                    assert got == theirs.response, b.hex()
+                    np.testing.assert_array_equal(
+                        ours.response.y, sink[0].reshape(ours.response.y.shape)
+                    )
+            assert read >= 20  # (those whose changes fall in array bytes or are no-ops)
+    finally:
+        srv.stop(0)
