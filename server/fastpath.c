@@ -352,6 +352,15 @@ static PyObject *triple_key(PyObject *owner, uint64_t (*ids)[3], Py_ssize_t c, c
                          (unsigned long long)ids[c][1], (unsigned long long)ids[c][2]);
 }
 
+/* ``cache[key]`` where it is a tuple of ``size`` made for this store generation (its first
+ * item ``gen``): borrowed; else NULL, with an error set only where a lookup raised. */
+static PyObject *cached(PyObject *cache, PyObject *key, PyObject *gen, Py_ssize_t size) {
+    PyObject *hit = PyDict_GetItemWithError(cache, key);
+    if (hit == NULL || !PyTuple_Check(hit) || PyTuple_GET_SIZE(hit) != size) return NULL;
+    int fresh = PyObject_RichCompareBool(PyTuple_GET_ITEM(hit, 0), gen, Py_EQ);
+    return fresh > 0 ? hit : NULL;
+}
+
 static PyObject *experts_cls;    /* compute.Experts */
 static Py_ssize_t list_limit;    /* compute._EXPERT_CACHE */
 static PyObject *s_ids;
@@ -381,11 +390,9 @@ static PyObject *list_of_triples(PyObject *owner, uint64_t (*ids)[3], Py_ssize_t
     for (Py_ssize_t c = 0; c < n; c++) {
         PyObject *tk = triple_key(owner, ids, c, k);
         if (tk == NULL) goto out;
-        PyObject *th = PyDict_GetItemWithError(triple_cache, tk); /* borrowed */
+        PyObject *th = cached(triple_cache, tk, gen, 5);
         Py_DECREF(tk);
-        if (th == NULL || !PyTuple_Check(th) || PyTuple_GET_SIZE(th) != 5) goto out;
-        int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(th, 0), gen, Py_EQ);
-        if (same <= 0) goto out;
+        if (th == NULL) goto out;
         if (c == 0) {
             device = PyTuple_GET_ITEM(th, 2);
             dim = PyTuple_GET_ITEM(th, 3);
@@ -464,18 +471,12 @@ static PyObject *routed_args(PyObject *self, PyObject *const *args, Py_ssize_t n
     canon(&k, ids_of, n, external);
     key = list_key(owner, ids_of, n, &k);
     if (key == NULL) goto error;
-    PyObject *hit = PyDict_GetItemWithError(cache, key); /* borrowed */
-    if (hit != NULL && PyTuple_Check(hit) && PyTuple_GET_SIZE(hit) == 4) {
-        int fresh = PyObject_RichCompareBool(PyTuple_GET_ITEM(hit, 0), gen, Py_EQ);
-        if (fresh < 0) goto error;
-        if (!fresh) hit = NULL;
-    }
+    PyObject *hit = cached(cache, key, gen, 4);
     if (hit == NULL) { /* a new list of known experts: from the per-triple cache */
         if (PyErr_Occurred()) goto error;
         hit = list_of_triples(owner, ids_of, n, &k, cache, triple_cache, gen, key);
         if (hit == NULL) goto check;
     }
-    if (!PyTuple_Check(hit) || PyTuple_GET_SIZE(hit) != 4) goto fallback;
     PyObject *triples = PyTuple_GET_ITEM(hit, 1), *device = PyTuple_GET_ITEM(hit, 2);
     long dim = PyLong_AsLong(PyTuple_GET_ITEM(hit, 3));
     if (dim == -1 && PyErr_Occurred()) goto error;
@@ -628,15 +629,8 @@ static PyObject *ragged_args(PyObject *self, PyObject *const *args, Py_ssize_t n
     /* kv_b and o_proj as an earlier call of this owner resolved them (_attention_cache) */
     key = Py_BuildValue("(OKK)", owner, (unsigned long long)kv_id, (unsigned long long)o_proj);
     if (key == NULL) goto error;
-    PyObject *hit = PyDict_GetItemWithError(cache, key); /* borrowed */
-    if (hit == NULL) {
-        if (PyErr_Occurred()) goto error;
-        goto fallback;
-    }
-    if (!PyTuple_Check(hit) || PyTuple_GET_SIZE(hit) != 4) goto fallback;
-    int same = PyObject_RichCompareBool(PyTuple_GET_ITEM(hit, 0), gen, Py_EQ);
-    if (same < 0) goto error;
-    if (!same) goto fallback;
+    PyObject *hit = cached(cache, key, gen, 4);
+    if (hit == NULL) goto check;
     PyObject *kv_b = PyTuple_GET_ITEM(hit, 1), *proj_h = PyTuple_GET_ITEM(hit, 2),
              *proj = PyTuple_GET_ITEM(hit, 3);
     long long heads = aq.shape[1];

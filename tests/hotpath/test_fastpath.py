@@ -639,32 +639,11 @@ def test_what_the_c_reads_of_a_ragged_call(rng):
             assert args(owner="bob") is None, "another owner's pair"
             assert args(limit=1) is None, "over --max-sequences-per-call"
             body = msg.SerializeToString()
-            assert (
-                mod.ragged_args(
-                    body + b"\x50\x01",
-                    data,
-                    "",
-                    s._attention_cache,
-                    s.store.generation,
-                    64,
-                    None,
-                    RowsIn,
-                )
-                is None
-            ), "unknown field"
-            assert (
-                mod.ragged_args(
-                    body + b"\x28\x05",
-                    data,
-                    "",
-                    s._attention_cache,
-                    s.store.generation,
-                    64,
-                    None,
-                    RowsIn,
-                )
-                is None
-            ), "q_dim twice"
+            for name, extra in {"unknown field": b"\x50\x01", "q_dim twice": b"\x28\x05"}.items():
+                raw = body + extra
+                got = mod.ragged_args(raw, data, "", s._attention_cache, s.store.generation, 64,
+                                      None, RowsIn)  # fmt: skip
+                assert got is None, name
             w.free(proj)
             assert args() is None, "the generation moved"
     finally:
