@@ -37,7 +37,7 @@ from google.protobuf.message import DecodeError
 
 from coliworker.server.config import Config
 from coliworker.server.errors import WorkerError
-from coliworker.server.fastpath import FastCalls
+from coliworker.server.fastpath import FastCalls, FastReply
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.wire import calls, frames, staging
 from coliworker.wire.codec import ArrayIO
@@ -432,7 +432,7 @@ class _Connection:
             if self.fast is not None and method in FastCalls.METHODS:
                 out = self.fast.run(method, body, data, self.owner, "socket")
                 if out is not None:  # read and run in C (server/fastpath.py)
-                    self._reply_fast(call, rid, out)
+                    self._reply(call, rid, out, [])
                     return
         try:
             request = call.request.FromString(body)
@@ -467,19 +467,13 @@ class _Connection:
         if not out.ok:
             self.io.send(frames.error_frame(call.method, rid, out.code.value[0], out.message))
             return
-        pieces, n = frames.place(out.response, sink) if sink else ([], 0)
-        body = out.response.SerializeToString()
-        self.io.send(frames.frame(frames.REPLY, call.method, rid, body, pieces, n))
-
-    def _reply_fast(self, call: calls.Call, rid: int, out: Any) -> None:
-        """``_reply`` of a call the compiled path ran: its result at the data's start."""
-        if not out.ok:
-            self.io.send(frames.error_frame(call.method, rid, out.code.value[0], out.message))
-            return
         rep = out.response
-        y = memoryview(rep.y).cast("B")
-        self.io.send(frames.frame(frames.REPLY, call.method, rid, rep.body(False, 0),
-                                  [y] if len(y) else [], len(y)))  # fmt: skip
+        if isinstance(rep, FastReply):  # the compiled path's: its bytes written in C
+            body, pieces, n = rep.staged()
+        else:
+            pieces, n = frames.place(rep, sink) if sink else ([], 0)
+            body = rep.SerializeToString()
+        self.io.send(frames.frame(frames.REPLY, call.method, rid, body, pieces, n))
 
     def _upload(self, call: calls.Call, header: pb.UploadHeader, head: frames.Header, t0: float):
         """Upload / Update: the frame's data goes to the upload pipeline as it arrives."""

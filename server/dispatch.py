@@ -100,8 +100,8 @@ class Dispatch:
     ) -> Outcome:
         """Run one call; never raises. ``transport`` (grpc / socket / shm) counts the call
         in the session request metrics; unary gRPC is counted by the interceptor.
-        ``handler`` runs in place of the call's own (``server/fastpath.py``: the routed
-        call's arguments already read and checked)."""
+        ``handler`` runs in place of the call's own (``server/fastpath.py``: a decode
+        call's arguments already read and checked in C)."""
         self.last = t0 = time.perf_counter()
         fn = handler or self.handler(call)
         if fn is None:

@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from coliworker.server.fastpath import FastCalls
+from coliworker.server.fastpath import FastCalls, FastReply
 from coliworker.v1 import worker_pb2 as pb
 from coliworker.wire import bell, calls, frames, staging
 from coliworker.wire.bell import REQUEST, RESPONSE
@@ -272,23 +272,19 @@ class Doorbell:
                 seg.check(out_off, out_len, "doorbell.output")
             # One copy out of the segment: the client cannot change what was checked.
             raw = seg.read(off + bell.FRAME_AT + frames.HEADER_BYTES, n - frames.HEADER_BYTES, kind)
-            if self.fast is not None and method in FastCalls.METHODS:  # in C (fastpath.py)
-                view = memoryview(raw)
-                fast = self.fast.run(method, view[: head.body_bytes], view[head.body_bytes :],
-                                     self.stream.owner, "shm", seg.view)  # fmt: skip
-                if fast is not None:
-                    self.calls += 1
-                    if not fast.ok:
-                        return self._error(method, rid, fast.code.value[0], fast.message)
-                    return self._reply_fast(call, rid, fast.response, out_off, out_len, room)
-            try:
-                request = call.request.FromString(raw[: head.body_bytes])
-            except DecodeError:
-                raise frames.FrameError(
-                    _INVALID, f"{kind}: the body is not a {call.request.__name__} message", rid
-                ) from None
             data = memoryview(raw)[head.body_bytes :]
-            staging.check(request, data, seg.check, kind)
+            out = None
+            if self.fast is not None and method in FastCalls.METHODS:  # in C (fastpath.py)
+                out = self.fast.run(method, memoryview(raw)[: head.body_bytes], data,
+                                    self.stream.owner, "shm", seg.view)  # fmt: skip
+            if out is None:
+                try:
+                    request = call.request.FromString(raw[: head.body_bytes])
+                except DecodeError:
+                    raise frames.FrameError(
+                        _INVALID, f"{kind}: the body is not a {call.request.__name__} message", rid
+                    ) from None
+                staging.check(request, data, seg.check, kind)
         except (frames.FrameError, ValueError, ShmError) as exc:
             code = exc.code if isinstance(exc, frames.FrameError) else _INVALID
             message = exc.message if isinstance(exc, frames.FrameError | ShmError) else str(exc)
@@ -297,10 +293,11 @@ class Doorbell:
             )
             return self._error(method, rid, code, message)
         sink: list = []
-        io = ArrayIO(staging.source(data, seg.read, kind, seg.view), sink)
-        out = self.stream.servicer.dispatch.run(
-            call, request, self.stream.owner, io, transport="shm"
-        )
+        if out is None:
+            io = ArrayIO(staging.source(data, seg.read, kind, seg.view), sink)
+            out = self.stream.servicer.dispatch.run(
+                call, request, self.stream.owner, io, transport="shm"
+            )
         self.calls += 1
         if not out.ok:
             return self._error(method, rid, out.code.value[0], out.message)
@@ -317,43 +314,35 @@ class Doorbell:
         room: int,
     ) -> bytes:
         """The REPLY frame: result arrays in the output region when they all fit, else in
-        the frame's data when the frame fits the slot, else RESOURCE_EXHAUSTED."""
+        the frame's data when the frame fits the slot, else RESOURCE_EXHAUSTED. (A
+        ``FastReply``, the compiled path's, has one result array, in no sink.)"""
         seg = self.segment
-        arrays = [a for a in staging.iter_arrays(response) if a.HasField("staged")]
-        need = 0  # each array 64-byte aligned after the one before
-        for a in arrays:
-            need = (need + ALIGN - 1) // ALIGN * ALIGN + memoryview(sink[a.staged.offset]).nbytes
-        if arrays and need <= out_len:
-            pos = out_off
-            for a in arrays:
-                view = memoryview(sink[a.staged.offset]).cast("B")
-                seg.write(pos, view)
-                a.ClearField("staged")
-                a.shm.offset, a.shm.length = pos, len(view)
-                pos += (len(view) + ALIGN - 1) // ALIGN * ALIGN
-            pieces: list = []
-            n = 0
+        pieces: list = []
+        n = 0
+        if isinstance(response, FastReply):
+            y = response.y.data.cast("B")
+            if len(y) <= out_len:
+                seg.write(out_off, y)
+                body = response.body(True, out_off)
+            else:
+                body, pieces, n = response.staged()
         else:
-            pieces, n = frames.place(response, sink)
-        return self._frame(call, rid, response.SerializeToString(), pieces, n, out_len, room)
-
-    def _reply_fast(
-        self, call: calls.Call, rid: int, rep: Any, out_off: int, out_len: int, room: int
-    ) -> bytes:
-        """``_reply`` of a call the compiled path ran (``fastpath.FastReply``): its one
-        result array in the output region or at the start of the frame's data."""
-        y = memoryview(rep.y).cast("B")
-        if len(y) <= out_len:
-            self.segment.write(out_off, y)
-            return self._frame(call, rid, rep.body(True, out_off), [], 0, out_len, room)
-        pieces = [y] if len(y) else []
-        return self._frame(call, rid, rep.body(False, 0), pieces, len(y), out_len, room)
-
-    def _frame(
-        self, call: calls.Call, rid: int, body: bytes, pieces: list, n: int, out_len: int, room: int
-    ) -> bytes:
-        """The REPLY frame of ``body`` and ``n`` bytes of data, where it fits the slot (else
-        RESOURCE_EXHAUSTED naming the output region, ``out_len`` bytes, and the slot)."""
+            arrays = [a for a in staging.iter_arrays(response) if a.HasField("staged")]
+            need = 0  # each array 64-byte aligned after the one before
+            for a in arrays:
+                size = memoryview(sink[a.staged.offset]).nbytes
+                need = (need + ALIGN - 1) // ALIGN * ALIGN + size
+            if arrays and need <= out_len:
+                pos = out_off
+                for a in arrays:
+                    view = memoryview(sink[a.staged.offset]).cast("B")
+                    seg.write(pos, view)
+                    a.ClearField("staged")
+                    a.shm.offset, a.shm.length = pos, len(view)
+                    pos += (len(view) + ALIGN - 1) // ALIGN * ALIGN
+            else:
+                pieces, n = frames.place(response, sink)
+            body = response.SerializeToString()
         if frames.HEADER_BYTES + len(body) + n > room:
             return self._error(
                 call.method,

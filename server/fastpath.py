@@ -82,6 +82,12 @@ class FastReply:
         y = self.y
         return self._write(y.shape, y.nbytes, *self._fields, shm, offset)
 
+    def staged(self) -> tuple[bytes, list[memoryview], int]:
+        """The reply's body, data pieces and data length with ``y`` the frame's data, as
+        ``frames.place`` lays out a response's one array (at offset 0)."""
+        y = self.y.data.cast("B")
+        return self.body(False, 0), [y] if len(y) else [], len(y)
+
 
 class FastCalls:
     """The compiled path of one servicer's decode calls: ``run`` for the methods in
@@ -123,33 +129,33 @@ class FastCalls:
         epoch = store.begin_call()
         try:
             if method == ROUTED.method:
+                call, handler = ROUTED, s.expert_group_routed_checked
                 args = mod.routed_args(body, data, owner, s._expert_cache, s._triple_cache,
                                        store.generation, s.config.max_experts,
                                        shm_view)  # fmt: skip
-                if args is None:
-                    return None
-                out = s.dispatch.run(
-                    ROUTED, args, owner, transport=transport, handler=s.expert_group_routed_checked
-                )
-                if out.ok:
-                    r = out.response
-                    p = r.phases
-                    out.response = FastReply(r.out, mod.group_reply, r.backend_ns, p.h2d_ns,
-                                             p.kernel_ns, p.d2h_ns)  # fmt: skip
-                return out
-            args = mod.ragged_args(body, data, owner, s._attention_cache, store.generation,
-                                   s.config.max_sequences_per_call, shm_view, RowsIn)  # fmt: skip
+            else:
+                call, handler = RAGGED, s.attention_ragged_checked
+                args = mod.ragged_args(body, data, owner, s._attention_cache, store.generation,
+                                       s.config.max_sequences_per_call, shm_view,
+                                       RowsIn)  # fmt: skip
             if args is None:
                 return None
-            out = s.dispatch.run(
-                RAGGED, args, owner, transport=transport, handler=s.attention_ragged_checked
-            )
+            out = s.dispatch.run(call, args, owner, transport=transport, handler=handler)
             if out.ok:
-                r, lengths = out.response
-                out.response = FastReply(r.out, mod.ragged_reply, lengths, r.backend_ns)
+                out.response = self._reply(call, out.response)
             return out
         finally:
             store.end_call(epoch)
+
+    def _reply(self, call: Any, result: Any) -> FastReply:
+        """The handler's result as a ``FastReply``: a routed call's ``Result``, or a ragged
+        call's (``Result``, the caches' lengths)."""
+        if call is ROUTED:
+            p = result.phases
+            return FastReply(result.out, self.mod.group_reply, result.backend_ns, p.h2d_ns,
+                             p.kernel_ns, p.d2h_ns)  # fmt: skip
+        r, lengths = result
+        return FastReply(r.out, self.mod.ragged_reply, lengths, r.backend_ns)
 
 
 if __name__ == "__main__":
