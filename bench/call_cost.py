@@ -55,8 +55,8 @@ def build(pool: int | None = None) -> tuple[Any, Any, dict[str, dict[str, Any]]]
     from coliworker.client.session_calls import SessionCalls
     from coliworker.server.app import build_server
     from coliworker.server.backend import Result
-    from coliworker.server.compute import _EXPERT_CACHE
     from coliworker.server.config import Config
+    from coliworker.server.expert_lists import _EXPERT_CACHE
     from coliworker.v1 import worker_pb2 as pb
     from coliworker.wire import calls, frames, staging
     from coliworker.wire.codec import ArrayIO

@@ -9,8 +9,8 @@
  *       ``body`` a serialized ExpertGroupRoutedRequest, ``data`` the frame's data (the
  *       buffer its ``staged`` slices index), ``shm_view`` the session segment's ``view``
  *       (its ``shm`` slices; None without one); ``cache`` and ``triple_cache`` the
- *       servicer's expert-list and per-triple caches (``ComputeOps._expert_cache``,
- *       ``_triple_cache``), read by the keys ``ComputeOps._experts`` makes: a list not
+ *       servicer's expert-list and per-triple caches (``ExpertLists._expert_cache``,
+ *       ``_triple_cache``), read by the keys ``ExpertLists._experts`` makes: a list not
  *       cached whose every triple is, for this generation, is made and cached as there.
  *   ragged_args(body, data, owner, cache, generation, max_sequences, shm_view, RowsIn)
  *       -> (kv_b, o_proj handle, o_proj resident, q, rows, new rows, K, q_dim, rope_dim,
@@ -297,7 +297,7 @@ static int parse_expert(reader *r, uint64_t ids[3]) {
 
 /* The experts of a call as protobuf serializes them (``buf``: each a 0x0A tag, its length and
  * its ids), and ``size``, the length of each where all are of one length and the call has
- * arrays outside its message (``ComputeOps._experts`` keys its caches by these bytes then,
+ * arrays outside its message (``ExpertLists._experts`` keys its caches by these bytes then,
  * ``_expert_run``), else 0 (keyed by the ids). */
 typedef struct {
     uint8_t buf[MAX_EXPERTS * 35];

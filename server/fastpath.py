@@ -57,7 +57,7 @@ def module() -> ModuleType | None:
     be built (one warning logged)."""
 
     def make() -> ModuleType:
-        from coliworker.server.compute import _EXPERT_CACHE, Experts
+        from coliworker.server.expert_lists import _EXPERT_CACHE, Experts
 
         mod = kept.load(build(), "_fastpath")
         mod.setup(Experts, _EXPERT_CACHE)

@@ -26,7 +26,7 @@ from coliworker import __version__
 from coliworker.server import intake, upload
 from coliworker.server.auth import TokenTable
 from coliworker.server.backend import Backend, Pending, Phases, Result
-from coliworker.server.compute import ComputeOps, Experts
+from coliworker.server.compute import ComputeOps
 from coliworker.server.config import Config
 from coliworker.server.dispatch import Dispatch
 from coliworker.server.errors import (
@@ -36,6 +36,7 @@ from coliworker.server.errors import (
     Unauthenticated,
     WorkerError,
 )
+from coliworker.server.expert_lists import Experts
 from coliworker.server.fastpath import FastCalls
 from coliworker.server.idle import IdleWatchdog
 from coliworker.server.limits import Quota

@@ -1,4 +1,4 @@
-"""The expert groups' validation caches (server/compute.py ``_experts``): a list sent again
+"""The expert groups' validation caches (server/expert_lists.py ``_experts``): a list sent again
 is answered from the list cache, a new list of known experts from the per-triple cache, and
 neither changes a result or an error: freed handles, other owners, mixed hidden sizes and
 devices are refused in the words of the uncached checks (``_experts_checked``)."""
@@ -316,7 +316,7 @@ def test_expert_run_finds_only_experts_of_one_length():
     length, and its entries are the experts in order; one with an expert shorter than
     another (a handle id of fewer varint bytes) gives 0, the list then read field by
     field."""
-    from coliworker.server.compute import _expert_run
+    from coliworker.server.expert_lists import _expert_run
 
     rng = np.random.default_rng()
     for _ in range(200):
