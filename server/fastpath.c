@@ -28,7 +28,8 @@
  * the result float32. For anything else they return None, having taken nothing, and the
  * caller runs the call as before (``ComputeOps.expert_group_routed``, ``attention_ragged``):
  * that path stays the reference and the only author of every error.
- * tests/hotpath/test_fastpath.py runs both paths on the same calls. */
+ * tests/hotpath/test_fastpath_routed.py and test_fastpath_ragged.py run both paths on the
+ * same calls. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION

@@ -14,7 +14,8 @@ reference and the one author of every error. A call it reads runs the same backe
 KV cache growth, usage counts and records (``ComputeOps._routed_run`` / ``_ragged_run``)
 through the one dispatch (``Dispatch.run``: its status mapping and session metric), and
 answers a ``FastReply`` whose ``body`` is the response protobuf would serialize, to the byte
-(tests/hotpath/test_fastpath.py runs both paths on the same calls).
+(tests/hotpath/test_fastpath_routed.py and test_fastpath_ragged.py run both paths on the
+same calls).
 
 The module is built like ``server/kept.c`` (``kept.build``: the host's C compiler, keyed by
 the source, the interpreter and NumPy's version, into ``COLIWORKER_KEPT_CACHE``); where it

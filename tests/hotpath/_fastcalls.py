@@ -1,0 +1,111 @@
+"""What the tests of the decode calls' compiled path (``server/fastpath.c``) share: workers
+with and without it, resident experts and attention tensors, the frames a socket session
+sends, a count of the calls it ran, and random corruptions of a body."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _hotpath import ATT, D_OUT, I_E, D, H, K, Model, Q, V, int4_tensor, upload
+
+from coliworker.client import WorkerClient
+from coliworker.server import fastpath
+from coliworker.server.app import build_server
+from coliworker.server.config import Config
+from coliworker.v1 import worker_pb2 as pb
+from coliworker.wire import codec, frames
+
+needs_c = pytest.mark.skipif(
+    fastpath.module() is None, reason="server/fastpath.c cannot be built on this host"
+)
+
+
+def worker(fast: bool):
+    """A started NumPy worker, with its compiled path (``fast``) or without."""
+    srv = build_server(Config(backend="numpy", port=0, metrics_port=None)).start()
+    if not fast:
+        srv.servicer.fastcalls = None
+    assert (srv.servicer.fastcalls is not None) == fast
+    return srv
+
+
+def experts_model(w: WorkerClient, rng, n: int = 6) -> Model:
+    """``n`` random int4 experts uploaded to ``w`` (``Model.experts`` and ``tensors``)."""
+    tensors = [
+        (int4_tensor(rng, D, I_E), int4_tensor(rng, D, I_E), int4_tensor(rng, I_E, D))
+        for _ in range(n)
+    ]
+    experts = [tuple(upload(w, t) for t in triple) for triple in tensors]
+    return Model(experts, tensors, None, None, None, None, None, None)
+
+
+def attention_model(w: WorkerClient, rng) -> tuple:
+    """A random kv_b and o_proj uploaded to ``w``: (kv_b, o_proj, their QTensors)."""
+    kv_b_t = int4_tensor(rng, K, H * (Q + V))
+    o_proj_t = int4_tensor(rng, H * V, D_OUT)
+    return upload(w, kv_b_t), upload(w, o_proj_t), kv_b_t, o_proj_t
+
+
+def counted(srv, name: str = "expert_group_routed_checked") -> list[int]:
+    """How many calls the compiled path ran (its handler ``name`` wrapped)."""
+    seen = [0]
+    s = srv.servicer
+    real = getattr(s, name)
+
+    def wrapped(request, owner, io=None):
+        seen[0] += 1
+        return real(request, owner, io)
+
+    setattr(s, name, wrapped)
+    return seen
+
+
+def _data(msg, side: list) -> np.ndarray:
+    """``msg``'s staged arrays (``side``) placed as a frame's data (``frames.place``)."""
+    pieces, _ = frames.place(msg, side)
+    return np.frombuffer(b"".join(bytes(memoryview(p).cast("B")) for p in pieces), np.uint8)
+
+
+def routed_frame(model: Model, x, routes, weights, out_dtype: int = 0):
+    """A routed call's body message and data as a socket session sends them (x staged)."""
+    side: list = []
+    msg = pb.ExpertGroupRoutedRequest()
+    for g, u, d in model.experts:
+        msg.experts.add(gate=g.handle, up=u.handle, down=d.handle)
+    codec.encode_into(msg.x, x, pb.DTYPE_FLOAT32, side)
+    codec.encode_into(msg.routes, routes, pb.DTYPE_INT32)
+    codec.encode_into(msg.weights, weights, pb.DTYPE_FLOAT32)
+    msg.output_dtype = out_dtype
+    return msg, _data(msg, side)
+
+
+def ragged_frame(kv_b, proj, q, sequences):
+    """A ragged call's body message and data: q and each latent staged, each rope inline;
+    ``sequences`` (id, start, latent, rope), latent and rope None for a sequence that sends
+    no rows."""
+    side: list = []
+    msg = pb.AttentionRaggedRequest(kv_b=kv_b.handle, o_proj=proj.handle, **ATT)
+    codec.encode_into(msg.q, q, pb.DTYPE_FLOAT32, side)
+    for sid, start, lat, rope in sequences:
+        a = msg.sequences.add(sequence_id=sid, start=start)
+        if lat is not None:
+            codec.encode_into(a.latent, lat, pb.DTYPE_FLOAT32, side)
+            codec.encode_into(a.rope, rope, pb.DTYPE_FLOAT32)
+    return msg, _data(msg, side)
+
+
+def mutants(rng, body: bytes, n: int):
+    """``n`` random corruptions of ``body``: bytes changed, cut out, put in, or the end cut."""
+    for _ in range(n):
+        b = bytearray(body)
+        for _ in range(int(rng.integers(1, 4))):
+            op, at = int(rng.integers(0, 4)), int(rng.integers(0, len(b) + 1))
+            if op == 0 and at < len(b):
+                b[at] = int(rng.integers(0, 256))
+            elif op == 1:
+                del b[at : at + int(rng.integers(1, 8))]
+            elif op == 2:
+                b[at:at] = rng.integers(0, 256, int(rng.integers(1, 6))).astype(np.uint8).tobytes()
+            else:
+                del b[at:]
+        yield bytes(b)
