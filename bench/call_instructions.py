@@ -81,7 +81,7 @@ def export(rev: str, into: str) -> str:
 def count(tree: str, kind: str, step: str, calls: int, scratch: str) -> float | None:
     """Instructions per call of ``step`` of ``kind`` in ``tree`` (None: a tree whose
     bench/call_cost.py has no such step)."""
-    tag = STEPS.index(step) if step in STEPS else abs(hash(step))
+    tag = re.sub(r"\W+", "-", step)
     out = os.path.join(scratch, f"cg-{os.path.basename(tree)}-{kind}-{tag}.out")
     env = {**os.environ, "PYTHONPATH": f"{tree}/.dev:{tree}", "KIND": kind}
     env.update(STEP=step, CALLS=str(calls))

@@ -384,7 +384,7 @@ static PyObject *setup(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
 static PyObject *list_of_triples(PyObject *owner, uint64_t (*ids)[3], Py_ssize_t n,
                                  const canon_t *k, PyObject *cache, PyObject *triple_cache,
                                  PyObject *gen, PyObject *key) {
-    if (experts_cls == NULL || !PyDict_Check(triple_cache)) return NULL;
+    if (experts_cls == NULL) return NULL; /* (setup not called: the Python's) */
     PyObject *triples = PyObject_CallNoArgs(experts_cls), *id_t = PyTuple_New(n);
     PyObject *device = NULL, *dim = NULL, *entry = NULL;
     if (triples == NULL || id_t == NULL) goto out;
@@ -427,8 +427,8 @@ static PyObject *routed_args(PyObject *self, PyObject *const *args, Py_ssize_t n
     PyObject *owner = args[2], *cache = args[3], *triple_cache = args[4], *gen = args[5];
     Py_ssize_t max_experts = PyLong_AsSsize_t(args[6]);
     if (max_experts < 0 && PyErr_Occurred()) return NULL;
-    if (!PyDict_Check(cache)) {
-        PyErr_SetString(PyExc_TypeError, "routed_args: cache must be a dict");
+    if (!PyDict_Check(cache) || !PyDict_Check(triple_cache)) {
+        PyErr_SetString(PyExc_TypeError, "routed_args: cache and triple_cache must be dicts");
         return NULL;
     }
     frame_t f;
