@@ -5,7 +5,11 @@ For every row of the kernel targets table it times one in-process backend call f
 time ("kernel"), rotating among enough weight sets that the 60 MB L2 never holds them,
 checks the result against the float64 reference, and puts the seed's figures from the
 same run beside them (the seed is built from ``--seed-dir`` with nvcc and timed by its own
-``bench_seed.py``).
+``bench_seed.py``). Beside each row, "read us" is the machine's limit at the row's own size:
+a plain streaming read of the same bytes (the same buffers: each weight matrix, its scales,
+each KV cache) in one launch (``gpu_timing.read_launcher``), timed between CUDA events as
+``gpu_timing.time_launch`` times a kernel; "floor us" is the same bytes at the H200's
+measured 4.48 TB/s.
 
     scripts/devlink && PYTHONPATH=.dev python bench/kernels.py --seed-dir .seed --out $OUT
 
@@ -28,7 +32,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import harness  # noqa: E402  (run from anywhere: bench/ is beside the package)
+# (run from anywhere: bench/ is beside the package)
+from bench import gpu_timing, harness  # noqa: E402
 from bench.gpu_timing import L2, READ_BW  # noqa: E402
 
 GLM = dict(D=6144, I=2048, H=64, Q=192, R=64, V=256, K=512)
@@ -60,6 +65,34 @@ def timed(fn, n: int, warmup: int = 3):
         walls.append(time.perf_counter() - t0)
         kernels.append(r.phases.kernel_ns / 1e6)
     return float(np.median(walls)) * 1e3, float(np.median(kernels))
+
+
+def plain_read_us(sizes: list[int], iters: int = 50) -> float | None:
+    """Median us of one streaming read of buffers of these byte sizes (each rounded up to 16
+    bytes), rotated among enough sets that the 60 MB L2 never holds the next: the machine's
+    limit for a call that reads them."""
+    import cupy
+
+    sizes = [-(-n // 16) * 16 for n in sizes if n > 0]
+    nsets = max(2, int(np.ceil(3 * L2 / sum(sizes))))
+    try:
+        sets = [[cupy.empty(n, cupy.uint8) for n in sizes] for _ in range(nsets)]
+        n_sm = cupy.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
+        t = gpu_timing.time_launch(
+            gpu_timing.read_launcher(sets, n_sm), gpu_timing.spin_kernel(), iters, 5
+        )
+    except Exception as exc:  # the row's own figures stand without it
+        print(f"plain read of {sum(sizes)} bytes: {type(exc).__name__}: {exc}", flush=True)
+        return None
+    finally:
+        sets = []
+        cupy.get_default_memory_pool().free_all_blocks()
+    return t["median_us"]
+
+
+def _tensor_sizes(tensors) -> list[int]:
+    """The device buffers a call reads for these host tensors: each one's weights, its scales."""
+    return [n for t in tensors for n in (t.weights.nbytes, t.scales.nbytes)]
 
 
 def _expert_sets(backend, rng, count, fmt=2, gs=0):
@@ -115,6 +148,7 @@ def bench_group(backend, rng, name, count, rows, fmt=2, gs=0, n=50, pool=0):
     call_ms, kern_ms = timed(lambda k: backend.expert_group(sets[k % len(sets)], rl, x), n)
     wbytes = set_bytes + sum(t.scales.nbytes for e in first for t in e)
     _release(backend, res)
+    read_us = plain_read_us(_tensor_sizes(t for e in first for t in e))
     flops = 2 * 3 * d * i * rows * count
     return dict(
         name=name,
@@ -125,6 +159,7 @@ def bench_group(backend, rng, name, count, rows, fmt=2, gs=0, n=50, pool=0):
         kernel_GBps=wbytes / (kern_ms * 1e-3) / 1e9,
         kernel_TFLOPs=flops / (kern_ms * 1e-3) / 1e12,
         floor_us=wbytes / READ_BW * 1e6,
+        read_us=read_us,
     )
 
 
@@ -167,6 +202,7 @@ def bench_routed(backend, rng, name, count, tokens, topk, n=50, pool=0):
         weight_MB=wbytes / 1e6,
         kernel_GBps=wbytes / (kern_ms * 1e-3) / 1e9,
         floor_us=wbytes / READ_BW * 1e6,
+        read_us=plain_read_us(_tensor_sizes(t for e in hosts[0][:used] for t in e)),
     )
 
 
@@ -190,6 +226,7 @@ def bench_matmul(backend, rng, name, s, i, o, fmt=2, n=100):
         weight_MB=wbytes / 1e6,
         kernel_GBps=wbytes / (kern_ms * 1e-3) / 1e9,
         floor_us=wbytes / READ_BW * 1e6,
+        read_us=plain_read_us(_tensor_sizes([hosts[0]])),
     )
 
 
@@ -225,12 +262,15 @@ def bench_ragged(backend, rng, name, seqs, t, n=30):
         return backend.attention_ragged(rk, ro, qs, caches, q, r, v, scale, rows=rows)
 
     call_ms, kern_ms = timed(step, n)
-    kv_bytes = sum(c.length for c in caches) * (k + r) * 4
+    kv_rows = [c.length for c in caches]
+    kv_bytes = sum(kv_rows) * (k + r) * 4
     wbytes = kv_b.nbytes + o_proj.nbytes + kv_bytes
     for c in caches:
         c.release()
     backend.release(rk)
     backend.release(ro)
+    # kv_b, o_proj, and each sequence's latent and rope rows
+    sizes = _tensor_sizes([kv_b, o_proj]) + [n * x * 4 for n in kv_rows for x in (k, r)]
     return dict(
         name=name,
         call_ms=call_ms,
@@ -238,6 +278,7 @@ def bench_ragged(backend, rng, name, seqs, t, n=30):
         rel_err=err,
         weight_MB=wbytes / 1e6,
         floor_us=wbytes / READ_BW * 1e6,
+        read_us=plain_read_us(sizes),
     )
 
 
@@ -319,8 +360,8 @@ def render(meta: dict, rows: list[dict]) -> str:
         "",
         "| operation | ours call ms | ours kernel ms | call - kernel us | direct call ms | "
         "direct kernel ms | seed call ms | seed kernel ms | speedup (call) | GB/s | TFLOP/s | "
-        "floor us | target | rel err |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "floor us | read us | target | rel err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def f(v, k=3):
@@ -328,7 +369,7 @@ def render(meta: dict, rows: list[dict]) -> str:
 
     for r in rows:
         if "error" in r:
-            md.append(f"| {r['name']} | error: {r['error']} |||||||||||||")
+            md.append(f"| {r['name']} | error: {r['error']} ||||||||||||||")
             continue
         sp = (r["seed_call_ms"] / r["call_ms"]) if r.get("seed_call_ms") else None
         tgt = " / ".join(
@@ -345,7 +386,7 @@ def render(meta: dict, rows: list[dict]) -> str:
             f"{f(r.get('direct_call_ms'))} | {f(r.get('direct_kernel_ms'))} | "
             f"{f(r['seed_call_ms'])} | {f(r['seed_kernel_ms'])} | {f(sp, 1)}x | "
             f"{f(r.get('kernel_GBps'), 0)} | {f(r.get('kernel_TFLOPs'), 1)} | "
-            f"{f(r['floor_us'], 1)} | {tgt} | "
+            f"{f(r['floor_us'], 1)} | {f(r.get('read_us'), 1)} | {tgt} | "
             f"{r['rel_err']:.1e} |"
         )
     by = {r["name"]: r for r in rows if "error" not in r}
