@@ -3,8 +3,9 @@
 In one process: a worker servicer (NumPy backend, metrics on as deployed, its compute
 replaced by a stub that returns a preallocated result, so only the host code runs) and the
 client's request code.
-For a routed expert group of 8 experts x 1 row (D=6144) and a ragged attention call (q
-[1, 64, 256], one new KV row) it times, per call:
+For a routed expert group of 8 experts x 1 row (D=6144), the same token as an expert group
+call (8 experts, the row repeated for each: the seed ABI's decode call, as the C client
+sends it) and a ragged attention call (q [1, 64, 256], one new KV row) it times, per call:
 
     client build     the request message and its CALL frame (``SessionCalls`` + frames)
     worker parse     the body parsed, the arrays' slices checked
@@ -23,7 +24,8 @@ Compare the sum with a raw socket echo (bench/harness.py) to see what the transp
 
 With ``--pool N`` (or ``CALL_COST_POOL=N`` in the environment, which is how
 bench/call_instructions.py's runs of this file take it) N experts are uploaded and each
-routed dispatch names a different 8 of them, as a decode step's router picks them: a ring of
+routed or expert group dispatch names a different 8 of them, as a decode step's router picks
+them: a ring of
 more distinct lists than the worker's expert-list cache holds, so no call finds its list
 there (the client steps keep the first 8).
 
@@ -86,7 +88,10 @@ def build(pool: int | None = None) -> tuple[Any, Any, dict[str, dict[str, Any]]]
     rope = rng.standard_normal((1, harness.R)).astype(np.float32)
     be = srv.servicer.backend
     out = np.zeros((1, harness.D), np.float32)
+    x8 = np.repeat(x, harness.TOPK, axis=0)  # the token's row for each of its experts
+    out8 = np.zeros_like(x8)
     be.expert_group_routed = lambda *a: Result(out)
+    be.expert_group = lambda *a: Result(out8)
     be.attention_ragged = lambda *a, **k: Result(out)
 
     class Client(SessionCalls):
@@ -98,6 +103,10 @@ def build(pool: int | None = None) -> tuple[Any, Any, dict[str, dict[str, Any]]]
     cases = {
         "expert_group_routed": (
             lambda: requests.expert_group_routed(c._enc, experts, x, routes, weights),
+            "y",
+        ),
+        "expert_group": (
+            lambda: requests.expert_group(c._enc, experts, [1] * harness.TOPK, x8),
             "y",
         ),
         "attention_ragged": (
@@ -130,7 +139,7 @@ def build(pool: int | None = None) -> tuple[Any, Any, dict[str, dict[str, Any]]]
 
         req = parse()
         reqs = [req]
-        if kind == "expert_group_routed" and pool:
+        if kind.startswith("expert_group") and pool:
             reqs = _subsets(req, uploaded, _EXPERT_CACHE + 1, rng)
         ring = itertools.cycle(reqs)
 
@@ -311,7 +320,7 @@ def parts(srv: Any, steps: dict, n: int) -> dict[str, float]:
 
 
 def _subsets(req, pool: list, count: int, rng) -> list:
-    """``count`` copies of the routed request ``req``, each naming a different
+    """``count`` copies of the (routed) expert group request ``req``, each naming a different
     ``harness.TOPK`` of the ``pool`` experts (its arrays are the same slices of one data
     block)."""
     seen: set[tuple] = set()

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import harness  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KINDS = ("expert_group_routed", "attention_ragged")
+KINDS = ("expert_group_routed", "expert_group", "attention_ragged")
 STEPS = ("client build", "worker parse", "worker dispatch", "worker reply", "client decode",
          "worker frame", "worker frame (Python)")  # fmt: skip
 
@@ -54,6 +54,8 @@ cc._time = _time
 result = cc.run(1)
 kinds = list(result)
 per_kind = len(fns) // len(kinds)
+if os.environ["KIND"] not in result:
+    sys.exit(f"no step {os.environ['STEP']!r} of {os.environ['KIND']!r} in this tree's bench")
 names = list(result[os.environ["KIND"]])  # the steps in the order they were timed
 if os.environ["STEP"] not in names:
     sys.exit(f"no step {os.environ['STEP']!r} in this tree's bench/call_cost.py")

@@ -1,5 +1,5 @@
-/* The worker's decode calls read and answered in C: the protobuf body of a routed expert
- * group call parsed straight from the frame, its checks made, its arrays made as NumPy views
+/* The worker's decode calls read and answered in C: the protobuf body of an expert group,
+ * routed expert group or ragged attention call parsed straight from the frame, its checks made, its arrays made as NumPy views
  * of the frame's data, and the reply's body written, with no protobuf message on either side
  * (server/fastpath.py builds and loads this module and owns the Python around it).
  *
@@ -12,6 +12,9 @@
  *       servicer's expert-list and per-triple caches (``ExpertLists._expert_cache``,
  *       ``_triple_cache``), read by the keys ``ExpertLists._experts`` makes: a list not
  *       cached whose every triple is, for this generation, is made and cached as there.
+ *   group_args(body, data, owner, cache, triple_cache, generation, max_experts, shm_view)
+ *       -> (triples, device, rows, x) or None: the same for an expert group call (an
+ *       ExpertGroupRequest: each expert's rows of x packed in turn), ``rows`` a list of ints.
  *   ragged_args(body, data, owner, cache, generation, max_sequences, shm_view, RowsIn)
  *       -> (kv_b, o_proj handle, o_proj resident, q, rows, new rows, K, q_dim, rope_dim,
  *           v_dim, scale, o_proj id) or None: the same for a ragged attention call, its
@@ -21,15 +24,17 @@
  *       the ExpertGroupResponse whose ``y`` is a float32 array of ``shape`` at ``offset``,
  *       ``nbytes`` long, of the frame's data (``staged``) or of the segment (``shm``).
  *
- * ``routed_args`` and ``ragged_args`` answer only a call the Python path would run and whose
+ * ``routed_args``, ``group_args`` and ``ragged_args`` answer only a call the Python path would
+ * run and whose
  * tensors the caches hold for this store generation: every field known and set once, the
  * activations float32, routes int32, each array's bytes inline, in the frame (staged) or,
  * float32, in the session's segment (shm, a read-only view as ``staging.source`` gives),
  * the result float32. For anything else they return None, having taken nothing, and the
- * caller runs the call as before (``ComputeOps.expert_group_routed``, ``attention_ragged``):
+ * caller runs the call as before (``ComputeOps.expert_group_routed``, ``expert_group``,
+ * ``attention_ragged``):
  * that path stays the reference and the only author of every error.
- * tests/hotpath/test_fastpath_routed.py and test_fastpath_ragged.py run both paths on the
- * same calls. */
+ * tests/hotpath/test_fastpath_routed.py, test_fastpath_group.py and test_fastpath_ragged.py
+ * run both paths on the same calls. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
@@ -164,7 +169,7 @@ typedef struct {
     PyObject *field;    /* the call's kind: what a shm view is asked for */
 } frame_t;
 
-static PyObject *s_routed, *s_ragged, *s_data, *s_spec, *s_in_features, *s_out_features;
+static PyObject *s_routed, *s_group, *s_ragged, *s_data, *s_spec, *s_in_features, *s_out_features;
 
 static int frame_open(frame_t *f, PyObject *body, PyObject *data, PyObject *shm_view,
                       PyObject *field) {
@@ -418,6 +423,40 @@ out:
     return entry;
 }
 
+/* The call's expert list as ``ExpertLists._experts`` finds it: the list cache's entry for
+ * this owner, experts and store generation, or one made of the per-triple cache's entries
+ * (``list_of_triples``), keyed by the experts' bytes where ``external`` (an array outside
+ * the message) and all serialize to one length, else by their ids. On success 1, with new
+ * references to the entry's triples and device (``Experts`` and an int) and its hidden size
+ * in ``dim``; 0 where the caches do not hold it (the Python's), -1 with an error set. (New
+ * references: the dict may be cleared by another thread once a view calls into Python.) */
+static int find_list(PyObject *owner, uint64_t (*ids)[3], Py_ssize_t n, int external,
+                     PyObject *cache, PyObject *triple_cache, PyObject *gen, PyObject **triples,
+                     PyObject **device, long *dim) {
+    canon_t k;
+    canon(&k, ids, n, external);
+    PyObject *key = list_key(owner, ids, n, &k);
+    if (key == NULL) return -1;
+    PyObject *hit = cached(cache, key, gen, 4);
+    if (hit == NULL && !PyErr_Occurred()) /* a new list of known experts */
+        hit = list_of_triples(owner, ids, n, &k, cache, triple_cache, gen, key);
+    Py_DECREF(key);
+    if (hit == NULL) return PyErr_Occurred() ? -1 : 0;
+    *dim = PyLong_AsLong(PyTuple_GET_ITEM(hit, 3));
+    if (*dim == -1 && PyErr_Occurred()) return -1;
+    Py_ssize_t len = PyObject_Length(PyTuple_GET_ITEM(hit, 1));
+    if (len != n) return len < 0 ? -1 : 0;
+    *triples = Py_NewRef(PyTuple_GET_ITEM(hit, 1));
+    *device = Py_NewRef(PyTuple_GET_ITEM(hit, 2));
+    return 1;
+}
+
+static int args_cache_check(PyObject *cache, PyObject *triple_cache, const char *fn) {
+    if (PyDict_Check(cache) && PyDict_Check(triple_cache)) return 0;
+    PyErr_Format(PyExc_TypeError, "%s: cache and triple_cache must be dicts", fn);
+    return -1;
+}
+
 static PyObject *routed_args(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 8) {
         PyErr_SetString(PyExc_TypeError, "routed_args(body, data, owner, cache, triple_cache, "
@@ -427,19 +466,17 @@ static PyObject *routed_args(PyObject *self, PyObject *const *args, Py_ssize_t n
     PyObject *owner = args[2], *cache = args[3], *triple_cache = args[4], *gen = args[5];
     Py_ssize_t max_experts = PyLong_AsSsize_t(args[6]);
     if (max_experts < 0 && PyErr_Occurred()) return NULL;
-    if (!PyDict_Check(cache) || !PyDict_Check(triple_cache)) {
-        PyErr_SetString(PyExc_TypeError, "routed_args: cache and triple_cache must be dicts");
-        return NULL;
-    }
+    if (args_cache_check(cache, triple_cache, "routed_args")) return NULL;
     frame_t f;
     if (frame_open(&f, args[0], args[1], args[7], s_routed) < 0) return NULL;
-    PyObject *result = NULL, *key = NULL, *x = NULL, *routes = NULL, *weights = NULL;
+    PyObject *result = NULL, *x = NULL, *routes = NULL, *weights = NULL;
+    PyObject *triples = NULL, *device = NULL;
     uint64_t ids_of[MAX_EXPERTS][3];
-    canon_t k;
     array_t ax = {0}, ar = {0}, aw = {0};
     Py_ssize_t n = 0;
     uint64_t out_dtype = 0;
     int seen_out = 0;
+    long dim = 0;
     reader r = {(const uint8_t *)f.body.buf, (const uint8_t *)f.body.buf + f.body.len};
     while (r.p < r.end) {
         uint64_t tag;
@@ -469,22 +506,10 @@ static PyObject *routed_args(PyObject *self, PyObject *const *args, Py_ssize_t n
     /* the result float32 (output_dtype or x's type), experts within the limit */
     if ((out_dtype != 0 && out_dtype != DT_FLOAT32) || n < 1 || n > max_experts) goto fallback;
     int external = ax.staged || ar.staged || aw.staged || ax.shm || ar.shm || aw.shm;
-    canon(&k, ids_of, n, external);
-    key = list_key(owner, ids_of, n, &k);
-    if (key == NULL) goto error;
-    PyObject *hit = cached(cache, key, gen, 4);
-    if (hit == NULL) { /* a new list of known experts: from the per-triple cache */
-        if (PyErr_Occurred()) goto error;
-        hit = list_of_triples(owner, ids_of, n, &k, cache, triple_cache, gen, key);
-        if (hit == NULL) goto check;
-    }
-    PyObject *triples = PyTuple_GET_ITEM(hit, 1), *device = PyTuple_GET_ITEM(hit, 2);
-    long dim = PyLong_AsLong(PyTuple_GET_ITEM(hit, 3));
-    if (dim == -1 && PyErr_Occurred()) goto error;
-    if (PyObject_Length(triples) != n) {
-        if (PyErr_Occurred()) goto error;
-        goto fallback;
-    }
+    int found = find_list(owner, ids_of, n, external, cache, triple_cache, gen, &triples,
+                          &device, &dim);
+    if (found < 0) goto error;
+    if (found == 0) goto fallback;
     /* shapes: x [T, D], routes and weights [T, K], every route an index into experts */
     if (ax.ndim != 2 || ax.shape[1] != dim || ar.ndim != 2 || ar.shape[0] != ax.shape[0] ||
         aw.ndim != 2 || aw.shape[0] != ar.shape[0] || aw.shape[1] != ar.shape[1])
@@ -514,10 +539,104 @@ fallback:
 error:
     result = NULL;
 done:
-    Py_XDECREF(key);
+    Py_XDECREF(triples);
+    Py_XDECREF(device);
     Py_XDECREF(x);
     Py_XDECREF(routes);
     Py_XDECREF(weights);
+    frame_close(&f);
+    return result;
+}
+
+/* A repeated int32 field's value as this file takes it: rows >= 1 (what the Python takes) */
+static int row_value(uint64_t v, int64_t *rows, Py_ssize_t *nrows) {
+    if (*nrows >= MAX_EXPERTS || v < 1 || v >= 0x80000000u) return -1;
+    rows[(*nrows)++] = (int64_t)v;
+    return 0;
+}
+
+static PyObject *group_args(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "group_args(body, data, owner, cache, triple_cache, "
+                                         "generation, max_experts, shm_view)");
+        return NULL;
+    }
+    PyObject *owner = args[2], *cache = args[3], *triple_cache = args[4], *gen = args[5];
+    Py_ssize_t max_experts = PyLong_AsSsize_t(args[6]);
+    if (max_experts < 0 && PyErr_Occurred()) return NULL;
+    if (args_cache_check(cache, triple_cache, "group_args")) return NULL;
+    frame_t f;
+    if (frame_open(&f, args[0], args[1], args[7], s_group) < 0) return NULL;
+    PyObject *result = NULL, *x = NULL, *rows = NULL, *triples = NULL, *device = NULL;
+    uint64_t ids_of[MAX_EXPERTS][3];
+    int64_t rows_of_e[MAX_EXPERTS];
+    array_t ax = {0};
+    Py_ssize_t n = 0, nrows = 0;
+    uint64_t out_dtype = 0;
+    int seen_out = 0;
+    long dim = 0;
+    reader r = {(const uint8_t *)f.body.buf, (const uint8_t *)f.body.buf + f.body.len};
+    while (r.p < r.end) {
+        uint64_t tag, v;
+        reader sub;
+        if (varint(&r, &tag)) goto fallback;
+        switch (tag) {
+        case 0x0a: /* experts */
+            if (n >= MAX_EXPERTS || span(&r, &sub) || parse_expert(&sub, ids_of[n])) goto fallback;
+            n++;
+            break;
+        case 0x12: /* rows, packed (protobuf appends each packed run, and single values) */
+            if (span(&r, &sub)) goto fallback;
+            while (sub.p < sub.end)
+                if (varint(&sub, &v) || row_value(v, rows_of_e, &nrows)) goto fallback;
+            break;
+        case 0x10: /* rows, one value */
+            if (varint(&r, &v) || row_value(v, rows_of_e, &nrows)) goto fallback;
+            break;
+        case 0x1a: /* x */
+            if (ax.seen || span(&r, &sub) || parse_array(&sub, &ax)) goto fallback;
+            break;
+        case 0x20: /* output_dtype */
+            if (seen_out++ || varint(&r, &out_dtype)) goto fallback;
+            break;
+        default:
+            goto fallback;
+        }
+    }
+    /* the result float32, experts within the limit, one rows entry per expert */
+    if ((out_dtype != 0 && out_dtype != DT_FLOAT32) || n < 1 || n > max_experts || nrows != n)
+        goto fallback;
+    int found = find_list(owner, ids_of, n, ax.staged || ax.shm, cache, triple_cache, gen,
+                          &triples, &device, &dim);
+    if (found < 0) goto error;
+    if (found == 0) goto fallback;
+    /* x [sum(rows), D] */
+    int64_t total = 0;
+    for (Py_ssize_t c = 0; c < n; c++) total += rows_of_e[c];
+    if (ax.ndim != 2 || ax.shape[0] != total || ax.shape[1] != dim) goto fallback;
+    x = view(&f, &ax, DT_FLOAT32, NPY_FLOAT32, 2);
+    if (x == NULL) goto check;
+    rows = PyList_New(n);
+    if (rows == NULL) goto error;
+    for (Py_ssize_t c = 0; c < n; c++) {
+        PyObject *v = PyLong_FromLongLong(rows_of_e[c]);
+        if (v == NULL) goto error;
+        PyList_SET_ITEM(rows, c, v);
+    }
+    result = PyTuple_Pack(4, triples, device, rows, x);
+    goto done;
+check:
+    if (PyErr_Occurred()) goto error;
+fallback:
+    result = Py_NewRef(Py_None);
+    goto done;
+error:
+    result = NULL;
+done:
+    Py_XDECREF(triples);
+    Py_XDECREF(device);
+    Py_XDECREF(x);
+    Py_XDECREF(rows);
     frame_close(&f);
     return result;
 }
@@ -846,6 +965,9 @@ static PyMethodDef methods[] = {
      "routed_args(body, data, owner, cache, triple_cache, generation, max_experts, shm_view): "
      "(triples, device, x, routes, weights) of a routed expert group call this module reads, "
      "or None."},
+    {"group_args", (PyCFunction)(void (*)(void))group_args, METH_FASTCALL,
+     "group_args(body, data, owner, cache, triple_cache, generation, max_experts, shm_view): "
+     "(triples, device, rows, x) of an expert group call this module reads, or None."},
     {"group_reply", (PyCFunction)(void (*)(void))group_reply, METH_FASTCALL,
      "group_reply(shape, nbytes, backend_ns, h2d_ns, kernel_ns, d2h_ns, shm, offset): a "
      "serialized ExpertGroupResponse whose y is float32 at a staged or shm slice."},
@@ -865,6 +987,7 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__fastpath(void) {
     import_array();
     if ((s_routed = PyUnicode_InternFromString("expert_group_routed")) == NULL ||
+        (s_group = PyUnicode_InternFromString("expert_group")) == NULL ||
         (s_ids = PyUnicode_InternFromString("ids")) == NULL ||
         (s_ragged = PyUnicode_InternFromString("attention_ragged")) == NULL ||
         (s_data = PyUnicode_InternFromString("data")) == NULL ||

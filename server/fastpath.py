@@ -1,6 +1,7 @@
-"""The decode calls' compiled path on the worker (``server/fastpath.c``): a routed expert
-group or ragged attention call read from its data-plane frame and answered with no protobuf
-message on either side. The socket data plane and the shared-memory doorbell hand it each
+"""The decode calls' compiled path on the worker (``server/fastpath.c``): an expert group
+(the seed ABI's decode call, as the C client sends it), routed expert group or ragged
+attention call read from its data-plane frame and answered with no protobuf message on
+either side. The socket data plane and the shared-memory doorbell hand it each
 such frame first.
 
     FastCalls.of(servicer).run(method, body, data, owner, transport, shm_view)
@@ -9,13 +10,14 @@ such frame first.
 ``run`` returns None for every call the C does not read (another type than float32, an
 integer array in shared memory, tensors the servicer has not resolved for this owner and
 store generation, anything the Python would refuse): the transport then runs the frame as
-before, through ``ComputeOps.expert_group_routed`` / ``attention_ragged``, which stay the
-reference and the one author of every error. A call it reads runs the same backend call,
-KV cache growth, usage counts and records (``ComputeOps._routed_run`` / ``_ragged_run``)
+before, through ``ComputeOps.expert_group`` / ``expert_group_routed`` / ``attention_ragged``,
+which stay the reference and the one author of every error. A call it reads runs the same
+backend call, KV cache growth, usage counts and records (``ComputeOps._group_run`` /
+``_routed_run`` / ``_ragged_run``)
 through the one dispatch (``Dispatch.run``: its status mapping and session metric), and
 answers a ``FastReply`` whose ``body`` is the response protobuf would serialize, to the byte
-(tests/hotpath/test_fastpath_routed.py and test_fastpath_ragged.py run both paths on the
-same calls).
+(tests/hotpath/test_fastpath_group.py, test_fastpath_routed.py and test_fastpath_ragged.py
+run both paths on the same calls).
 
 The module is built like ``server/kept.c`` (``kept.build``: the host's C compiler, keyed by
 the source, the interpreter and NumPy's version, into ``COLIWORKER_KEPT_CACHE``); where it
@@ -42,6 +44,7 @@ log = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("COLIWORKER_FASTPATH", "1") != "0"
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fastpath.c")
+GROUP = calls.BY_KIND["expert_group"]
 ROUTED = calls.BY_KIND["expert_group_routed"]
 RAGGED = calls.BY_KIND["attention_ragged"]
 
@@ -94,7 +97,7 @@ class FastCalls:
     """The compiled path of one servicer's decode calls: ``run`` for the methods in
     ``METHODS``."""
 
-    METHODS = frozenset((ROUTED.method, RAGGED.method))
+    METHODS = frozenset((GROUP.method, ROUTED.method, RAGGED.method))
 
     def __init__(self, servicer: Any, mod: ModuleType) -> None:
         self.servicer = servicer
@@ -134,6 +137,11 @@ class FastCalls:
                 args = mod.routed_args(body, data, owner, s._expert_cache, s._triple_cache,
                                        store.generation, s.config.max_experts,
                                        shm_view)  # fmt: skip
+            elif method == GROUP.method:
+                call, handler = GROUP, s.expert_group_checked
+                args = mod.group_args(body, data, owner, s._expert_cache, s._triple_cache,
+                                      store.generation, s.config.max_experts,
+                                      shm_view)  # fmt: skip
             else:
                 call, handler = RAGGED, s.attention_ragged_checked
                 args = mod.ragged_args(body, data, owner, s._attention_cache, store.generation,
@@ -149,9 +157,9 @@ class FastCalls:
             store.end_call(epoch)
 
     def _reply(self, call: Any, result: Any) -> FastReply:
-        """The handler's result as a ``FastReply``: a routed call's ``Result``, or a ragged
-        call's (``Result``, the caches' lengths)."""
-        if call is ROUTED:
+        """The handler's result as a ``FastReply``: an expert group or routed call's
+        ``Result``, or a ragged call's (``Result``, the caches' lengths)."""
+        if call is not RAGGED:
             p = result.phases
             return FastReply(result.out, self.mod.group_reply, result.backend_ns, p.h2d_ns,
                              p.kernel_ns, p.d2h_ns)  # fmt: skip

@@ -1,6 +1,7 @@
 """What the tests of the decode calls' compiled path (``server/fastpath.c``) share: workers
 with and without it, resident experts and attention tensors, the frames a socket session
-sends, a count of the calls it ran, and random corruptions of a body."""
+sends, a count of the calls it ran (and of those it should run: ``in_c``), and random
+corruptions of a body."""
 
 from __future__ import annotations
 
@@ -60,6 +61,30 @@ def counted(srv, name: str = "expert_group_routed_checked") -> list[int]:
     return seen
 
 
+def in_c(model: Model, picks: list[list[int]]) -> int:
+    """How many of the expert group or routed calls naming ``picks`` of ``model``'s experts
+    (each with an array outside its message) the compiled path runs: those whose list, or
+    each of whose experts, the caches hold under the call's key. The worker keys an expert
+    by its bytes in the request where every expert of the call has as many (random handle
+    ids are 8-10 byte varints), else by its ids; the Python path caches the list and each
+    expert, the C the list."""
+    lists: set = set()
+    triples: set = set()
+    n = 0
+    for pick in picks:
+        sizes = {
+            pb.Expert(gate=g.handle, up=u.handle, down=d.handle).ByteSize()
+            for g, u, d in (model.experts[j] for j in pick)
+        }
+        form = "bytes" if len(sizes) == 1 else "ids"
+        if (form, tuple(pick)) in lists or all((form, j) in triples for j in pick):
+            n += 1
+        else:
+            triples.update((form, j) for j in pick)
+        lists.add((form, tuple(pick)))
+    return n
+
+
 def _data(msg, side: list) -> np.ndarray:
     """``msg``'s staged arrays (``side``) placed as a frame's data (``frames.place``)."""
     pieces, _ = frames.place(msg, side)
@@ -76,6 +101,17 @@ def routed_frame(model: Model, x, routes, weights, out_dtype: int = 0):
     codec.encode_into(msg.routes, routes, pb.DTYPE_INT32)
     codec.encode_into(msg.weights, weights, pb.DTYPE_FLOAT32)
     msg.output_dtype = out_dtype
+    return msg, _data(msg, side)
+
+
+def group_frame(experts, rows, x, out_dtype: int = 0):
+    """An expert group call's body message and data as a socket session (or the C client)
+    sends them: ``experts`` (gate, up, down) refs, ``rows`` per expert, x staged."""
+    side: list = []
+    msg = pb.ExpertGroupRequest(rows=rows, output_dtype=out_dtype)
+    for g, u, d in experts:
+        msg.experts.add(gate=g.handle, up=u.handle, down=d.handle)
+    codec.encode_into(msg.x, x, pb.DTYPE_FLOAT32, side)
     return msg, _data(msg, side)
 
 

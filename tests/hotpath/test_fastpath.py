@@ -1,7 +1,8 @@
 """The decode calls' compiled path (``server/fastpath.c``, ``server/fastpath.py``) as a
-whole: where it cannot be had the Python serves every call, and of random corruptions of a
-routed and a ragged body, each the C reads the Python reads too, with the same outcome.
-(``test_fastpath_routed.py`` and ``test_fastpath_ragged.py`` test each call.)"""
+whole: where it cannot be had the Python serves every call, and of random corruptions of an
+expert group, a routed and a ragged body, each the C reads the Python reads too, with the
+same outcome. (``test_fastpath_group.py``, ``test_fastpath_routed.py`` and
+``test_fastpath_ragged.py`` test each call.)"""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 from _fastcalls import (
     attention_model,
     experts_model,
+    group_frame,
     mutants,
     needs_c,
     ragged_frame,
@@ -65,9 +67,9 @@ def test_where_it_cannot_be_had_the_python_serves(monkeypatch, tmp_path, caplog,
 
 @needs_c
 def test_what_the_c_reads_of_corrupt_frames_the_python_reads_the_same(rng):
-    """Random corruptions of a routed and a ragged call's body: the C reads few of them, and
-    each it reads the Python reads too, with the same outcome: the same result (the same
-    response but its times) or the same status and message."""
+    """Random corruptions of an expert group, a routed and a ragged call's body: the C reads
+    few of them, and each it reads the Python reads too, with the same outcome: the same
+    result (the same response but its times) or the same status and message."""
     from coliworker.server.dispatch import OK
     from coliworker.wire import calls as wire_calls
 
@@ -80,16 +82,19 @@ def test_what_the_c_reads_of_corrupt_frames_the_python_reads_the_same(rng):
             x = rng.standard_normal((2, D)).astype(np.float32)
             routes, weights = routing(rng, 2, 3, 4)
             routed, routed_data = routed_frame(model, x, routes, weights)
+            group, group_data = group_frame(model.experts[::-1], [1, 2, 1, 1], x[[0, 1, 1, 0, 1]])
             kv_b, proj, *_ = attention_model(w, rng)
             q = rng.standard_normal((1, H, Q + R)).astype(np.float32)
             lat = rng.standard_normal((2, K)).astype(np.float32)
             rope = rng.standard_normal((2, R)).astype(np.float32)
             ragged, ragged_data = ragged_frame(kv_b, proj, q, [(3, 0, lat, rope)])
             read = 0
-            for msg, data in ((routed, routed_data), (ragged, ragged_data)):
-                call = wire_calls.BY_KIND[
-                    "expert_group_routed" if msg is routed else "attention_ragged"
-                ]
+            for kind, msg, data in (
+                ("expert_group", group, group_data),
+                ("expert_group_routed", routed, routed_data),
+                ("attention_ragged", ragged, ragged_data),
+            ):
+                call = wire_calls.BY_KIND[kind]
                 body = msg.SerializeToString()
                 # the Python resolves the call first (what the C then finds in the caches)
                 io = codec.ArrayIO(staging.source(data, None, call.kind), [])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _fastcalls import counted, experts_model, needs_c, routed_frame, worker
+from _fastcalls import counted, experts_model, in_c, needs_c, routed_frame, worker
 from _hotpath import D, Model, routed_reference, routing
 
 from coliworker.client import InvalidArgument, WorkerClient
@@ -32,37 +32,13 @@ def _calls(rng, model: Model, n: int):
     return out
 
 
-def _in_c(model: Model, picks: list[list[int]]) -> int:
-    """How many of the routed calls naming ``picks`` of ``model``'s experts (each with an
-    array outside its message) the compiled path runs: those whose list, or each of whose
-    experts, the caches hold under the call's key. The worker keys an expert by its bytes in
-    the request where every expert of the call has as many (random handle ids are 8-10 byte
-    varints), else by its ids; the Python path caches the list and each expert, the C the
-    list."""
-    lists: set = set()
-    triples: set = set()
-    n = 0
-    for pick in picks:
-        sizes = {
-            pb.Expert(gate=g.handle, up=u.handle, down=d.handle).ByteSize()
-            for g, u, d in (model.experts[j] for j in pick)
-        }
-        form = "bytes" if len(sizes) == 1 else "ids"
-        if (form, tuple(pick)) in lists or all((form, j) in triples for j in pick):
-            n += 1
-        else:
-            triples.update((form, j) for j in pick)
-        lists.add((form, tuple(pick)))
-    return n
-
-
 @needs_c
 @pytest.mark.parametrize("transport", ["socket", "doorbell"])
 def test_the_compiled_path_answers_as_the_python(rng, transport):
     """The same calls through a worker with the compiled path and one without: bit-identical
     results (each also against the float64 reference), the same usage counts and group
     statistics; the compiled path ran each call whose list or experts an earlier call
-    resolved (``_in_c``)."""
+    resolved (``in_c``)."""
     calls = None
     got = {}
     for fast in (True, False):
@@ -83,13 +59,13 @@ def test_the_compiled_path_answers_as_the_python(rng, transport):
                 s_ = srv.servicer
                 got[fast] = (ys, s_.tensor_counts.top(100), w.stats(), seen[0])
                 if fast:
-                    expected = _in_c(model, [pick for pick, *_ in calls])
+                    expected = in_c(model, [pick for pick, *_ in calls])
         finally:
             srv.stop(0)
     ys, counts, groups, ran = got[True]
     ys0, counts0, groups0, ran0 = got[False]
     assert ran == expected and ran0 == 0
-    assert expected >= len(calls) // 2  # (most: see _in_c)
+    assert expected >= len(calls) // 2  # (most: see in_c)
     for y, y0, (pick, x, routes, weights) in zip(ys, ys0, calls, strict=True):
         assert y.dtype == y0.dtype == np.float32 and y.shape == y0.shape
         np.testing.assert_array_equal(y, y0)
@@ -135,12 +111,12 @@ def test_errors_after_the_list_is_known_are_the_pythons(rng):
                     s.expert_group_routed_sync(model.experts, x, routes, weights)
                 assert seen[0] == 1  # none of the bad calls ran there
                 # a new list of three experts the failed call resolved again: in C where it
-                # keys them as that call did (_in_c)
+                # keys them as that call did (in_c)
                 np.testing.assert_array_equal(
                     s.expert_group_routed_sync(model.experts[:3], x, routes % 3, weights),
                     w.expert_group_routed(model.experts[:3], x, routes % 3, weights),
                 )
-                assert seen[0] == 1 + _in_c(model, [[0, 1, 2, 3], [0, 1, 2]])
+                assert seen[0] == 1 + in_c(model, [[0, 1, 2, 3], [0, 1, 2]])
     finally:
         srv.stop(0)
 
@@ -223,7 +199,7 @@ def test_what_the_c_reads_and_what_it_leaves(rng):
                 assert args(m) is None, name
             # a new list of known experts (a router's next pick): made from the per-triple
             # cache, and cached, as the Python makes it. (The Python resolves it first, so
-            # that its experts are cached under this list's key form, _in_c; its list entry
+            # that its experts are cached under this list's key form, in_c; its list entry
             # is then taken out, for the C to make.)
             for name, change in {
                 "one expert less": lambda m: m.experts.__delitem__(4),
