@@ -164,9 +164,18 @@ class Backend(Protocol):
         """x float32 [S, D] -> down(silu(gate x) * up x) float32 [S, D]."""
 
     def expert_group(
-        self, experts: Sequence[ExpertTriple], rows: Sequence[int], x: np.ndarray
+        self,
+        experts: Sequence[ExpertTriple],
+        rows: Sequence[int],
+        x: np.ndarray,
+        lend: bool = False,
     ) -> Result:
-        """x float32 [sum(rows), D], rows[c] rows per expert c in order -> y packed the same."""
+        """x float32 [sum(rows), D], rows[c] rows per expert c in order -> y packed the same.
+
+        ``lend``: y may be lent, not owned: a view of the backend's memory that stays as it is
+        only until this thread's next call on the backend (a caller that answers with it
+        before anything else, as the data plane's compiled path does; CuPy: the call's pinned
+        output, one host copy of y fewer)."""
 
     def expert_group_issue(
         self, experts: Sequence[ExpertTriple], rows: Sequence[int], x: np.ndarray

@@ -98,7 +98,9 @@ class CupyBackend:
         self._local.calls[device] = got
         return got
 
-    def _kept(self, device: int, nbytes: int, what: str, find: Any, *args: Any) -> Result | None:
+    def _kept(
+        self, device: int, nbytes: int, what: str, find: Any, *args: Any, lend: bool = False
+    ) -> Result | None:
         """A decode call of a kept plan made without a ``Call``: ``find(pool, *args, ready)`` (the
         op's ``expert_group.routed_kept``, ``group_kept``, ``attention_call.run_kept`` or
         ``matmul.run_kept``) takes this thread's top arena and writes the call's inputs, the
@@ -106,7 +108,8 @@ class CupyBackend:
         (each find with the rerun compiled where ``server/kept.c`` is built, ``server/kept.py``).
         None (nothing done) where the device is not current, the input (``nbytes``) would be
         read from a registered segment, or ``find`` has no such plan: the caller makes the call
-        through a ``Call``."""
+        through a ``Call``. ``lend``: the result's ``out`` is the arena's own view (``rerun``'s
+        ``lend``; the expert group's only)."""
         stream, pool = self._thread(device)
         if not pool or nbytes >= DIRECT_BYTES or cupy.cuda.runtime.getDevice() != device:
             return None
@@ -116,14 +119,14 @@ class CupyBackend:
             if find is c.routed_kept:
                 return c.routed(pool, *args, stream, device, what)
             if find is c.group_kept:
-                return c.group(pool, *args, stream, device, what)
+                return c.group(pool, *args, stream, device, what, lend)
             if find is c.run_kept:
                 return c.ragged(pool, *args, stream, device, what)
             if find is c.matmul_kept:
                 return c.matmul(pool, *args, stream, device, what)
             run = c.rerun
         got = find(pool, *args, rerunnable)
-        return None if got is None else run(*got, stream, device, what)
+        return None if got is None else run(*got, stream, device, what, lend)
 
     def _stream(self, device: int) -> cupy.cuda.Stream:
         """This thread's stream on ``device``."""
@@ -209,10 +212,14 @@ class CupyBackend:
         return CupyPending(call)
 
     def expert_group(
-        self, experts: Sequence[ExpertTriple], rows: Sequence[int], x: np.ndarray
+        self,
+        experts: Sequence[ExpertTriple],
+        rows: Sequence[int],
+        x: np.ndarray,
+        lend: bool = False,
     ) -> Result:
         res = self._kept(experts[0][0].device, x.nbytes, "expert_group",
-                         expert_group.group_kept, experts, rows, x)  # fmt: skip
+                         expert_group.group_kept, experts, rows, x, lend=lend)  # fmt: skip
         return res if res is not None else self.expert_group_issue(experts, rows, x).result()
 
     def expert_group_routed(

@@ -282,9 +282,13 @@ class NumpyBackend:
         return _timed(lambda: reference.expert_mlp(gate.tensor, up.tensor, down.tensor, x))
 
     def expert_group(
-        self, experts: Sequence[ExpertTriple], rows: Sequence[int], x: np.ndarray
+        self,
+        experts: Sequence[ExpertTriple],
+        rows: Sequence[int],
+        x: np.ndarray,
+        lend: bool = False,
     ) -> Result:
-        tensors = _tensors(experts)
+        tensors = _tensors(experts)  # (lend: the result is always its own)
         return _timed(lambda: reference.expert_group(tensors, rows, x))
 
     def expert_group_issue(

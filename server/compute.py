@@ -183,20 +183,24 @@ class ComputeOps(ExpertLists):
         r = self._group_run(triples, device, rows, x)
         return self._group_response(r, request.output_dtype or request.x.dtype, io)
 
-    def _group_run(self, triples: Experts, device: int, rows: list[int], x: np.ndarray) -> Result:
-        """A checked expert group call run: the backend's call, its usage counts and records."""
+    def _group_run(
+        self, triples: Experts, device: int, rows: list[int], x: np.ndarray, lend: bool = False
+    ) -> Result:
+        """A checked expert group call run: the backend's call (``lend``: its result may be
+        lent, ``Backend.expert_group``), its usage counts and records."""
         self._begin_compute("expert_group")
-        r = self._timed(self.backend.expert_group, triples, rows, x)
+        r = self._timed(self.backend.expert_group, triples, rows, x, lend)
         self.tensor_counts.experts(device, triples.ids, rows)
         self._group_done(r, device, len(triples), sum(rows))
         return r
 
     def expert_group_checked(self, request: tuple, owner: str, io: ArrayIO = INLINE) -> Result:
         """``expert_group`` of a call ``server/fastpath.c`` read and checked: ``request`` is
-        its (triples, device, rows, x); the backend's Result. The caller holds the store
+        its (triples, device, rows, x); the backend's Result, its out lent (the transport
+        answers with it before this thread's next call). The caller holds the store
         (``FastCalls.run``) from before the lookups."""
         triples, device, rows, x = request
-        return self._group_run(triples, device, rows, x)
+        return self._group_run(triples, device, rows, x, lend=True)
 
     @held
     def expert_group_routed(

@@ -292,21 +292,24 @@ def rerunnable(rep: Replay) -> bool:
     return rep.view is not None and replayable(rep)
 
 
-def rerun(a: Arena, rep: Replay, stream: Any, device: int, what: str) -> Result:
+def rerun(a: Arena, rep: Replay, stream: Any, device: int, what: str, lend: bool = False) -> Result:
     """A kept plan's call without a ``Call`` (``CupyBackend``'s decode calls, through
     ``expert_group.routed_kept``, ``attention_call.run_kept`` or ``expert_group.group_kept``, on
     the current device): its inputs written into arena ``a``, which it took from the thread's
     pool, its graph (``rerunnable``) launched on the thread's ``stream`` and waited for, its
     output copied from the plan's view, ``a`` given back; what ``Call.replay`` and
     ``Call.finish`` do for such a call. On an error the GPU is let finish and the arena dropped,
-    as ``Call.__exit__`` does."""
+    as ``Call.__exit__`` does.
+
+    ``lend``: the output is the plan's view itself, no copy: the arena's pinned memory, which
+    this thread's next call on the device overwrites (``CupyBackend.expert_group``'s ``lend``)."""
     rt = cupy.cuda.runtime
     try:
         rt.graphLaunch(rep.exec.ptr, stream.ptr)
         wait(a, rep.stamped, a.eptr[3])
     except Exception as exc:
         rerun_failed(exc, stream, device, what)
-    out = rep.view.copy()
+    out = rep.view if lend else rep.view.copy()
     phases = _stamp_phases(a) if rep.stamped else _event_phases(a)
     a.give_back()
     return Result(out, phases)

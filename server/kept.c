@@ -168,9 +168,10 @@ static int wait_call(PyObject *a, int stamped) {
     return 0;
 }
 
-/* ``cupy_calls.rerun`` on a taken arena ``a`` whose inputs are written. */
+/* ``cupy_calls.rerun`` on a taken arena ``a`` whose inputs are written; ``lend``: the output
+ * is the plan's view itself, not a copy (``rerun``'s ``lend``). */
 static PyObject *rerun_taken(PyObject *a, PyObject *rep, PyObject *stream, PyObject *device,
-                             PyObject *what) {
+                             PyObject *what, int lend) {
     PyObject *out = NULL, *phases = NULL, *res = NULL;
     int stamped = 0, failed = 1;
     PyObject *ex = PyObject_GetAttr(rep, r_exec);
@@ -211,7 +212,7 @@ static PyObject *rerun_taken(PyObject *a, PyObject *rep, PyObject *stream, PyObj
     }
     PyObject *view = PyObject_GetAttr(rep, r_view);
     if (view == NULL) return NULL;
-    out = PyObject_CallMethodNoArgs(view, m_copy);
+    out = lend ? Py_NewRef(view) : PyObject_CallMethodNoArgs(view, m_copy);
     Py_DECREF(view);
     if (out == NULL) return NULL;
     if (stamped) { /* _stamp_phases */
@@ -240,12 +241,20 @@ done:
     return res;
 }
 
+/* The optional last argument ``lend`` of an entry taking ``n`` arguments before it: 0 or 1,
+ * -1 with an error set. */
+static int lend_arg(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t n) {
+    return nargs > n ? PyObject_IsTrue(args[n]) : 0;
+}
+
 static PyObject *rerun(PyObject *self, PyObject *const *args, Py_ssize_t n) {
-    if (n != 5) {
-        PyErr_SetString(PyExc_TypeError, "kept.rerun(a, rep, stream, device, what)");
+    if (n != 5 && n != 6) {
+        PyErr_SetString(PyExc_TypeError, "kept.rerun(a, rep, stream, device, what[, lend])");
         return NULL;
     }
-    return rerun_taken(args[0], args[1], args[2], args[3], args[4]);
+    int lend = lend_arg(args, n, 5);
+    if (lend < 0) return NULL;
+    return rerun_taken(args[0], args[1], args[2], args[3], args[4], lend);
 }
 
 /* ``Arena.keep``: ``plan`` from here on the plan whose constant bytes (``n`` at ``src``) the
@@ -630,7 +639,7 @@ static PyObject *routed(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     if (group_take(&g) < 0) goto fail;
     for (Py_ssize_t j = 0; j < K; j++) ((int32_t *)pv.buf)[j] = (int32_t)j;
     memcpy(wv.buf, wb.buf, 4 * K);
-    res = rerun_taken(g.a, g.rep, args[5], args[6], args[7]);
+    res = rerun_taken(g.a, g.rep, args[5], args[6], args[7], 0);
     goto out;
 none:
     res = Py_NewRef(Py_None);
@@ -652,11 +661,13 @@ out:
 
 /* ``expert_group.group_kept`` then ``cupy_calls.rerun``. */
 static PyObject *group(PyObject *self, PyObject *const *args, Py_ssize_t n) {
-    if (n != 7) {
+    if (n != 7 && n != 8) {
         PyErr_SetString(PyExc_TypeError,
-                        "kept.group(pool, experts, rows, x, stream, device, what)");
+                        "kept.group(pool, experts, rows, x, stream, device, what[, lend])");
         return NULL;
     }
+    int lend = lend_arg(args, n, 7);
+    if (lend < 0) return NULL;
     PyObject *pool = args[0], *experts = args[1], *rows = args[2], *x = args[3];
     GROUP_CALL(g);
     PyObject *res = NULL, *T = NULL, *D = NULL, *zero = NULL;
@@ -690,7 +701,7 @@ static PyObject *group(PyObject *self, PyObject *const *args, Py_ssize_t n) {
         goto none;
     }
     if (group_take(&g) < 0) goto fail;
-    res = rerun_taken(g.a, g.rep, args[4], args[5], args[6]);
+    res = rerun_taken(g.a, g.rep, args[4], args[5], args[6], lend);
     goto out;
 none:
     res = Py_NewRef(Py_None);
@@ -752,7 +763,7 @@ static PyObject *matmul(PyObject *self, PyObject *const *args, Py_ssize_t n) {
     if ((last = PyObject_CallMethodNoArgs(a, a_take)) == NULL) goto fail;
     memcpy(xv.buf, xb.buf, xb.len);
     if (keep_bytes(a, last, plan, jv.buf, jb.buf, jb.len) < 0) goto fail;
-    res = rerun_taken(a, rep, args[3], args[4], args[5]);
+    res = rerun_taken(a, rep, args[3], args[4], args[5], 0);
     goto out;
 none:
     res = Py_NewRef(Py_None);
@@ -942,7 +953,7 @@ static PyObject *ragged(PyObject *self, PyObject *const *args, Py_ssize_t n) {
         if (r == NULL) goto fail;
         Py_DECREF(r);
     }
-    res = rerun_taken(a, rep, args[14], args[15], args[16]);
+    res = rerun_taken(a, rep, args[14], args[15], args[16], 0);
     goto out;
 none:
     res = Py_NewRef(Py_None);
@@ -970,8 +981,8 @@ static PyMethodDef methods[] = {
      "routed(pool, experts, x, routes, weights, stream, device, what): a kept one-token "
      "routed call's Result, or None."},
     {"group", (PyCFunction)(void (*)(void))group, METH_FASTCALL,
-     "group(pool, experts, rows, x, stream, device, what): a kept expert group call's Result, "
-     "or None."},
+     "group(pool, experts, rows, x, stream, device, what[, lend]): a kept expert group call's "
+     "Result (its out the arena's own view with lend), or None."},
     {"matmul", (PyCFunction)(void (*)(void))matmul, METH_FASTCALL,
      "matmul(pool, w, x, stream, device, what): a kept matmul call's Result, or None."},
     {"ragged", (PyCFunction)(void (*)(void))ragged, METH_FASTCALL,
@@ -979,7 +990,7 @@ static PyMethodDef methods[] = {
      "latents, ropes, n_sm, stream, device, what): a kept ragged attention call's Result, or "
      "None."},
     {"rerun", (PyCFunction)(void (*)(void))rerun, METH_FASTCALL,
-     "rerun(a, rep, stream, device, what): cupy_calls.rerun."},
+     "rerun(a, rep, stream, device, what[, lend]): cupy_calls.rerun."},
     {NULL, NULL, 0, NULL},
 };
 

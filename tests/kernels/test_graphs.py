@@ -129,6 +129,16 @@ def test_expert_group(backend, rng, graphs, fmt, gs, rows):
     graphs(False)
     for x, g in zip(xs, got, strict=True):
         assert np.array_equal(g, backend.expert_group(experts, rl, x).out)
+    # lend (the data plane's compiled path): the kept call's out is its arena's own view, the
+    # same bits as the owned copy, until this thread's next call writes its output there
+    graphs(True)
+    owned = [backend.expert_group(experts, rl, x).out for x in xs]
+    lent = [backend.expert_group(experts, rl, x, True).out for x in xs]
+    last = lent[-1].copy()
+    assert np.array_equal(last, owned[-1]) and not lent[-1].flags.owndata
+    assert all(np.shares_memory(a, lent[-1]) for a in lent[-3:])  # (kept from the third on)
+    assert np.array_equal(backend.expert_group(experts, rl, xs[0], True).out, owned[0])
+    assert np.array_equal(lent[-1], owned[0])  # the next call's output, in the same place
 
 
 @pytest.mark.parametrize("tokens,k", [(1, 4), (5, 3)])

@@ -5,7 +5,8 @@ subprocess (the stand-in replaces the ``cupy`` modules of the process it runs in
 take that path (a plan's third call on, with graphs on, on the current device) and which do not
 (graphs off, another device current, a repeated expert, several tokens); a launch that fails:
 the error reaches the caller, the stream is waited for, the arena is not given back, and the
-next call is made afresh. The bytes such calls write are ``test_arena_writes_cpu.py``'s; the
+next call is made afresh; a group call's output lent (``lend``: the arena's own view, no
+copy). The bytes such calls write are ``test_arena_writes_cpu.py``'s; the
 GPU side is ``test_graphs.py``'s."""
 
 from __future__ import annotations
@@ -91,6 +92,15 @@ SCRIPT = textwrap.dedent(
     out["matmul"] = taken(mm, 5)
     out["attention"] = taken(attend, 5)
     out["group"] = taken(group, 5)
+    # lend: a kept group call's out is the arena's own view (the next call's output lands
+    # there too); without, a copy of its own
+    def group_lent():
+        x = np.repeat(r.standard_normal((1, g["D"])).astype(np.float32), 8, axis=0)
+        return b.expert_group(pool[:8], [1] * 8, x, True)
+    lent, lent2, own = group_lent(), group_lent(), group()
+    out["lent"] = [not lent.out.flags.owndata, bool(np.shares_memory(lent.out, lent2.out)),
+                   bool(own.out.flags.owndata), not np.shares_memory(own.out, lent2.out),
+                   lent.out.shape == own.out.shape == (8, g["D"])]
     graphs.ENABLED = False
     out["graphs off"] = taken(routed, 2) + taken(attend, 2)
     graphs.ENABLED = True
@@ -141,6 +151,7 @@ def test_which_calls_are_made_without_a_call_and_a_failed_launch(compiled, monke
     assert out["routed"][-3:] == [True, True, True] and not any(out["routed"][:-3])
     assert out["attention"][-3:] == [True, True, True] and not any(out["attention"][:-3])
     assert out["group"][-3:] == [True, True, True] and not any(out["group"][:-3])
+    assert out["lent"] == [True] * 5
     assert out["matmul"][-3:] == [True, True, True] and not any(out["matmul"][:-3])
     assert not any(out["graphs off"])
     assert out["other device"] == []  # not even looked for
