@@ -1,6 +1,7 @@
 /* The worker's decode calls read and answered in C: the protobuf body of an expert group,
- * routed expert group or ragged attention call parsed straight from the frame, its checks made, its arrays made as NumPy views
- * of the frame's data, and the reply's body written, with no protobuf message on either side
+ * routed expert group or ragged attention call parsed straight from the frame, its checks
+ * made, its arrays made as NumPy views of the frame's data, and the reply's body written,
+ * with no protobuf message on either side
  * (server/fastpath.py builds and loads this module and owns the Python around it).
  *
  *   setup(Experts, list_cache_size)
@@ -451,24 +452,38 @@ static int find_list(PyObject *owner, uint64_t (*ids)[3], Py_ssize_t n, int exte
     return 1;
 }
 
-static int args_cache_check(PyObject *cache, PyObject *triple_cache, const char *fn) {
-    if (PyDict_Check(cache) && PyDict_Check(triple_cache)) return 0;
-    PyErr_Format(PyExc_TypeError, "%s: cache and triple_cache must be dicts", fn);
-    return -1;
+/* What ``routed_args`` and ``group_args`` take: (body, data, owner, cache, triple_cache,
+ * generation, max_experts, shm_view), the frame opened into ``f`` for ``field``; -1 with an
+ * error set (and ``f`` not open). */
+typedef struct {
+    PyObject *owner, *cache, *triple_cache, *gen;
+    Py_ssize_t max_experts;
+} group_in_t;
+
+static int group_in(group_in_t *g, frame_t *f, PyObject *const *args, Py_ssize_t nargs,
+                    const char *fn, PyObject *field) {
+    if (nargs != 8) {
+        PyErr_Format(PyExc_TypeError, "%s(body, data, owner, cache, triple_cache, generation, "
+                                      "max_experts, shm_view)", fn);
+        return -1;
+    }
+    g->owner = args[2];
+    g->cache = args[3];
+    g->triple_cache = args[4];
+    g->gen = args[5];
+    g->max_experts = PyLong_AsSsize_t(args[6]);
+    if (g->max_experts < 0 && PyErr_Occurred()) return -1;
+    if (!PyDict_Check(g->cache) || !PyDict_Check(g->triple_cache)) {
+        PyErr_Format(PyExc_TypeError, "%s: cache and triple_cache must be dicts", fn);
+        return -1;
+    }
+    return frame_open(f, args[0], args[1], args[7], field);
 }
 
 static PyObject *routed_args(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "routed_args(body, data, owner, cache, triple_cache, "
-                                         "generation, max_experts, shm_view)");
-        return NULL;
-    }
-    PyObject *owner = args[2], *cache = args[3], *triple_cache = args[4], *gen = args[5];
-    Py_ssize_t max_experts = PyLong_AsSsize_t(args[6]);
-    if (max_experts < 0 && PyErr_Occurred()) return NULL;
-    if (args_cache_check(cache, triple_cache, "routed_args")) return NULL;
+    group_in_t in;
     frame_t f;
-    if (frame_open(&f, args[0], args[1], args[7], s_routed) < 0) return NULL;
+    if (group_in(&in, &f, args, nargs, "routed_args", s_routed) < 0) return NULL;
     PyObject *result = NULL, *x = NULL, *routes = NULL, *weights = NULL;
     PyObject *triples = NULL, *device = NULL;
     uint64_t ids_of[MAX_EXPERTS][3];
@@ -504,10 +519,10 @@ static PyObject *routed_args(PyObject *self, PyObject *const *args, Py_ssize_t n
         }
     }
     /* the result float32 (output_dtype or x's type), experts within the limit */
-    if ((out_dtype != 0 && out_dtype != DT_FLOAT32) || n < 1 || n > max_experts) goto fallback;
+    if ((out_dtype != 0 && out_dtype != DT_FLOAT32) || n < 1 || n > in.max_experts) goto fallback;
     int external = ax.staged || ar.staged || aw.staged || ax.shm || ar.shm || aw.shm;
-    int found = find_list(owner, ids_of, n, external, cache, triple_cache, gen, &triples,
-                          &device, &dim);
+    int found = find_list(in.owner, ids_of, n, external, in.cache, in.triple_cache, in.gen,
+                          &triples, &device, &dim);
     if (found < 0) goto error;
     if (found == 0) goto fallback;
     /* shapes: x [T, D], routes and weights [T, K], every route an index into experts */
@@ -556,17 +571,9 @@ static int row_value(uint64_t v, int64_t *rows, Py_ssize_t *nrows) {
 }
 
 static PyObject *group_args(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "group_args(body, data, owner, cache, triple_cache, "
-                                         "generation, max_experts, shm_view)");
-        return NULL;
-    }
-    PyObject *owner = args[2], *cache = args[3], *triple_cache = args[4], *gen = args[5];
-    Py_ssize_t max_experts = PyLong_AsSsize_t(args[6]);
-    if (max_experts < 0 && PyErr_Occurred()) return NULL;
-    if (args_cache_check(cache, triple_cache, "group_args")) return NULL;
+    group_in_t in;
     frame_t f;
-    if (frame_open(&f, args[0], args[1], args[7], s_group) < 0) return NULL;
+    if (group_in(&in, &f, args, nargs, "group_args", s_group) < 0) return NULL;
     PyObject *result = NULL, *x = NULL, *rows = NULL, *triples = NULL, *device = NULL;
     uint64_t ids_of[MAX_EXPERTS][3];
     int64_t rows_of_e[MAX_EXPERTS];
@@ -604,10 +611,10 @@ static PyObject *group_args(PyObject *self, PyObject *const *args, Py_ssize_t na
         }
     }
     /* the result float32, experts within the limit, one rows entry per expert */
-    if ((out_dtype != 0 && out_dtype != DT_FLOAT32) || n < 1 || n > max_experts || nrows != n)
+    if ((out_dtype != 0 && out_dtype != DT_FLOAT32) || n < 1 || n > in.max_experts || nrows != n)
         goto fallback;
-    int found = find_list(owner, ids_of, n, ax.staged || ax.shm, cache, triple_cache, gen,
-                          &triples, &device, &dim);
+    int found = find_list(in.owner, ids_of, n, ax.staged || ax.shm, in.cache, in.triple_cache,
+                          in.gen, &triples, &device, &dim);
     if (found < 0) goto error;
     if (found == 0) goto fallback;
     /* x [sum(rows), D] */

@@ -61,6 +61,38 @@ def counted(srv, name: str = "expert_group_routed_checked") -> list[int]:
     return seen
 
 
+def both_paths(transport: str, handler: str, seed: int, make_calls, send):
+    """The same expert group calls through a worker with the compiled path and one without,
+    over ``transport`` ("socket" or "doorbell"): ``make_calls(model)`` makes them once (each a
+    tuple whose first item lists the experts it names, by index into the model), ``send(s,
+    experts, *rest)`` makes one on a session. Returns (model, calls, in C: how many the
+    compiled path should run, ``in_c``, and for the compiled path and then the Python: the
+    results, the usage counts, the group statistics without their times, and how many calls
+    ``handler`` ran)."""
+    calls = model = expected = None
+    got = []
+    for fast in (True, False):
+        srv = worker(fast)
+        seen = counted(srv, handler)
+        try:
+            with WorkerClient(srv.address, progress=False) as w:
+                model = experts_model(w, np.random.default_rng(seed))
+                if calls is None:
+                    calls = make_calls(model)
+                kw = {"shm": True, "doorbell": True} if transport == "doorbell" else {
+                    "transport": "socket"}  # fmt: skip
+                with w.session(**kw) as s:
+                    ys = [send(s, [model.experts[j] for j in c[0]], *c[1:]) for c in calls]
+                stats = [(d.device, d.group.calls, d.group.experts, d.group.rows)
+                         for d in w.stats()]  # fmt: skip
+                got.append((ys, srv.servicer.tensor_counts.top(100), stats, seen[0]))
+                if fast:
+                    expected = in_c(model, [c[0] for c in calls])
+        finally:
+            srv.stop(0)
+    return model, calls, expected, got[0], got[1]
+
+
 def in_c(model: Model, picks: list[list[int]]) -> int:
     """How many of the expert group or routed calls naming ``picks`` of ``model``'s experts
     (each with an array outside its message) the compiled path runs: those whose list, or
@@ -128,6 +160,36 @@ def ragged_frame(kv_b, proj, q, sequences):
             codec.encode_into(a.latent, lat, pb.DTYPE_FLOAT32, side)
             codec.encode_into(a.rope, rope, pb.DTYPE_FLOAT32)
     return msg, _data(msg, side)
+
+
+def check_x_in_shm(args, variant, x: np.ndarray, at: int, kind: str, index: int) -> None:
+    """A call whose x lies in the session's segment (at ``at``) instead of the frame: ``args``
+    (the reader, on a message and ``shm_view``) reads none without a segment, reads x there
+    through the segment's ``view`` (asked once, for ``kind``) as a read-only array (item
+    ``index`` of what it returns), and none where the view raises (outside the segment)."""
+    shm = variant(
+        lambda m: (
+            m.x.ClearField("staged"),
+            setattr(m.x.shm, "offset", at),
+            setattr(m.x.shm, "length", x.nbytes),
+        )
+    )
+    assert args(shm) is None, "shm slice, no segment"
+    asked = []
+
+    def view(offset, length, field):
+        asked.append((offset, length, field))
+        return memoryview(x.tobytes()).toreadonly()
+
+    got = args(shm, shm_view=view)
+    assert got is not None and asked == [(at, x.nbytes, kind)]
+    np.testing.assert_array_equal(got[index], x)
+    assert not got[index].flags.writeable
+
+    def outside(offset, length, field):
+        raise ValueError("outside")
+
+    assert args(shm, shm_view=outside) is None
 
 
 def mutants(rng, body: bytes, n: int):

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _fastcalls import counted, experts_model, group_frame, in_c, needs_c, worker
+from _fastcalls import (
+    both_paths,
+    check_x_in_shm,
+    counted,
+    experts_model,
+    group_frame,
+    in_c,
+    needs_c,
+    worker,
+)
 from _hotpath import D
 
 from coliworker.client import InvalidArgument, WorkerClient
@@ -39,30 +48,14 @@ def test_the_compiled_path_answers_as_the_python(rng, transport):
     results (each also against the float64 reference), the same usage counts and group
     statistics; the compiled path ran each call whose list or experts an earlier call
     resolved (``in_c``)."""
-    calls = None
-    got = {}
-    for fast in (True, False):
-        srv = worker(fast)
-        seen = counted(srv, OP)
-        try:
-            with WorkerClient(srv.address, progress=False) as w:
-                model = experts_model(w, np.random.default_rng(11))
-                if calls is None:
-                    calls = _calls(rng, len(model.experts), 16)
-                kw = {"shm": True, "doorbell": True} if transport == "doorbell" else {
-                    "transport": "socket"}  # fmt: skip
-                with w.session(**kw) as s:
-                    ys = [
-                        s.expert_group_sync([model.experts[j] for j in pick], rows, x)
-                        for pick, rows, x in calls
-                    ]
-                got[fast] = (ys, srv.servicer.tensor_counts.top(100), w.stats(), seen[0])
-                if fast:
-                    expected = in_c(model, [pick for pick, *_ in calls])
-        finally:
-            srv.stop(0)
-    ys, counts, groups, ran = got[True]
-    ys0, counts0, groups0, ran0 = got[False]
+    model, calls, expected, fast, slow = both_paths(
+        transport,
+        OP,
+        11,
+        lambda model: _calls(rng, len(model.experts), 16),
+        lambda s, experts, rows, x: s.expert_group_sync(experts, rows, x),
+    )
+    (ys, counts, groups, ran), (ys0, counts0, groups0, ran0) = fast, slow
     assert ran == expected and ran0 == 0
     assert expected >= len(calls) // 2  # (most: see in_c)
     for y, y0, (pick, rows, x) in zip(ys, ys0, calls, strict=True):
@@ -71,12 +64,8 @@ def test_the_compiled_path_answers_as_the_python(rng, transport):
         want = reference.expert_group([model.tensors[j] for j in pick], rows, x)
         assert np.abs(y - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
     assert counts == counts0  # (calls, rows) of every tensor, largest first
-
-    def strip(stats):  # (the times differ run to run)
-        return [(d.device, d.group.calls, d.group.experts, d.group.rows) for d in stats]
-
-    assert strip(groups) == strip(groups0) and groups[0].group.calls == len(calls)
-    assert groups[0].group.rows == sum(sum(rows) for _, rows, _ in calls)
+    assert groups == groups0 and groups[0][1] == len(calls)  # (calls, experts, rows)
+    assert groups[0][3] == sum(sum(rows) for _, rows, _ in calls)
 
 
 @needs_c
@@ -228,24 +217,7 @@ def test_what_the_c_reads_and_what_it_leaves(rng):
             assert all(a is b for a, b in zip(ours[1], theirs[1], strict=True))
             assert got[2] == rows[::-1]
             # x in the session's segment, read there (a read-only view)
-            shm = variant(
-                lambda m: (
-                    m.x.ClearField("staged"),
-                    setattr(m.x.shm, "offset", 8192),
-                    setattr(m.x.shm, "length", x.nbytes),
-                )
-            )
-            assert args(shm) is None, "shm slice, no segment"
-            seen = []
-
-            def view(offset, length, field):
-                seen.append((offset, length, field))
-                return memoryview(x.tobytes()).toreadonly()
-
-            got = args(shm, shm_view=view)
-            assert got is not None and seen == [(8192, x.nbytes, "expert_group")]
-            np.testing.assert_array_equal(got[3], x)
-            assert not got[3].flags.writeable
+            check_x_in_shm(args, variant, x, 8192, "expert_group", 3)
             w.free(model.experts[0][2])
             assert args() is None, "the generation moved"
     finally:

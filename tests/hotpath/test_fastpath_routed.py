@@ -7,7 +7,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _fastcalls import counted, experts_model, in_c, needs_c, routed_frame, worker
+from _fastcalls import (
+    both_paths,
+    check_x_in_shm,
+    counted,
+    experts_model,
+    in_c,
+    needs_c,
+    routed_frame,
+    worker,
+)
 from _hotpath import D, Model, routed_reference, routing
 
 from coliworker.client import InvalidArgument, WorkerClient
@@ -39,31 +48,14 @@ def test_the_compiled_path_answers_as_the_python(rng, transport):
     results (each also against the float64 reference), the same usage counts and group
     statistics; the compiled path ran each call whose list or experts an earlier call
     resolved (``in_c``)."""
-    calls = None
-    got = {}
-    for fast in (True, False):
-        srv = worker(fast)
-        seen = counted(srv)
-        try:
-            with WorkerClient(srv.address, progress=False) as w:
-                model = experts_model(w, np.random.default_rng(7))
-                if calls is None:
-                    calls = _calls(rng, model, 16)
-                kw = {"shm": True, "doorbell": True} if transport == "doorbell" else {
-                    "transport": "socket"}  # fmt: skip
-                with w.session(**kw) as s:
-                    ys = [
-                        s.expert_group_routed_sync([model.experts[j] for j in pick], *c)
-                        for pick, *c in calls
-                    ]
-                s_ = srv.servicer
-                got[fast] = (ys, s_.tensor_counts.top(100), w.stats(), seen[0])
-                if fast:
-                    expected = in_c(model, [pick for pick, *_ in calls])
-        finally:
-            srv.stop(0)
-    ys, counts, groups, ran = got[True]
-    ys0, counts0, groups0, ran0 = got[False]
+    model, calls, expected, fast, slow = both_paths(
+        transport,
+        "expert_group_routed_checked",
+        7,
+        lambda model: _calls(rng, model, 16),
+        lambda s, experts, *c: s.expert_group_routed_sync(experts, *c),
+    )
+    (ys, counts, groups, ran), (ys0, counts0, groups0, ran0) = fast, slow
     assert ran == expected and ran0 == 0
     assert expected >= len(calls) // 2  # (most: see in_c)
     for y, y0, (pick, x, routes, weights) in zip(ys, ys0, calls, strict=True):
@@ -73,11 +65,7 @@ def test_the_compiled_path_answers_as_the_python(rng, transport):
         want = routed_reference(sub, x, routes, weights)
         assert np.abs(y - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
     assert counts == counts0  # (calls, rows) of every tensor, largest first
-
-    def strip(stats):  # (the times differ run to run)
-        return [(d.device, d.group.calls, d.group.experts, d.group.rows) for d in stats]
-
-    assert strip(groups) == strip(groups0) and groups[0].group.calls == len(calls)
+    assert groups == groups0 and groups[0][1] == len(calls)  # (calls, experts, rows)
 
 
 @needs_c
@@ -242,29 +230,7 @@ def test_what_the_c_reads_and_what_it_leaves(rng):
                     )
                     is None
                 ), name
-            shm = variant(
-                lambda m: (
-                    m.x.ClearField("staged"),
-                    setattr(m.x.shm, "offset", 4096),
-                    setattr(m.x.shm, "length", x.nbytes),
-                )
-            )
-            assert args(shm) is None, "shm slice, no segment"
-            calls = []
-
-            def view(offset, length, field):
-                calls.append((offset, length, field))
-                return memoryview(x.tobytes()).toreadonly()
-
-            got = args(shm, shm_view=view)
-            assert got is not None and calls == [(4096, x.nbytes, "expert_group_routed")]
-            np.testing.assert_array_equal(got[2], x)
-            assert not got[2].flags.writeable
-
-            def outside(offset, length, field):
-                raise ValueError("outside")
-
-            assert args(shm, shm_view=outside) is None
+            check_x_in_shm(args, variant, x, 4096, "expert_group_routed", 2)
             # every array inline (no outside bytes): the list's other key, (owner, ids...)
             inline = variant(put("x", x, pb.DTYPE_FLOAT32))
             # (the ids' keys are the first call's too where the experts' serialized lengths
