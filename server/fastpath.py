@@ -13,9 +13,10 @@ store generation, anything the Python would refuse): the transport then runs the
 before, through ``ComputeOps.expert_group`` / ``expert_group_routed`` / ``attention_ragged``,
 which stay the reference and the one author of every error. A call it reads runs the same
 backend call, KV cache growth, usage counts and records (``ComputeOps._group_run`` /
-``_routed_run`` / ``_ragged_run``)
-through the one dispatch (``Dispatch.run``: its status mapping and session metric), and
-answers a ``FastReply`` whose ``body`` is the response protobuf would serialize, to the byte
+``_routed_run`` / ``_ragged_run``; the group's result lent, ``Backend.expert_group``: the
+transport answers with it before its thread's next call) through the one dispatch
+(``Dispatch.run``: its status mapping and session metric), and answers a ``FastReply`` whose
+``body`` is the response protobuf would serialize, to the byte
 (tests/hotpath/test_fastpath_group.py, test_fastpath_routed.py and test_fastpath_ragged.py
 run both paths on the same calls).
 
