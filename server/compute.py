@@ -6,8 +6,8 @@ the caller's owner name and returns the response message, raising ``WorkerError`
 subclasses. The unary handlers, the Session stream and the same-host doorbell all call these
 methods, so a request is checked and answered the same way on every path. The expert groups'
 lists are resolved by ``ExpertLists`` (``server/expert_lists.py``); the ``*_checked`` methods
-run a call ``server/fastpath.c`` read and checked, through the same tails (``_routed_run``,
-``_ragged_run``).
+run a call ``server/fastpath.c`` read and checked, through the same tails (``_group_run``,
+``_routed_run``, ``_ragged_run``).
 """
 
 from __future__ import annotations

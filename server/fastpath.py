@@ -133,16 +133,14 @@ class FastCalls:
         store = s.store
         epoch = store.begin_call()
         try:
-            if method == ROUTED.method:
-                call, handler = ROUTED, s.expert_group_routed_checked
-                args = mod.routed_args(body, data, owner, s._expert_cache, s._triple_cache,
-                                       store.generation, s.config.max_experts,
-                                       shm_view)  # fmt: skip
-            elif method == GROUP.method:
-                call, handler = GROUP, s.expert_group_checked
-                args = mod.group_args(body, data, owner, s._expert_cache, s._triple_cache,
-                                      store.generation, s.config.max_experts,
-                                      shm_view)  # fmt: skip
+            if method != RAGGED.method:  # an expert group, routed or not: one reader's args
+                call, read, handler = (
+                    (ROUTED, mod.routed_args, s.expert_group_routed_checked)
+                    if method == ROUTED.method
+                    else (GROUP, mod.group_args, s.expert_group_checked)
+                )
+                args = read(body, data, owner, s._expert_cache, s._triple_cache, store.generation,
+                            s.config.max_experts, shm_view)  # fmt: skip
             else:
                 call, handler = RAGGED, s.attention_ragged_checked
                 args = mod.ragged_args(body, data, owner, s._attention_cache, store.generation,
